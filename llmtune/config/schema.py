@@ -1,0 +1,222 @@
+"""Recipe schema: one pydantic model per YAML section, each field with type, default and help.
+
+The help text of every field (``Field(description=...)``) is the single source for
+``llmtune <stage> --help`` and for the README's option table. Units are in the names:
+``*_steps`` are optimizer steps, ``*_tokens`` tokens, ``micro_batch_size`` is samples per device
+per forward pass, ``global_batch_size`` samples per optimizer step across all devices.
+Gradient accumulation is derived (``global_batch_size / (micro_batch_size * world_size)``), never set.
+
+Cross-field rules live in :mod:`llmtune.config.validate` so that they can be reported together
+with field errors in one message.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Section(BaseModel):
+    """Base of every recipe section: unknown keys are errors (``extra='forbid'``)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class ModelConfig(Section):
+    """Which base model to load and how."""
+
+    name_or_path: str = Field(
+        "builtin:smollm2-135m-instruct",
+        description="Base model: a local HF directory, a hub id (needs network), a .gguf file, "
+        "or builtin:smollm2-135m-instruct (the embedded default).",
+    )
+    from_run: str | None = Field(
+        None, description="Start from an earlier run directory: its base model and adapters (lineage)."
+    )
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) for hub ids.")
+    dtype: Literal["auto", "fp32", "fp16", "bf16"] = Field(
+        "auto",
+        description="dtype the base weights are loaded in; auto = bf16/fp16 when precision asks for it, else fp32.",
+    )
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"] = Field(
+        "sdpa", description="Attention kernel passed to transformers."
+    )
+    trust_remote_code: bool = Field(False, description="Allow model code from the hub (off by default).")
+    load_in_4bit: bool = Field(False, description="QLoRA: quantize the frozen base to 4 bit with bitsandbytes.")
+    load_in_8bit: bool = Field(False, description="Quantize the frozen base to 8 bit with bitsandbytes (LLM.int8).")
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type (nf4 or fp4).")
+    bnb_4bit_use_double_quant: bool = Field(True, description="Quantize the 4-bit quantization constants too.")
+    bnb_4bit_compute_dtype: Literal["auto", "fp32", "fp16", "bf16"] = Field(
+        "auto", description="dtype of the 4-bit matmuls; auto = the training precision."
+    )
+    cache_dir: str | None = Field(
+        None, description="Where builtin/GGUF conversions are cached (default $LLMTUNE_CACHE or ~/.cache/llmtune)."
+    )
+
+
+class DatasetConfig(Section):
+    """One data source. Several sources are mixed by ``weight``."""
+
+    path: str = Field(
+        ...,
+        description="Local .json/.jsonl/.parquet/.csv file, a datasets save_to_disk directory, a hub dataset "
+        "name (needs network), builtin:gsm8k or builtin:sharegpt.",
+    )
+    format: Literal["auto", "alpaca", "sharegpt", "messages", "text", "prompt_completion"] = Field(
+        "auto", description="Row format; auto detects it from the columns of the first row."
+    )
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="Map canonical field names to this file's column names, e.g. {instruction: question, "
+        "output: answer} or {messages: conversations, role: from, content: value}.",
+    )
+    split: str = Field("train", description="Split to read from hub datasets and datasets directories.")
+    name: str | None = Field(None, description="Hub dataset configuration name.")
+    weight: float = Field(1.0, gt=0, description="Mixing weight relative to the other sources (> 0).")
+    max_samples: int | None = Field(None, ge=1, description="Read at most this many rows of this source.")
+    allow_truncated_json: bool = Field(
+        False,
+        description="If the JSON file is cut off mid-record, keep the complete records before the cut "
+        "(counted in the data report) instead of failing.",
+    )
+    system_prompt: str | None = Field(None, description="System message prepended to rows without one.")
+
+
+class DataConfig(Section):
+    """Data sources, formatting, masking and splitting."""
+
+    datasets: list[DatasetConfig] = Field(
+        default_factory=lambda: [DatasetConfig(path="builtin:gsm8k")], description="Data sources (mixed by weight)."
+    )
+    chat_template: str | None = Field(
+        None,
+        description="Chat template: null = the tokenizer's own, a builtin name (chatml, llama2, llama3, "
+        "alpaca, zephyr), or a Jinja string. Saved with the adapter.",
+    )
+    max_length: int = Field(1024, ge=8, description="Maximum tokens per training sequence.")
+    truncation: Literal["truncate", "drop"] = Field(
+        "truncate", description="Rows longer than max_length: truncate them (keep the start) or drop them."
+    )
+    bad_rows: Literal["error", "skip"] = Field(
+        "error", description="Malformed rows: stop with an error naming them, or skip and count them."
+    )
+    train_on: Literal["assistant", "all"] = Field(
+        "assistant", description="Which tokens get labels: assistant turns only (default) or the whole sequence."
+    )
+    packing: bool = Field(
+        False, description="Pack short rows into max_length sequences (no attention across rows)."
+    )
+    max_samples: int | None = Field(None, ge=1, description="Use at most this many rows after mixing.")
+    val_size: float = Field(
+        0.0, ge=0, description="Held-out validation rows: a fraction in (0, 1) or an absolute count >= 1."
+    )
+    seed: int = Field(42, description="Seed for mixing, shuffling and the validation split.")
+    num_proc: int | None = Field(None, ge=1, description="Processes for tokenization (default: one).")
+
+
+class AdapterConfig(Section):
+    """Parameter-efficient adapter trained on top of the frozen base (peft)."""
+
+    type: Literal["lora", "none"] = Field("lora", description="lora (LoRA/DoRA/QLoRA) or none (full fine-tuning).")
+    lora_r: int = Field(16, ge=1, description="LoRA rank r.")
+    lora_alpha: float = Field(32.0, gt=0, description="LoRA alpha; the update is scaled by alpha/r (alpha/sqrt(r) with rsLoRA).")
+    lora_dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input, in [0, 1).")
+    target_modules: list[str] | str = Field(
+        "all-linear", description="Module names to adapt, or all-linear (every linear layer except the output head)."
+    )
+    modules_to_save: list[str] = Field(
+        default_factory=list, description="Modules trained in full and saved with the adapter (e.g. lm_head, score)."
+    )
+    use_dora: bool = Field(False, description="Weight-decomposed LoRA (DoRA, Liu et al. 2024).")
+    use_rslora: bool = Field(False, description="Rank-stabilised LoRA scaling alpha/sqrt(r) (Kalajdzievski 2023).")
+
+
+class TrainConfig(Section):
+    """Optimisation, schedule, evaluation and checkpointing. Steps are optimizer steps."""
+
+    micro_batch_size: int = Field(1, ge=1, description="Samples per device per forward pass.")
+    global_batch_size: int = Field(
+        8, ge=1, description="Samples per optimizer step across all devices; accumulation is derived from it."
+    )
+    num_epochs: float = Field(1.0, gt=0, description="Passes over the training rows (ignored when max_steps is set).")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
+    learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate.")
+    lr_scheduler: Literal["linear", "cosine", "constant"] = Field(
+        "cosine", description="Decay after warmup (constant keeps the warmup then a flat rate)."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup length in optimizer steps.")
+    warmup_ratio: float = Field(0.0, ge=0, le=1, description="Warmup as a fraction of all steps (used if warmup_steps=0).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay; never applied to biases and norm weights.")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
+    adam_epsilon: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0 = no clipping).")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward (non-reentrant; saves memory, ~30% slower)."
+    )
+    seed: int = Field(42, description="Seed for initialisation, dropout and data order.")
+    eval_steps: int | None = Field(None, ge=1, description="Evaluate every N optimizer steps (null: only at start/end).")
+    eval_at_start: bool = Field(True, description="Evaluate once before the first step (baseline for comparison).")
+    eval_batch_size: int | None = Field(None, ge=1, description="Samples per device per eval forward (default micro_batch_size).")
+    early_stopping_patience: int | None = Field(
+        None, ge=1, description="Stop when eval loss has not improved for this many evaluations."
+    )
+    save_steps: int | None = Field(None, ge=1, description="Write a resumable checkpoint every N optimizer steps.")
+    save_total_limit: int | None = Field(2, ge=1, description="Keep at most this many checkpoints.")
+    resume_from: str | None = Field(
+        None, description="Resume: a checkpoint directory, or 'latest' for the newest one in the run dir."
+    )
+    logging_steps: int = Field(1, ge=1, description="Log metrics every N optimizer steps.")
+    dataloader_num_workers: int = Field(0, ge=0, description="Data loader worker processes.")
+
+
+class PrecisionConfig(Section):
+    """Mixed precision. fp32 when both flags are off."""
+
+    bf16: bool = Field(False, description="bf16 mixed precision (Ampere+ GPUs; CPU supported but slow).")
+    fp16: bool = Field(False, description="fp16 mixed precision with loss scaling (GPU only).")
+    tf32: bool = Field(False, description="Allow TF32 matmuls on Ampere+ GPUs.")
+
+
+class DistributedConfig(Section):
+    """Data parallel / DeepSpeed settings (single process by default)."""
+
+    deepspeed: str | None = Field(None, description="Path to a DeepSpeed JSON config (\"auto\" values filled from the recipe).")
+    zero_stage: Literal[0, 1, 2, 3] | None = Field(None, description="DeepSpeed ZeRO stage when no config file is given.")
+    nproc_per_node: int = Field(1, ge=1, description="Processes per node (re-launches through torchrun when > 1).")
+    nnodes: int = Field(1, ge=1, description="Number of nodes.")
+    node_rank: int = Field(0, ge=0, description="Rank of this node.")
+    master_addr: str = Field("127.0.0.1", description="Address of node 0.")
+    master_port: int = Field(29500, ge=1, le=65535, description="Port of node 0.")
+
+
+class OutputConfig(Section):
+    """Where the run directory goes and what is logged."""
+
+    dir: str = Field("runs/sft", description="Run directory (recipe, data report, metrics, checkpoints, adapter).")
+    overwrite: bool = Field(False, description="Allow writing into a non-empty run directory that holds another run.")
+    report_to: list[Literal["tensorboard"]] = Field(
+        default_factory=list, description="Extra loggers (tensorboard); metrics.jsonl is always written."
+    )
+    plot: bool = Field(True, description="Draw loss.png at the end.")
+
+
+class Recipe(Section):
+    """A whole recipe: the sections nest like the YAML."""
+
+    stage: Literal["sft", "rm", "dpo", "ppo"] | None = Field(
+        None, description="Stage this recipe is for; the CLI command must agree when it is set."
+    )
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    adapter: AdapterConfig = Field(default_factory=AdapterConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+
+
+SECTIONS: dict[str, type[Section]] = {
+    name: field.annotation for name, field in Recipe.model_fields.items() if isinstance(field.annotation, type)
+}

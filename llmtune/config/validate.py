@@ -1,0 +1,150 @@
+"""Validation that reports ALL problems of a recipe at once, each with its dotted path.
+
+Field errors come from pydantic (types, ranges, unknown keys — the latter with a "did you mean");
+cross-field rules are checked on the raw mapping so they are reported even when some fields are
+invalid too.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from llmtune.config.schema import Recipe
+
+
+class RecipeError(ValueError):
+    """A recipe has one or more problems.
+
+    Attributes:
+        problems: ``[(dotted_path, message), ...]`` in the order found.
+        source: the recipe file, when there is one.
+    """
+
+    def __init__(self, problems: list[tuple[str, str]], source: str | None = None):
+        self.problems = problems
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = [f"{len(problems)} problem(s){where}:"]
+        lines += [f"  - {path or '<recipe>'}: {msg}" for path, msg in problems]
+        super().__init__("\n".join(lines))
+
+
+def _field_names(model: type[BaseModel], loc: tuple) -> list[str]:
+    """Field names of the (sub)model that the location ``loc`` (without its last element) points into."""
+    cls: Any = model
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = getattr(cls, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        args = getattr(ann, "__args__", ())
+        candidates = [ann, *args]
+        cls = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if cls is None:
+            return []
+    return list(getattr(cls, "model_fields", {}))
+
+
+def _all_field_names(model: type[BaseModel], prefix: str = "") -> dict[str, str]:
+    """``{leaf_name: dotted_path}`` for every field of every section (for 'belongs in section X' hints)."""
+    out: dict[str, str] = {}
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out.update(_all_field_names(ann, f"{prefix}{name}."))
+        else:
+            out.setdefault(name, f"{prefix}{name}")
+    return out
+
+
+def _format_pydantic(err: dict) -> tuple[str, str]:
+    loc = tuple(err["loc"])
+    path = ".".join(str(p) for p in loc)
+    if err["type"] == "extra_forbidden":
+        key = str(loc[-1])
+        names = _field_names(Recipe, loc)
+        close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+        if close:
+            return path, f"unknown key; did you mean {close[0]!r}?"
+        elsewhere = _all_field_names(Recipe).get(key)
+        if elsewhere:
+            return path, f"unknown key here; {key!r} belongs in {elsewhere!r}"
+        return path, f"unknown key; valid keys here: {', '.join(names)}"
+    msg = err["msg"]
+    if "input" in err and err["type"] not in ("missing",):
+        msg = f"{msg} (got {err['input']!r})"
+    return path, msg
+
+
+def _get(doc: dict, dotted: str, default: Any = None) -> Any:
+    node: Any = doc
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def cross_field_problems(doc: dict) -> list[tuple[str, str]]:
+    """Conflicts between fields, checked on the raw mapping so they show up beside field errors."""
+    problems: list[tuple[str, str]] = []
+    if _get(doc, "precision.fp16") is True and _get(doc, "precision.bf16") is True:
+        problems.append(("precision.fp16", "fp16 and bf16 are both on; choose one (precision.bf16 is preferred on Ampere+)"))
+    four, eight = _get(doc, "model.load_in_4bit") is True, _get(doc, "model.load_in_8bit") is True
+    if four and eight:
+        problems.append(("model.load_in_8bit", "load_in_4bit and load_in_8bit are both on; choose one"))
+    if (four or eight) and _get(doc, "adapter.type", "lora") == "none":
+        problems.append(
+            ("adapter.type", "a quantized base (QLoRA / 8-bit) cannot be trained without an adapter; set adapter.type: lora")
+        )
+    model_dtype = _get(doc, "model.dtype", "auto")
+    if _get(doc, "precision.fp16") is True and model_dtype == "bf16":
+        problems.append(("model.dtype", "bf16 weights with fp16 mixed precision; use model.dtype: fp16 or auto"))
+    if _get(doc, "precision.bf16") is True and model_dtype == "fp16":
+        problems.append(("model.dtype", "fp16 weights with bf16 mixed precision; use model.dtype: bf16 or auto"))
+    if model_dtype in ("fp16", "bf16") and _get(doc, "adapter.type", "lora") == "none" and not (
+        _get(doc, "precision.fp16") or _get(doc, "precision.bf16")
+    ):
+        problems.append(("model.dtype", f"full fine-tuning with {model_dtype} weights needs precision.{model_dtype}: true"))
+    micro, glob = _get(doc, "train.micro_batch_size", 1), _get(doc, "train.global_batch_size", 8)
+    if isinstance(micro, int) and isinstance(glob, int) and micro > 0 and glob > 0 and glob % micro:
+        problems.append(
+            ("train.global_batch_size", f"must be a multiple of micro_batch_size ({micro}); got {glob}")
+        )
+    val = _get(doc, "data.val_size", 0)
+    if isinstance(val, (int, float)) and val >= 1 and float(val) != int(val):
+        problems.append(("data.val_size", f"a fraction must be < 1 and a count an integer; got {val}"))
+    if _get(doc, "distributed.deepspeed") and _get(doc, "distributed.zero_stage") is not None:
+        problems.append(("distributed.zero_stage", "set either distributed.deepspeed (a config file) or zero_stage, not both"))
+    if _get(doc, "train.early_stopping_patience") and not _get(doc, "data.val_size"):
+        problems.append(("train.early_stopping_patience", "early stopping needs a validation split (data.val_size > 0)"))
+    if _get(doc, "data.packing") is True and _get(doc, "model.attn_implementation", "sdpa") == "eager":
+        problems.append(("data.packing", "packing needs sdpa/flash/flex attention to isolate rows; eager cannot"))
+    datasets = _get(doc, "data.datasets")
+    if isinstance(datasets, list) and not datasets:
+        problems.append(("data.datasets", "at least one data source is needed"))
+    return problems
+
+
+def validate_recipe(doc: dict, source: str | None = None) -> Recipe:
+    """Validate a raw recipe mapping into a :class:`Recipe`.
+
+    Raises:
+        RecipeError: all field and cross-field problems together.
+    """
+    problems: list[tuple[str, str]] = []
+    recipe = None
+    try:
+        recipe = Recipe.model_validate(doc)
+    except ValidationError as exc:
+        problems += [_format_pydantic(e) for e in exc.errors()]
+    problems += cross_field_problems(doc)
+    if problems:
+        raise RecipeError(problems, source=source)
+    assert recipe is not None
+    return recipe
