@@ -1,0 +1,97 @@
+"""The run directory every stage writes (see DESIGN.md):
+
+    runs/<name>/
+      recipe.resolved.yaml   every value, inherited defaults included
+      data_report.json       rows read / kept / dropped (reasons, row indices) / truncated, tokens
+      metrics.jsonl          one JSON object per logging step and per eval
+      loss.png               train/eval loss curves, drawn at the end
+      checkpoints/checkpoint-N/  resumable state (adapter, optimizer, scheduler, RNG, data position)
+      adapter/               PEFT adapter + tokenizer (with the training chat template)
+      lineage.json           base model, stage, data sources with hashes, final metrics; written last
+
+Checkpoints keep transformers' ``checkpoint-N`` naming so that its resume and rotation logic applies.
+``lineage.json`` is written last: its presence marks a complete run.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers.trainer_utils import get_last_checkpoint
+
+from llmtune.config import RecipeError
+
+RECIPE = "recipe.resolved.yaml"
+DATA_REPORT = "data_report.json"
+METRICS = "metrics.jsonl"
+LOSS_PLOT = "loss.png"
+CHECKPOINTS = "checkpoints"
+ADAPTER = "adapter"
+LINEAGE = "lineage.json"
+
+
+@dataclass
+class RunDir:
+    """Paths of one run directory."""
+
+    root: Path
+
+    def __post_init__(self):
+        self.root = Path(self.root)
+
+    def __truediv__(self, name: str) -> Path:
+        return self.root / name
+
+    @property
+    def is_complete(self) -> bool:
+        """True once the stage finished and wrote its lineage."""
+        return (self.root / LINEAGE).is_file()
+
+    def latest_checkpoint(self) -> Path | None:
+        """Newest ``checkpoints/checkpoint-N`` directory, or ``None``."""
+        ckpt = self.root / CHECKPOINTS
+        found = get_last_checkpoint(str(ckpt)) if ckpt.is_dir() else None
+        return Path(found) if found else None
+
+    def resolve_resume(self, resume_from: str | None) -> Path | None:
+        """Turn ``train.resume_from`` (a path or ``latest``) into a checkpoint directory.
+
+        Raises:
+            RecipeError: ``latest`` with no checkpoint, or a path that is not a checkpoint directory.
+        """
+        if resume_from is None:
+            return None
+        if resume_from == "latest":
+            found = self.latest_checkpoint()
+            if found is None:
+                raise RecipeError([("train.resume_from", f"'latest' but {self.root / CHECKPOINTS} holds no checkpoint-N "
+                                    "directory; remove resume_from to start fresh")])
+            return found
+        path = Path(resume_from)
+        if not (path / "trainer_state.json").is_file():
+            raise RecipeError([("train.resume_from", f"{path} is not a checkpoint directory (no trainer_state.json); "
+                                f"checkpoints are under {self.root / CHECKPOINTS}")])
+        return path
+
+    def prepare(self, *, resume: bool, overwrite: bool) -> None:
+        """Create the directory, refusing to mix two runs in one place.
+
+        Raises:
+            RecipeError: the directory holds another run and neither resume nor overwrite was asked for.
+        """
+        holds_run = (self.root / RECIPE).exists() or (self.root / CHECKPOINTS).exists()
+        if holds_run and not resume:
+            if not overwrite:
+                raise RecipeError([("output.dir", f"{self.root} already holds a run; continue it with "
+                                    "train.resume_from=latest, replace it with output.overwrite=true, or pick another "
+                                    "output.dir")])
+            shutil.rmtree(self.root)
+        elif self.root.exists() and any(self.root.iterdir()) and not holds_run and not resume:
+            raise RecipeError([("output.dir", f"{self.root} is not empty and is not a run directory; pick another "
+                                "output.dir")])
+        self.root.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            for name in (METRICS, LINEAGE):
+                (self.root / name).unlink(missing_ok=True)

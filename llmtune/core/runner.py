@@ -1,0 +1,138 @@
+"""Run one stage end to end: recipe -> data -> model + adapter -> train -> adapter + lineage.
+
+Every stage goes through :func:`run_stage`; a stage only supplies its data, loss and metrics.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import time
+from pathlib import Path
+
+import torch
+from transformers import set_seed
+
+from llmtune import __version__
+from llmtune.config import Recipe, dump_recipe
+from llmtune.core import rundir as rd
+from llmtune.core.callbacks import MetricsJsonlCallback, plot_losses
+from llmtune.core.stage import Stage
+from llmtune.core.trainer import CoreTrainer, accumulation_steps, build_training_args, early_stopping, world_size
+from llmtune.models import attach_adapter, count_parameters, load_model, load_tokenizer, resolve_model_source
+from llmtune.utils import get_logger, is_main_process, setup_logging, write_json
+
+log = get_logger("runner")
+
+
+def prepare_tokenizer(recipe: Recipe):
+    """Tokenizer of the recipe's model with the recipe's chat template applied."""
+    from llmtune.data import apply_chat_template_config
+
+    tokenizer = load_tokenizer(recipe.model)
+    apply_chat_template_config(recipe.data, tokenizer)
+    return tokenizer
+
+
+def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
+    """Train ``stage`` as its recipe says and write the run directory.
+
+    Args:
+        stage: a stage built from a validated recipe.
+        base_dir: directory relative data paths are resolved against (the recipe's directory's parent
+            for CLI runs is the current directory).
+
+    Returns:
+        Summary: ``{run_dir, steps, train_loss, eval_before, eval_after, wall_s, adapter}``.
+
+    Raises:
+        RecipeError: run-dir conflicts or a bad ``resume_from``.
+        DataError: bad input rows (policy ``error``) or no usable rows.
+        ModelLoadError: the base model cannot be loaded.
+    """
+    setup_logging()
+    recipe = stage.recipe
+    t0 = time.perf_counter()
+    run = rd.RunDir(Path(recipe.output.dir))
+    resume = recipe.train.resume_from is not None
+    if is_main_process():
+        run.prepare(resume=resume, overwrite=recipe.output.overwrite)
+    resume_ckpt = run.resolve_resume(recipe.train.resume_from)
+    set_seed(recipe.train.seed)
+    if is_main_process():
+        dump_recipe(recipe, run / rd.RECIPE)
+
+    tokenizer = prepare_tokenizer(recipe)
+    data = stage.build_data(tokenizer, str(base_dir))
+    if is_main_process():
+        data.report.save(run / rd.DATA_REPORT)
+    log.info("data:\n%s", data.report.summary())
+
+    model = load_model(recipe.model, recipe.precision)
+    model = stage.prepare_model(model, tokenizer)
+    quantized = recipe.model.load_in_4bit or recipe.model.load_in_8bit
+    model = attach_adapter(
+        model, recipe.adapter, gradient_checkpointing=recipe.train.gradient_checkpointing, quantized=quantized
+    )
+    trainable, total = count_parameters(model)
+    accum = accumulation_steps(recipe)
+    log.info(
+        "parameters: %s trainable / %s total (%.3f%%); batch: %d samples/step = %d micro x %d accumulation x %d ranks",
+        f"{trainable:,}", f"{total:,}", 100 * trainable / max(total, 1), recipe.train.global_batch_size,
+        recipe.train.micro_batch_size, accum, world_size(),
+    )
+
+    has_eval = data.eval is not None and len(data.eval) > 0
+    trainer = CoreTrainer(
+        model=model,
+        args=build_training_args(recipe, run.root, has_eval),
+        train_dataset=data.train,
+        eval_dataset=data.eval if has_eval else None,
+        data_collator=data.collator,
+        processing_class=tokenizer,
+        callbacks=[MetricsJsonlCallback(run / rd.METRICS), *(early_stopping(recipe) if has_eval else [])],
+        stage=stage,
+    )
+    eval_before = trainer.evaluate() if has_eval and recipe.train.eval_at_start and not resume else None
+    result = trainer.train(resume_from_checkpoint=str(resume_ckpt) if resume_ckpt else None)
+    eval_after = trainer.evaluate() if has_eval else None
+
+    adapter_dir = run / rd.ADAPTER
+    trainer.save_model(str(adapter_dir))
+    summary = {
+        "run_dir": str(run.root),
+        "stage": stage.name,
+        "steps": trainer.state.global_step,
+        "train_loss": result.training_loss,
+        "trained_tokens": trainer.trained_tokens,
+        "eval_before": eval_before,
+        "eval_after": eval_after,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "adapter": str(adapter_dir),
+    }
+    if trainer.is_world_process_zero():
+        tokenizer.save_pretrained(str(adapter_dir))
+        if recipe.adapter.type == "lora":
+            from llmtune.models.verify import verify_saved_adapter
+
+            verify_saved_adapter(adapter_dir, model)
+        if recipe.output.plot:
+            plot_losses(run / rd.METRICS, run / rd.LOSS_PLOT)
+        write_json(run / rd.LINEAGE, lineage(recipe, stage, data.sources, summary))
+    return summary
+
+
+def lineage(recipe: Recipe, stage: Stage, sources: list[dict], summary: dict) -> dict:
+    """What this run was made from: base model, earlier adapters, data with hashes, final metrics."""
+    source = resolve_model_source(recipe.model)
+    return {
+        "llmtune_version": __version__,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "stage": stage.name,
+        "base_model": {"name_or_path": recipe.model.name_or_path, "kind": source.kind, "path": str(source.path)},
+        "previous_adapters": [],
+        "adapter": rd.ADAPTER,
+        "adapter_type": recipe.adapter.type,
+        "data": sources,
+        "torch": torch.__version__,
+        "summary": summary,
+    }

@@ -1,0 +1,209 @@
+"""The one trainer core every stage runs on: ``transformers.Trainer`` with a stage's loss.
+
+We keep transformers' machinery (optimizer, schedules, fp16/bf16, DeepSpeed, gradient accumulation,
+checkpoint/resume with RNG and data position, callbacks, TensorBoard) and own three things:
+
+* exact accumulation — the step loss is the stage loss summed over micro-batches divided by the
+  item count of the WHOLE optimizer step across all ranks (``Stage.count_items``), so 8x1, 2x4 and
+  1x8 give the same gradients (transformers #34191);
+* token-weighted evaluation — per-sample sums are gathered and reduced by the stage
+  (``Stage.eval_metrics``), not averaged batch by batch;
+* extra training metrics — trained tokens, tokens/s, peak memory and the stage's own metrics.
+
+Units: ``global_batch_size`` samples per optimizer step over all ranks; ``micro_batch_size``
+samples per rank per forward; accumulation = global / (micro * world_size).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
+
+from llmtune.config import Recipe, RecipeError
+from llmtune.core.stage import Stage
+
+SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
+
+
+def world_size() -> int:
+    """Number of processes from the launcher's environment (1 when not distributed)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def accumulation_steps(recipe: Recipe, world: int | None = None) -> int:
+    """Micro-batches per optimizer step per rank: global_batch_size / (micro_batch_size * world_size).
+
+    Raises:
+        RecipeError: the global batch is not a multiple of micro batch x world size.
+    """
+    world = world or world_size()
+    per_step = recipe.train.micro_batch_size * world
+    if recipe.train.global_batch_size % per_step:
+        raise RecipeError(
+            [("train.global_batch_size", f"{recipe.train.global_batch_size} is not a multiple of micro_batch_size "
+              f"({recipe.train.micro_batch_size}) x world size ({world}) = {per_step}")]
+        )
+    return recipe.train.global_batch_size // per_step
+
+
+def build_training_args(recipe: Recipe, run_dir: Path, has_eval: bool) -> TrainingArguments:
+    """Translate a recipe into ``TrainingArguments`` (checkpoints go to ``run_dir/checkpoints``)."""
+    t, p = recipe.train, recipe.precision
+    warmup: float = t.warmup_steps if t.warmup_steps else t.warmup_ratio
+    deepspeed = recipe.distributed.deepspeed
+    if deepspeed is None and recipe.distributed.zero_stage is not None:
+        from llmtune.core.distributed import zero_config
+
+        deepspeed = zero_config(recipe.distributed.zero_stage)
+    return TrainingArguments(
+        output_dir=str(run_dir / "checkpoints"),
+        per_device_train_batch_size=t.micro_batch_size,
+        per_device_eval_batch_size=t.eval_batch_size or t.micro_batch_size,
+        gradient_accumulation_steps=accumulation_steps(recipe),
+        num_train_epochs=t.num_epochs,
+        max_steps=t.max_steps or -1,
+        learning_rate=t.learning_rate,
+        lr_scheduler_type=SCHEDULERS[t.lr_scheduler],
+        warmup_steps=warmup,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        adam_epsilon=t.adam_epsilon,
+        max_grad_norm=t.max_grad_norm,
+        optim="adamw_torch",
+        seed=t.seed,
+        data_seed=t.seed,
+        bf16=p.bf16,
+        fp16=p.fp16,
+        tf32=p.tf32 if torch.cuda.is_available() else None,
+        eval_strategy="steps" if (has_eval and t.eval_steps) else "no",
+        eval_steps=t.eval_steps,
+        metric_for_best_model="eval_loss" if has_eval else None,
+        greater_is_better=False if has_eval else None,
+        save_strategy="steps" if t.save_steps else "no",
+        save_steps=t.save_steps or 500,
+        save_total_limit=t.save_total_limit,
+        logging_steps=t.logging_steps,
+        logging_dir=str(run_dir / "tensorboard"),
+        report_to=list(recipe.output.report_to) or "none",
+        remove_unused_columns=False,
+        dataloader_num_workers=t.dataloader_num_workers,
+        ddp_find_unused_parameters=False,
+        average_tokens_across_devices=True,
+        deepspeed=deepspeed,
+        gradient_checkpointing=False,  # enabled (non-reentrant) by the model helpers, never here
+        disable_tqdm=False,
+        label_names=["labels"],
+    )
+
+
+class CoreTrainer(Trainer):
+    """``transformers.Trainer`` driven by a :class:`~llmtune.core.stage.Stage`.
+
+    Args:
+        stage: supplies ``count_items``, ``loss``, ``eval_stats`` and ``eval_metrics``.
+        **kwargs: passed to ``transformers.Trainer`` (model, args, datasets, collator, callbacks...).
+    """
+
+    # Our stage losses are already divided by the step's item count: Trainer must not divide again.
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, *args, stage: Stage, **kwargs):
+        self.stage = stage
+        self._metric_sums: dict[str, float] = defaultdict(float)
+        self._metric_counts: dict[str, int] = defaultdict(int)
+        self.trained_tokens = 0  # items (tokens for SFT) over all ranks since the start of this process
+        self.seen_tokens = 0  # all non-pad tokens on this rank
+        self._last_log_time = time.perf_counter()
+        self._last_log_tokens = 0
+        super().__init__(*args, compute_metrics=self._compute_metrics, **kwargs)
+        # Older transformers decide "already scaled" from this flag instead of `loss_is_scaled_for_ga`.
+        self.model_accepts_loss_kwargs = True
+
+    # ---- training -------------------------------------------------------------------------------
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
+        """Items of the whole optimizer step: summed over its micro-batches and over all ranks."""
+        count = sum(self.stage.count_items(b).to(device) for b in batch_samples)
+        count = torch.as_tensor(count, device=device)
+        if self.args.world_size > 1:
+            count = self.accelerator.gather(count.reshape(1)).sum()
+        self.trained_tokens += int(count)
+        self.seen_tokens += sum(int(b["attention_mask"].sum()) for b in batch_samples if "attention_mask" in b)
+        return count
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Stage loss of one micro-batch, normalised by the step's item count (all ranks).
+
+        DDP/DeepSpeed average gradients over ranks, so the per-rank loss is multiplied by the world
+        size to turn that average back into the sum over ranks divided by the global item count.
+        """
+        if num_items_in_batch is None:  # outside the training loop
+            num_items_in_batch = self.stage.count_items(inputs)
+        loss, metrics = self.stage.loss(model, inputs, num_items_in_batch.clamp(min=1))
+        if model.training:
+            for key, value in metrics.items():
+                self._metric_sums[key] += float(value)
+                self._metric_counts[key] += 1
+        if self.args.world_size > 1 and model.training:
+            loss = loss * self.args.world_size
+        return (loss, None) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add trained tokens, throughput, peak memory and stage metrics to the training logs."""
+        if "loss" in logs:
+            now = time.perf_counter()
+            logs["trained_tokens"] = self.trained_tokens
+            seen = self.seen_tokens * self.args.world_size
+            logs["tokens_per_s"] = (seen - self._last_log_tokens) / max(now - self._last_log_time, 1e-9)
+            self._last_log_time, self._last_log_tokens = now, seen
+            logs["peak_mem_gb"] = peak_memory_gb()
+            for key, total in self._metric_sums.items():
+                logs[key] = total / max(self._metric_counts[key], 1)
+            self._metric_sums.clear()
+            self._metric_counts.clear()
+        super().log(logs, start_time)
+
+    # ---- evaluation -----------------------------------------------------------------------------
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Per-sample statistics of the stage, as a tuple in ``stage.eval_keys`` order (each (B,))."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            stats = self.stage.eval_stats(model, inputs)
+        values = tuple(stats[k].detach().float() for k in self.stage.eval_keys)
+        return None, values, values[0]  # label_ids must be non-None for compute_metrics to run
+
+    def _compute_metrics(self, prediction) -> dict[str, float]:
+        preds = prediction.predictions
+        preds = preds if isinstance(preds, (tuple, list)) else (preds,)
+        stats = {k: np.asarray(v, dtype=np.float64).reshape(-1) for k, v in zip(self.stage.eval_keys, preds)}
+        return self.stage.eval_metrics(stats)
+
+
+def peak_memory_gb() -> float:
+    """Peak accelerator memory allocated (GiB) on CUDA, else the process's peak resident set size."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def early_stopping(recipe: Recipe) -> list[Any]:
+    """HF's early-stopping callback when the recipe asks for it (monitors eval_loss)."""
+    patience = recipe.train.early_stopping_patience
+    return [EarlyStoppingCallback(early_stopping_patience=patience)] if patience else []
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), ``inf`` when it overflows."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return float("inf")

