@@ -73,7 +73,10 @@ class DatasetConfig(Section):
     )
     split: str = Field("train", description="Split to read from hub datasets and datasets directories.")
     name: str | None = Field(None, description="Hub dataset configuration name.")
-    weight: float = Field(1.0, gt=0, description="Mixing weight relative to the other sources (> 0).")
+    weight: float = Field(
+        1.0, gt=0, description="Rows taken = weight x this source's valid rows (0.5 = a seeded random half, "
+        "2 = every row twice, 1.5 = once plus a random half)."
+    )
     max_samples: int | None = Field(None, ge=1, description="Read at most this many rows of this source.")
     allow_truncated_json: bool = Field(
         False,

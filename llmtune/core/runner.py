@@ -29,7 +29,8 @@ def prepare_tokenizer(recipe: Recipe):
     from llmtune.data import apply_chat_template_config
 
     tokenizer = load_tokenizer(recipe.model)
-    apply_chat_template_config(recipe.data, tokenizer)
+    if recipe.data.chat_template is not None:  # else the tokenizer's own (build_sft_data checks chat rows need one)
+        apply_chat_template_config(recipe.data, tokenizer)
     return tokenizer
 
 

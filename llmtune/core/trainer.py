@@ -59,6 +59,8 @@ def build_training_args(recipe: Recipe, run_dir: Path, has_eval: bool) -> Traini
     """Translate a recipe into ``TrainingArguments`` (checkpoints go to ``run_dir/checkpoints``)."""
     t, p = recipe.train, recipe.precision
     warmup: float = t.warmup_steps if t.warmup_steps else t.warmup_ratio
+    if recipe.output.report_to:  # transformers >= 5 reads the TensorBoard directory from the environment
+        os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(run_dir / "tensorboard"))
     deepspeed = recipe.distributed.deepspeed
     if deepspeed is None and recipe.distributed.zero_stage is not None:
         from llmtune.core.distributed import zero_config
@@ -93,7 +95,6 @@ def build_training_args(recipe: Recipe, run_dir: Path, has_eval: bool) -> Traini
         save_steps=t.save_steps or 500,
         save_total_limit=t.save_total_limit,
         logging_steps=t.logging_steps,
-        logging_dir=str(run_dir / "tensorboard"),
         report_to=list(recipe.output.report_to) or "none",
         remove_unused_columns=False,
         dataloader_num_workers=t.dataloader_num_workers,

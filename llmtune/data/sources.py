@@ -17,7 +17,7 @@ Supported ``path`` values (relative paths are resolved against ``base_dir``):
 Cut-off JSON arrays (e.g. the shipped ShareGPT file) are detected by parsing the array element by
 element with ``json.JSONDecoder.raw_decode``; with ``allow_truncated_json`` the complete records before
 the cut are kept. Parsing stops after ``max_samples`` records, so a small sample of a big file is fast
-(the 125 MB ShareGPT file: about 1 s for all 17,671 complete records on one core).
+(the 125 MB ShareGPT file: ~1.5 s for all 17,671 complete records, ~0.2 s with ``max_samples: 50``).
 """
 
 from __future__ import annotations
@@ -123,7 +123,9 @@ def read_source(ds: DatasetConfig, index: int, base_dir: str | Path = ".") -> Ra
         src = RawSource(index, ds.path, str(local.resolve()))
         _read_local(src, local, ds, key, limit)
     elif ds.path.startswith((".", "/", "~")) or ds.path.lower().endswith(LOCAL_SUFFIXES) or ds.path.count("/") > 1:
-        raise DataError(f"{key}.path: file not found: {local.resolve()} (relative paths are resolved against {base_dir}).")
+        raise DataError(
+            f"{key}.path: file not found: {local.resolve()} (relative paths are resolved against {base_dir})."
+        )
     else:
         src = RawSource(index, ds.path, ds.path)
         _read_hub(src, ds, key, limit, local)
@@ -241,7 +243,9 @@ def _read_text(path: Path) -> str:
     except UnicodeDecodeError as exc:
         if exc.reason == "unexpected end of data":  # file cut inside a multi-byte character
             return data[: exc.start].decode("utf-8-sig")
-        raise DataError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}). Convert the file to UTF-8.") from None
+        raise DataError(
+            f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}). Convert the file to UTF-8."
+        ) from None
 
 
 def _line_col(text: str, pos: int) -> tuple[int, int]:
@@ -273,7 +277,7 @@ def _cut_info(text: str, path: Path, record_start: int | None, kept: int, exc: j
         r_line, r_col = _line_col(text, record_start)
         info.update(partial_record_char=record_start, partial_record_line=r_line, partial_record_column=r_col)
     if exc is not None:
-        info["json_error"] = f"{exc.msg} at line {exc.lineno} column {exc.colno} (char {exc.pos})"
+        info["json_error"] = f"{exc.msg} (line {exc.lineno}, column {exc.colno}, char {exc.pos})"
     return info
 
 
@@ -302,6 +306,7 @@ def _read_json(src: RawSource, path: Path, ds: DatasetConfig, key: str, limit: f
         raise DataError(f"{path} is empty; expected a JSON array of records or JSON lines.")
     if text[start] == "[":
         _read_json_array(src, text, start + 1, path, ds, key, limit)
+        src.row_ids = list(range(len(src.rows)))
     else:
         _read_json_lines(src, text, path, ds, key, limit)
 
@@ -340,7 +345,6 @@ def _read_json_array(src: RawSource, text: str, i: int, path: Path, ds: DatasetC
                 f"{path}: invalid JSON after record {len(rows) - 1}: expected ',' or ']' at line {line} column {col} "
                 f"(char {i}), found {text[i]!r}. Fix the file at that position."
             )
-    src.row_ids = list(range(len(rows)))
 
 
 def _read_json_lines(src: RawSource, text: str, path: Path, ds: DatasetConfig, key: str, limit: float) -> None:
@@ -363,10 +367,11 @@ def _read_json_lines(src: RawSource, text: str, path: Path, ds: DatasetConfig, k
             if lineno == last and _is_cut(line, exc):
                 offset = sum(len(x) + 1 for x in lines[:lineno])
                 info = _cut_info(text, path, offset, len(src.rows), exc)
-                info["json_error"] = f"{exc.msg} at line {lineno + 1} column {exc.colno}"
+                info["json_error"] = f"{exc.msg} (line {lineno + 1}, column {exc.colno})"
                 _truncated(src, ds, key, path, info)
                 break
-            src.bad.append((lineno, RowError("invalid JSON", f"invalid JSON on line {lineno + 1}: {exc.msg} at column {exc.colno}")))
+            reason = f"invalid JSON on line {lineno + 1}: {exc.msg} at column {exc.colno}"
+            src.bad.append((lineno, RowError("invalid JSON", reason)))
             continue
         src.rows.append(obj)
         src.row_ids.append(lineno)

@@ -116,7 +116,7 @@ class ModelSource:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def resolve_model_source(cfg: ModelConfig) -> ModelSource:
+def resolve_model_source(cfg: ModelConfig, *, convert: bool = True) -> ModelSource:
     """Find the model that ``cfg.name_or_path`` names, converting a GGUF source on first use.
 
     ``cfg.from_run`` is not read here: the caller replaces ``name_or_path`` with the base model recorded in that
@@ -124,9 +124,12 @@ def resolve_model_source(cfg: ModelConfig) -> ModelSource:
 
     Args:
         cfg: the recipe's ``model:`` section (``name_or_path``, ``revision``, ``cache_dir``, ``trust_remote_code``).
+        convert: ``False`` checks the source without the expensive part (for ``llmtune validate``): no GGUF
+            conversion, no hub download (online: only the repo lookup; offline: the cache lookup as usual).
+            ``path`` is then where the converted/downloaded directory will be, and may not exist yet.
 
     Returns:
-        The resolved :class:`ModelSource`; ``path`` is a local directory that exists.
+        The resolved :class:`ModelSource`; with ``convert=True`` ``path`` is a local directory that exists.
 
     Raises:
         ModelLoadError: unknown ``builtin:`` name or its package not installed; a local path that does not exist
@@ -136,7 +139,7 @@ def resolve_model_source(cfg: ModelConfig) -> ModelSource:
     name = cfg.name_or_path.strip()
     if name.startswith("builtin:"):
         gguf = builtin_gguf_path(name)
-        path = convert_gguf(gguf, cache_root(cfg))
+        path = convert_gguf(gguf, cache_root(cfg)) if convert else converted_dir(gguf, cache_root(cfg))
         return ModelSource("builtin", path, cfg.name_or_path, gguf_file=gguf, fingerprint=_file_fingerprint(gguf))
     expanded = Path(os.path.expanduser(name))
     if name.lower().endswith(".gguf"):
@@ -146,7 +149,7 @@ def resolve_model_source(cfg: ModelConfig) -> ModelSource:
                 "Check the path; relative paths are relative to the working directory."
             )
         gguf = expanded.resolve()
-        path = convert_gguf(gguf, cache_root(cfg))
+        path = convert_gguf(gguf, cache_root(cfg)) if convert else converted_dir(gguf, cache_root(cfg))
         return ModelSource("gguf", path, cfg.name_or_path, gguf_file=gguf, fingerprint=_file_fingerprint(gguf))
     if expanded.exists():
         return _local_source(expanded, cfg.name_or_path)
@@ -155,7 +158,7 @@ def resolve_model_source(cfg: ModelConfig) -> ModelSource:
             f"model.name_or_path: local path {name!r} does not exist (looked at {expanded.resolve()}). "
             "Give an existing HF model directory, a .gguf file, a hub id (org/name) or builtin:smollm2-135m-instruct."
         )
-    return _hub_source(name, cfg)
+    return _hub_source(name, cfg, download=convert)
 
 
 def _looks_like_path(name: str) -> bool:
@@ -185,9 +188,13 @@ def hub_offline() -> bool:
     return env or bool(getattr(constants, "HF_HUB_OFFLINE", False))
 
 
-def _hub_source(repo_id: str, cfg: ModelConfig) -> ModelSource:
-    """Download (or, offline, find in the HF cache) the files of a hub model; return the snapshot directory."""
-    from huggingface_hub import HfApi, snapshot_download
+def _hub_source(repo_id: str, cfg: ModelConfig, *, download: bool = True) -> ModelSource:
+    """Download (or, offline, find in the HF cache) the files of a hub model; return the snapshot directory.
+
+    With ``download=False`` and network access, only look the repo up; ``path`` is the snapshot directory the
+    download will create.
+    """
+    from huggingface_hub import HfApi, constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
         HFValidationError,
@@ -198,6 +205,7 @@ def _hub_source(repo_id: str, cfg: ModelConfig) -> ModelSource:
 
     revision = cfg.revision
     where = f"{repo_id!r}" + (f" at revision {revision!r}" if revision else "")
+    not_local = f" (If {repo_id!r} is meant as a local directory: it does not exist in {Path.cwd()}.)"
     patterns = list(_HUB_PATTERNS) + (["*.py"] if cfg.trust_remote_code else [])
     offline = hub_offline()
     try:
@@ -205,6 +213,12 @@ def _hub_source(repo_id: str, cfg: ModelConfig) -> ModelSource:
             folder = snapshot_download(repo_id, revision=revision, local_files_only=True, allow_patterns=patterns)
         else:
             info = HfApi().model_info(repo_id, revision=revision)
+            if not download:
+                from huggingface_hub.file_download import repo_folder_name
+
+                folder = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
+                snapshot = folder / "snapshots" / str(info.sha)
+                return ModelSource("hub", snapshot, repo_id, revision=info.sha, fingerprint=info.sha)
             files = [s.rfilename for s in (info.siblings or [])]
             if not any(f.endswith(".safetensors") for f in files):
                 patterns.append("*.bin")
@@ -214,7 +228,7 @@ def _hub_source(repo_id: str, cfg: ModelConfig) -> ModelSource:
             raise ModelLoadError(
                 f"model.name_or_path: hub model {where} is not in the local Hugging Face cache and hub access is "
                 "disabled (HF_HUB_OFFLINE=1). Download it once with network access, unset HF_HUB_OFFLINE, or set "
-                "model.name_or_path to a local model directory (or builtin:smollm2-135m-instruct)."
+                "model.name_or_path to a local model directory (or builtin:smollm2-135m-instruct)." + not_local
             ) from err
         raise ModelLoadError(
             f"model.name_or_path: could not download hub model {where} (no connection to the hub?): {err}. "
@@ -224,10 +238,15 @@ def _hub_source(repo_id: str, cfg: ModelConfig) -> ModelSource:
         raise ModelLoadError(
             f"model.name_or_path: hub model {where} cannot be used: {type(err).__name__}: {str(err).splitlines()[0]}. "
             "Check the spelling, the revision and your access (huggingface-cli login for gated models), or give a "
-            "local model directory."
+            "local model directory." + not_local
         ) from err
     except OSError as err:
         raise ModelLoadError(f"model.name_or_path: downloading hub model {where} failed: {err}") from err
+    except Exception as err:  # noqa: BLE001 - connection errors of the HTTP client are not OSErrors
+        raise ModelLoadError(
+            f"model.name_or_path: could not reach the hub for {where}: {type(err).__name__}: {err}. Set "
+            "HF_HUB_OFFLINE=1 to use the local Hugging Face cache, or give a local model directory." + not_local
+        ) from err
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise ModelLoadError(
@@ -358,6 +377,7 @@ def convert_gguf(gguf: Path, root: Path) -> Path:
                 "seconds": round(time.perf_counter() - start, 2),
             }
             (tmp / CONVERSION_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+            os.chmod(tmp, 0o755)  # mkdtemp makes it private; a shared cache should be readable by others
             if final.exists():  # incomplete leftover without marker (not produced by this code, but be safe)
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -369,7 +389,7 @@ def convert_gguf(gguf: Path, root: Path) -> Path:
 
 
 def load_gguf_model(gguf: Path, *, dequantize: bool = True) -> PreTrainedModel:
-    """Load a GGUF file with transformers as a float32 model (the quantizer marker is still set).
+    """Load a GGUF file with transformers as a float32 model (its quantizer marker may still be set).
 
     Args:
         gguf: the ``.gguf`` file.
@@ -426,7 +446,9 @@ def clear_gguf_quantization(model: PreTrainedModel) -> PreTrainedModel:
     if quantizer is not None:
         method = getattr(quantizer.quantization_config, "quant_method", None)
         if str(getattr(method, "value", method)).lower() != "gguf":
-            raise ModelLoadError(f"refusing to clear a {method} quantizer: only GGUF-dequantized models are plain floats")
+            raise ModelLoadError(
+                f"refusing to clear a {method} quantizer: only GGUF-dequantized models hold plain float weights"
+            )
     packed = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.lower().startswith("gguf")})
     if packed:
         raise ModelLoadError(
@@ -458,7 +480,6 @@ def _write_converted(gguf: Path, out: Path) -> None:
     if not getattr(tokenizer, "chat_template", None):
         logger.warning("%s has no chat template; set data.chat_template in the recipe", gguf.name)
     tokenizer.save_pretrained(out)
-    del model
 
 
 def _transformers_version() -> str:
@@ -561,7 +582,9 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
                 "tokenizer_config.json"
             )
         tokenizer.pad_token = tokenizer.eos_token
-        logger.info("tokenizer has no pad token; using the EOS token %r (id %d)", tokenizer.eos_token, tokenizer.eos_token_id)
+        logger.info(
+            "tokenizer has no pad token; using the EOS token %r (id %d)", tokenizer.eos_token, tokenizer.eos_token_id
+        )
     tokenizer.padding_side = "right"
     return tokenizer
 
@@ -606,9 +629,13 @@ def load_model(
     except Exception as err:  # noqa: BLE001
         hint = ""
         if "attn" in str(err).lower() or "flash" in str(err).lower():
-            hint = f" model.attn_implementation={cfg.attn_implementation!r} may not be available here; try sdpa or eager."
+            hint = (
+                f" model.attn_implementation={cfg.attn_implementation!r} may not be available here; "
+                "try sdpa or eager."
+            )
         raise ModelLoadError(
-            f"could not load model {source.original!r} from {source.path}: {type(err).__name__}: {err}.{hint}"
+            f"could not load model {source.original!r} from {source.path}: {type(err).__name__}: "
+            f"{str(err).rstrip('.')}.{hint}"
         ) from err
     quant = "4-bit " + cfg.bnb_4bit_quant_type if cfg.load_in_4bit else "8-bit" if cfg.load_in_8bit else "unquantized"
     logger.info(

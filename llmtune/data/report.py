@@ -1,0 +1,153 @@
+"""The data report: what was read, kept, dropped (with reasons and row indices) and truncated.
+
+Written to ``runs/<name>/data_report.json`` and summarised on the console. Row indices are 0-based
+indices in the source file (JSON lines: the 0-based line number), so a reason can be checked in the
+file directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class SourceReport:
+    """Counts for one source (rows are samples, not tokens).
+
+    Attributes:
+        path: as written in the recipe. location: what was read (file, directory, hub id).
+        format: the format used (detected when ``format: auto``).
+        rows_read: records read (up to ``max_samples``), including unparseable ones.
+        rows_valid: rows that passed the format checks.
+        rows_kept: distinct rows in the train or eval set.
+        train_rows: rows in the train set, counting repeats from ``weight`` > 1. eval_rows: rows in eval.
+        weight: the mixing weight. stopped_early: reading stopped at ``max_samples``.
+        truncated_json: for a JSON file cut off mid-record: records kept and where the cut is.
+    """
+
+    path: str
+    location: str
+    format: str
+    rows_read: int
+    rows_valid: int = 0
+    rows_kept: int = 0
+    train_rows: int = 0
+    eval_rows: int = 0
+    weight: float = 1.0
+    stopped_early: bool = False
+    truncated_json: dict | None = None
+
+
+@dataclass
+class DataReport:
+    """What the data pipeline did.
+
+    Attributes:
+        sources: one :class:`SourceReport` per ``data.datasets`` entry.
+        dropped: ``{source, row, kind, reason}`` per dropped row (bad rows under ``bad_rows: skip``, rows
+            too long under ``truncation: drop``, rows with no trained tokens left after truncation).
+        truncated_rows: ``{source, row}`` per kept row cut to ``max_length``.
+        train_rows / eval_rows: rows (samples) in the splits; train_sequences / eval_sequences: sequences
+            after packing (equal to the rows when not packing).
+        tokens / trained_tokens: tokens in the train split, and those with a label != -100.
+        eval_tokens / eval_trained_tokens: the same for the eval split.
+    """
+
+    sources: list[SourceReport] = field(default_factory=list)
+    dropped: list[dict] = field(default_factory=list)
+    truncated_rows: list[dict] = field(default_factory=list)
+    train_rows: int = 0
+    eval_rows: int = 0
+    train_sequences: int = 0
+    eval_sequences: int = 0
+    tokens: int = 0
+    trained_tokens: int = 0
+    eval_tokens: int = 0
+    eval_trained_tokens: int = 0
+    max_length: int = 0
+    packing: bool = False
+    seed: int = 0
+
+    @property
+    def truncated(self) -> int:
+        """Number of kept rows that were cut to ``max_length``."""
+        return len(self.truncated_rows)
+
+    def drop_counts(self) -> dict[str, int]:
+        """``{reason kind: rows}``, most frequent first."""
+        return dict(Counter(d["kind"] for d in self.dropped).most_common())
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict: every field plus ``truncated`` (count) and ``drop_counts``."""
+        out = asdict(self)
+        out["truncated"] = self.truncated
+        out["drop_counts"] = self.drop_counts()
+        return out
+
+    def save(self, path: str | Path) -> Path:
+        """Write :meth:`to_dict` as JSON to ``path`` (parents created) and return the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n")
+        return path
+
+    def sources_lineage(self) -> list[dict]:
+        """``[{path, location, format, rows_read, sha256}]`` per source for ``lineage.json``.
+
+        ``sha256`` is the hash of the file read (of all files, in sorted order, for a datasets directory);
+        None for hub datasets.
+        """
+        return [
+            {"path": s.path, "location": s.location, "format": s.format, "rows_read": s.rows_read,
+             "sha256": _sha256(Path(s.location))}
+            for s in self.sources
+        ]
+
+    def summary(self, examples: int = 3) -> str:
+        """A short human-readable table: per-source counts, drop reasons with example rows, truncation."""
+        pct = 100.0 * self.trained_tokens / self.tokens if self.tokens else 0.0
+        packed = f" packed into {self.train_sequences} sequences," if self.packing else ""
+        lines = [
+            f"data: {self.train_rows} train rows,{packed} {self.eval_rows} eval rows; train tokens {self.tokens:,} "
+            f"({self.trained_tokens:,} trained, {pct:.1f}%), max_length {self.max_length}",
+        ]
+        width = max([len(s.path) for s in self.sources] + [6])
+        header = f"{'read':>7} {'valid':>7} {'kept':>7} {'train':>7} {'eval':>6}"
+        lines.append(f"  {'source':<{width}}  {'format':<17} {header}")
+        for s in self.sources:
+            lines.append(
+                f"  {s.path:<{width}}  {s.format:<17} {s.rows_read:>7} {s.rows_valid:>7} {s.rows_kept:>7} "
+                f"{s.train_rows:>7} {s.eval_rows:>6}" + ("  (stopped at max_samples)" if s.stopped_early else "")
+            )
+            if s.truncated_json:
+                t = s.truncated_json
+                lines.append(
+                    f"    JSON cut off at char {t['cut_at_char']:,} (line {t['cut_at_line']}); "
+                    f"{t['records_kept']:,} complete records kept"
+                )
+        if self.dropped:
+            lines.append(f"  dropped {len(self.dropped)} rows:")
+            for kind, count in self.drop_counts().items():
+                rows = [d for d in self.dropped if d["kind"] == kind][:examples]
+                where = ", ".join(f"{d['source']} row {d['row']}" for d in rows)
+                lines.append(f"    {count:>6}  {kind} (e.g. {where})")
+        if self.truncated_rows:
+            where = ", ".join(f"{d['source']} row {d['row']}" for d in self.truncated_rows[:examples])
+            lines.append(f"  truncated {self.truncated} rows to {self.max_length} tokens (e.g. {where})")
+        return "\n".join(lines)
+
+
+def _sha256(path: Path) -> str | None:
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for file in files:
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()

