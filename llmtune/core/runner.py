@@ -17,7 +17,14 @@ from llmtune.config import Recipe, dump_recipe
 from llmtune.core import rundir as rd
 from llmtune.core.callbacks import MetricsJsonlCallback, plot_losses
 from llmtune.core.stage import Stage
-from llmtune.core.trainer import CoreTrainer, accumulation_steps, build_training_args, early_stopping, world_size
+from llmtune.core.trainer import (
+    CoreTrainer,
+    accumulation_steps,
+    build_training_args,
+    check_precision,
+    early_stopping,
+    world_size,
+)
 from llmtune.models import attach_adapter, count_parameters, load_model, load_tokenizer, resolve_model_source
 from llmtune.utils import get_logger, is_main_process, setup_logging, write_json
 
@@ -53,6 +60,7 @@ def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
     setup_logging()
     recipe = stage.recipe
     t0 = time.perf_counter()
+    check_precision(recipe)
     run = rd.RunDir(Path(recipe.output.dir))
     resume = recipe.train.resume_from is not None
     if is_main_process():
@@ -83,11 +91,12 @@ def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
     )
 
     has_eval = data.eval is not None and len(data.eval) > 0
+    eval_rows = by_length(data.eval) if has_eval else None
     trainer = CoreTrainer(
         model=model,
         args=build_training_args(recipe, run.root, has_eval),
         train_dataset=data.train,
-        eval_dataset=data.eval if has_eval else None,
+        eval_dataset=eval_rows,
         data_collator=data.collator,
         processing_class=tokenizer,
         callbacks=[MetricsJsonlCallback(run / rd.METRICS), *(early_stopping(recipe) if has_eval else [])],
@@ -120,6 +129,15 @@ def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
             plot_losses(run / rd.METRICS, run / rd.LOSS_PLOT)
         write_json(run / rd.LINEAGE, lineage(recipe, stage, data.sources, summary))
     return summary
+
+
+def by_length(rows):
+    """Eval rows longest first: batches of similar length waste less compute on padding, and an
+    out-of-memory error shows at the first batch. Eval metrics are sums, so the order does not matter."""
+    if not hasattr(rows, "select") or "input_ids" not in getattr(rows, "column_names", []):
+        return rows
+    lengths = [len(ids) for ids in rows["input_ids"]]
+    return rows.select(sorted(range(len(lengths)), key=lambda i: -lengths[i]))
 
 
 def lineage(recipe: Recipe, stage: Stage, sources: list[dict], summary: dict) -> dict:

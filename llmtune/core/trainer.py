@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
+from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from llmtune.config import Recipe, RecipeError
 from llmtune.core.stage import Stage
@@ -55,18 +56,41 @@ def accumulation_steps(recipe: Recipe, world: int | None = None) -> int:
     return recipe.train.global_batch_size // per_step
 
 
+def check_precision(recipe: Recipe) -> None:
+    """Refuse precision settings this machine cannot run, before any weights are loaded.
+
+    Raises:
+        RecipeError: fp16 without a CUDA device (fp16 mixed precision needs GPU loss scaling). tf32 is
+            simply ignored without CUDA.
+    """
+    if torch.cuda.is_available():
+        return
+    problems = []
+    if recipe.precision.fp16:
+        problems.append(("precision.fp16", "fp16 mixed precision needs a CUDA GPU; on CPU use precision.bf16: true "
+                         "or fp32 (both off)"))
+    if problems:
+        raise RecipeError(problems)
+
+
 def build_training_args(recipe: Recipe, run_dir: Path, has_eval: bool) -> TrainingArguments:
     """Translate a recipe into ``TrainingArguments`` (checkpoints go to ``run_dir/checkpoints``)."""
     t, p = recipe.train, recipe.precision
     warmup: float = t.warmup_steps if t.warmup_steps else t.warmup_ratio
     if recipe.output.report_to:  # transformers >= 5 reads the TensorBoard directory from the environment
-        os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(run_dir / "tensorboard"))
+        os.environ["TENSORBOARD_LOGGING_DIR"] = str(run_dir / "tensorboard")
     deepspeed = recipe.distributed.deepspeed
     if deepspeed is None and recipe.distributed.zero_stage is not None:
         from llmtune.core.distributed import zero_config
 
         deepspeed = zero_config(recipe.distributed.zero_stage)
+    sampling = {}
+    if t.group_by_length:  # transformers >= 5 names it train_sampling_strategy; older ones group_by_length
+        fields = TrainingArguments.__dataclass_fields__
+        sampling = ({"train_sampling_strategy": "group_by_length"} if "train_sampling_strategy" in fields
+                    else {"group_by_length": True})
     return TrainingArguments(
+        **sampling,
         output_dir=str(run_dir / "checkpoints"),
         per_device_train_batch_size=t.micro_batch_size,
         per_device_eval_batch_size=t.eval_batch_size or t.micro_batch_size,
@@ -98,6 +122,7 @@ def build_training_args(recipe: Recipe, run_dir: Path, has_eval: bool) -> Traini
         report_to=list(recipe.output.report_to) or "none",
         remove_unused_columns=False,
         dataloader_num_workers=t.dataloader_num_workers,
+        dataloader_pin_memory=torch.cuda.is_available(),
         ddp_find_unused_parameters=False,
         average_tokens_across_devices=True,
         deepspeed=deepspeed,
@@ -131,6 +156,15 @@ class CoreTrainer(Trainer):
         self.model_accepts_loss_kwargs = True
 
     # ---- training -------------------------------------------------------------------------------
+    def _get_train_sampler(self, train_dataset=None):
+        """transformers' sampler, except that length grouping is seeded per epoch so that a resumed run
+        replays exactly the order of the interrupted one (the stock LengthGroupedSampler draws from the
+        global RNG, so a resume would skip some rows and repeat others)."""
+        sampler = super()._get_train_sampler(train_dataset)
+        if isinstance(sampler, LengthGroupedSampler):
+            sampler = SeededLengthGroupedSampler.wrap(sampler, seed=self.args.data_seed or self.args.seed)
+        return sampler
+
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
         """Items of the whole optimizer step: summed over its micro-batches and over all ranks."""
         count = sum(self.stage.count_items(b).to(device) for b in batch_samples)
@@ -138,7 +172,9 @@ class CoreTrainer(Trainer):
         if self.args.world_size > 1:
             count = self.accelerator.gather(count.reshape(1)).sum()
         self.trained_tokens += int(count)
-        self.seen_tokens += sum(int(b["attention_mask"].sum()) for b in batch_samples if "attention_mask" in b)
+        self.seen_tokens += sum(  # packed batches carry no attention_mask: every position is a real token
+            int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel() for b in batch_samples
+        )
         return count
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -187,6 +223,24 @@ class CoreTrainer(Trainer):
         preds = preds if isinstance(preds, (tuple, list)) else (preds,)
         stats = {k: np.asarray(v, dtype=np.float64).reshape(-1) for k, v in zip(self.stage.eval_keys, preds)}
         return self.stage.eval_metrics(stats)
+
+
+class SeededLengthGroupedSampler(LengthGroupedSampler):
+    """LengthGroupedSampler whose permutation depends only on (seed, epoch)."""
+
+    @classmethod
+    def wrap(cls, sampler: LengthGroupedSampler, seed: int) -> "SeededLengthGroupedSampler":
+        new = cls.__new__(cls)
+        new.__dict__.update(sampler.__dict__)
+        new.seed, new.epoch = seed, 0
+        return new
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        self.generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return super().__iter__()
 
 
 def peak_memory_gb() -> float:

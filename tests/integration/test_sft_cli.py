@@ -130,3 +130,25 @@ def test_help_exits_zero(command, capsys):
     out = capsys.readouterr().out
     if command in ("sft", "validate"):
         assert "model.name_or_path" in out and "train.global_batch_size" in out and "data.datasets[i].columns" in out
+
+
+def test_validate_reports_bad_rows_and_exits_nonzero(workspace, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+            {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
+            {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": {"k": 1}}]}]
+    bad.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert main(["validate", str(workspace / "recipe.yaml"), f"data.datasets.0.path={bad}", "data.val_size=0"]) == 1
+    err = capsys.readouterr().err
+    assert "row 1" in err and "row 2" in err and str(bad) in err
+
+
+def test_packed_sft_trains_through_the_cli(workspace, tmp_path):
+    out = tmp_path / "packed"
+    assert main(["sft", str(workspace / "recipe.yaml"), f"output.dir={out}", "data.packing=true",
+                 "train.save_steps=null", "data.val_size=0", "output.report_to=[tensorboard]"]) == 0
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    report = json.loads((out / "data_report.json").read_text())
+    assert report["packing"] is True and report["train_sequences"] < report["train_rows"]
+    records = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+    assert len(records) == 2 and all(r["loss"] > 0 and r["tokens_per_s"] > 0 for r in records)
