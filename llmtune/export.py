@@ -20,8 +20,11 @@ from llmtune.utils import get_logger, setup_logging, write_json
 log = get_logger("export")
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# max |merged - adapter| <= atol + rtol * max |adapter logits|, per output dtype.
-TOLERANCE = {"fp32": (1e-4, 0.0), "fp16": (1e-2, 1e-2), "bf16": (5e-2, 4e-2)}
+# max |merged - adapter| <= atol + rtol * max |adapter logits|, per output dtype. For fp32 the merge itself
+# is one rounding per weight; what remains is fp32 accumulation noise of two different computation orders
+# (x W + s (x A) B vs x (W + s B A)), which grows with the logit scale and depth: measured 9.7e-5 at
+# max |logit| 43 on SmolLM2-135M (30 layers). Wrong merges (lost scaling, heads, tied weights) are >= 1e-2.
+TOLERANCE = {"fp32": (1e-4, 1e-6), "fp16": (1e-2, 1e-2), "bf16": (5e-2, 4e-2)}
 SAMPLE_PROMPTS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
     "How many clips did Natalia sell altogether in April and May?",

@@ -31,9 +31,6 @@ class ModelConfig(Section):
         description="Base model: a local HF directory, a hub id (needs network), a .gguf file, "
         "or builtin:smollm2-135m-instruct (the embedded default).",
     )
-    from_run: str | None = Field(
-        None, description="Start from an earlier run directory: its base model and adapters (lineage)."
-    )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) for hub ids.")
     dtype: Literal["auto", "fp32", "fp16", "bf16"] = Field(
         "auto",
@@ -186,15 +183,11 @@ class PrecisionConfig(Section):
 
 
 class DistributedConfig(Section):
-    """Data parallel / DeepSpeed settings (single process by default)."""
+    """DeepSpeed ZeRO settings (the multi-process launcher options come with the ZeRO work; runs are
+    single-process today)."""
 
     deepspeed: str | None = Field(None, description="Path to a DeepSpeed JSON config (\"auto\" values filled from the recipe).")
     zero_stage: Literal[0, 1, 2, 3] | None = Field(None, description="DeepSpeed ZeRO stage when no config file is given.")
-    nproc_per_node: int = Field(1, ge=1, description="Processes per node (re-launches through torchrun when > 1).")
-    nnodes: int = Field(1, ge=1, description="Number of nodes.")
-    node_rank: int = Field(0, ge=0, description="Rank of this node.")
-    master_addr: str = Field("127.0.0.1", description="Address of node 0.")
-    master_port: int = Field(29500, ge=1, le=65535, description="Port of node 0.")
 
 
 class OutputConfig(Section):

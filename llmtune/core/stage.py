@@ -50,6 +50,13 @@ class Stage:
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
 
+    @staticmethod
+    def logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(B, T, V) logits of a batch. ``use_cache=False`` is required: with a cache, transformers does not
+        isolate packed rows (it detects them from ``position_ids`` only without mask and cache)."""
+        inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
+        return model(**inputs, use_cache=False).logits
+
     def build_data(self, tokenizer, base_dir: str) -> StageData:
         """Read, validate and tokenize the recipe's data. Raises ``DataError`` on bad input."""
         raise NotImplementedError

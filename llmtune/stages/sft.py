@@ -8,7 +8,6 @@ split into micro-batches (transformers #34191).
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from llmtune.core.ops import causal_lm_loss_sum, count_trained_tokens, per_sequence_loss_sum
 from llmtune.core.stage import Stage, StageData
@@ -31,16 +30,12 @@ class SFTStage(Stage):
     def count_items(self, batch):
         return count_trained_tokens(batch["labels"])
 
-    def _logits(self, model, batch) -> torch.Tensor:
-        inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
-        return model(**inputs, use_cache=False).logits  # (B, T, V)
-
     def loss(self, model, batch, num_items):
-        loss_sum, _ = causal_lm_loss_sum(self._logits(model, batch), batch["labels"])
+        loss_sum, _ = causal_lm_loss_sum(self.logits(model, batch), batch["labels"])
         return loss_sum / num_items, {}
 
     def eval_stats(self, model, batch):
-        loss_sum, n_tokens = per_sequence_loss_sum(self._logits(model, batch), batch["labels"])
+        loss_sum, n_tokens = per_sequence_loss_sum(self.logits(model, batch), batch["labels"])
         return {"loss_sum": loss_sum, "n_tokens": n_tokens}
 
     def eval_metrics(self, stats: dict[str, np.ndarray]) -> dict[str, float]:

@@ -152,3 +152,20 @@ def test_packed_sft_trains_through_the_cli(workspace, tmp_path):
     assert report["packing"] is True and report["train_sequences"] < report["train_rows"]
     records = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
     assert len(records) == 2 and all(r["loss"] > 0 and r["tokens_per_s"] > 0 for r in records)
+
+
+def test_export_bf16_casts_once_from_fp32_merge(workspace, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "bf16"
+    assert main(["export", str(workspace / "run"), "--dtype", "bf16", "--out", str(out)]) == 0
+    report = json.loads((out / "verification.json").read_text())
+    assert report["passed"] and report["dtype"] == "bf16"
+    weights = load_file(str(out / "model.safetensors"))
+    q = weights["model.layers.0.self_attn.q_proj.weight"]
+    assert q.dtype == torch.bfloat16
+    base = AutoModelForCausalLM.from_pretrained(workspace / "model", dtype=torch.float32)
+    layer = PeftModel.from_pretrained(base, workspace / "run" / "adapter").base_model.model.model.layers[0].self_attn.q_proj
+    fp32 = layer.base_layer.weight + layer.scaling["default"] * layer.lora_B["default"].weight @ layer.lora_A["default"].weight
+    assert torch.equal(q, fp32.detach().to(torch.bfloat16))  # merged in fp32, rounded once
