@@ -1,14 +1,19 @@
-"""``llmtune export``: merge a run's adapter into its base, save, reload and verify.
+"""``llmtune export``: merge a run's adapter chain into its base, save, reload and verify.
 
-Merge arithmetic is done in fp32 on an unquantized fp32 copy of the base and cast ONCE to the output
-dtype (bf16 merges drift: torchtune #1101), so every merged weight equals
-``round_to_dtype(W + scale * B @ A)`` computed in fp32. The saved model is then reloaded with
-``AutoModelForCausalLM`` and its logits compared with the adapter model's on sample prompts.
+The chain is the run's ``previous_adapters`` (from ``model.from_run``, oldest first, in ``lineage.json``) followed
+by its own adapter. Merge arithmetic is done in fp32 on an unquantized fp32 copy of the base and cast ONCE to the
+output dtype (bf16 merges drift: torchtune #1101), so every merged weight equals ``round_to_dtype(W + scale * B @ A)``
+computed in fp32. The saved model is then reloaded with the plain ``Auto*`` class of its head and compared with
+the adapter model on sample prompts: logits for a causal LM (``AutoModelForCausalLM``); for a reward model
+(``model_head: score``) the one score per sequence (``AutoModelForSequenceClassification``, which must find every
+weight, the trained head included: trl #368 lost the head by saving an RM as a causal LM).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import json
 
 import torch
 import yaml
@@ -66,30 +71,49 @@ def sample_inputs(tokenizer, max_prompts: int = 3) -> list[torch.Tensor]:
     return out
 
 
+def auto_class(head: str):
+    """The plain transformers class a merged model of this head reloads with."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification if head == "score" else AutoModelForCausalLM
+
+
 @torch.no_grad()
-def _logits(model, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+def _outputs(model, inputs: list[torch.Tensor], head: str) -> list[torch.Tensor]:
+    """Per prompt: (1, T, V) fp32 logits of a causal LM, or the (1,) fp32 score read at the last token."""
+    from llmtune.models import sequence_scores
+
     model.eval()
+    if head == "score":
+        return [sequence_scores(model, x, torch.ones_like(x)) for x in inputs]
     return [model(input_ids=x).logits.float() for x in inputs]
 
 
-def merge_adapter(run_dir: Path, recipe: Recipe):
-    """Base (fp32, unquantized) + the run's adapter -> ``(peft_model, tokenizer)``; nothing merged yet."""
+def merge_adapter(run_dir: Path, recipe: Recipe, lineage: dict | None = None):
+    """Base (fp32, unquantized) with the earlier adapters merged + the run's adapter -> ``(peft_model, tokenizer)``;
+    the run's own adapter is not merged yet. ``lineage`` defaults to the run's ``lineage.json``."""
     from peft import PeftModel
     from transformers import AutoTokenizer
 
     from llmtune.config import PrecisionConfig
-    from llmtune.models import load_model
+    from llmtune.models import load_model_with_chain
 
+    if lineage is None:
+        lineage = json.loads((run_dir / rd.LINEAGE).read_text())
+    head = lineage.get("model_head", "causal_lm")
     adapter_dir = run_dir / rd.ADAPTER
     tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
     if recipe.adapter.type == "none":  # full fine-tuning: the adapter dir is the whole model
-        from transformers import AutoModelForCausalLM
-
-        return AutoModelForCausalLM.from_pretrained(adapter_dir, dtype=torch.float32), tokenizer
+        return auto_class(head).from_pretrained(adapter_dir, dtype=torch.float32), tokenizer
     base_cfg = recipe.model.model_copy(update={"load_in_4bit": False, "load_in_8bit": False, "dtype": "fp32"})
     if recipe.model.load_in_4bit or recipe.model.load_in_8bit:
         log.warning("the run trained on a quantized base; merging into the unquantized fp32 base weights")
-    base = load_model(base_cfg, PrecisionConfig())
+    chain = lineage.get("previous_adapters", [])
+    for entry in chain:
+        log.info("merging the earlier %s adapter %s", entry.get("stage"), entry["path"])
+    base = load_model_with_chain(base_cfg, PrecisionConfig(), chain, head=head, dtype=torch.float32)
+    if head == "score" and base.config.pad_token_id is None:
+        base.config.pad_token_id = tokenizer.pad_token_id
     return PeftModel.from_pretrained(base, adapter_dir, is_trainable=False), tokenizer
 
 
@@ -104,60 +128,81 @@ def export_run(run_dir: str | Path, dtype: str = "auto", out_dir: str | Path | N
         max_shard_size: largest safetensors shard.
 
     Returns:
-        The verification report (``passed``, ``max_abs_diff``, ``tolerance``, ``argmax_agreement``, ...).
+        The verification report (``passed``, ``max_abs_diff``, ``tolerance``, ``argmax_agreement``, ...). For a
+        reward model: ``newly_initialized`` (weights the plain reload had to initialise; must be empty) and
+        ``hf_max_abs_diff`` (the reload's own ``forward`` scores vs the adapter model's).
 
     Raises:
         ExportError: the run is not finished.
     """
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
     setup_logging()
     run_dir = Path(run_dir)
     recipe = load_run_recipe(run_dir)
+    lineage = json.loads((run_dir / rd.LINEAGE).read_text())
+    head = lineage.get("model_head", "causal_lm")
     if dtype == "auto":
         dtype = "bf16" if recipe.precision.bf16 else "fp16" if recipe.precision.fp16 else "fp32"
     out = Path(out_dir) if out_dir else run_dir / "merged"
-    model, tokenizer = merge_adapter(run_dir, recipe)
+    model, tokenizer = merge_adapter(run_dir, recipe, lineage)
     inputs = sample_inputs(tokenizer)
-    reference = _logits(model, inputs)  # adapter model, fp32, unmerged
+    reference = _outputs(model, inputs, head)  # adapter model, fp32, unmerged
     merged = model.merge_and_unload() if hasattr(model, "merge_and_unload") else model  # fp32 arithmetic
     merged = merged.to(DTYPES[dtype])  # the one cast
     merged.config.use_cache = True
     out.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
     tokenizer.save_pretrained(out)
+    if head == "causal_lm":
+        _save_generation_config(merged, tokenizer, out)
+
+    reloaded, info = auto_class(head).from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    got = _outputs(reloaded, inputs, head)
+    max_diff = max(float((a - b).abs().max()) for a, b in zip(got, reference))
+    scale = max(float(r.abs().max()) for r in reference)
+    atol, rtol = TOLERANCE[dtype]
+    tolerance = atol + rtol * scale
+    report = {
+        "run_dir": str(run_dir),
+        "out_dir": str(out),
+        "model_head": head,
+        "merged_adapters": [e["path"] for e in lineage.get("previous_adapters", [])] + [str(run_dir / rd.ADAPTER)],
+        "dtype": dtype,
+        "max_abs_diff": max_diff,
+        "max_abs_logit": scale,
+        "tolerance": tolerance,
+        "passed": max_diff <= tolerance,
+        "compared": "reloaded merged model (fp32 compute) vs base + adapter (fp32), sample prompts with the chat template",
+    }
+    if head == "causal_lm":
+        agree = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(got, reference))
+        total = sum(r.shape[1] for r in reference)
+        report.update(argmax_agreement=agree / total, positions=total)
+        summary = f"max |logit diff| {max_diff:.3g} (tolerance {tolerance:.3g}), argmax agreement {agree / total:.4f}"
+    else:  # plain transformers use of the export: every weight found, its own forward gives the same scores
+        with torch.no_grad():
+            hf = [reloaded(input_ids=x).logits[:, 0].float() for x in inputs]
+        hf_diff = max(float((a - b).abs().max()) for a, b in zip(hf, reference))
+        report.update(newly_initialized=sorted(info.get("missing_keys", [])), hf_max_abs_diff=hf_diff,
+                      scores=[float(r[0]) for r in reference])
+        report["passed"] = report["passed"] and not report["newly_initialized"] and hf_diff <= tolerance
+        summary = (f"max |score diff| {max_diff:.3g}, plain-transformers forward {hf_diff:.3g} (tolerance "
+                   f"{tolerance:.3g}), newly initialised weights: {report['newly_initialized'] or 'none'}")
+    write_json(out / "verification.json", report)
+    level = log.info if report["passed"] else log.error
+    level("export %s: %s -> %s", out, summary, "PASSED" if report["passed"] else "FAILED")
+    return report
+
+
+def _save_generation_config(merged, tokenizer, out: Path) -> None:
+    """Generation config that stops at every EOS of the model and the tokenizer, with the tokenizer's pad id."""
+    from transformers import GenerationConfig
+
     gen = merged.generation_config if merged.generation_config is not None else GenerationConfig()
     eos_ids = {i for i in _as_list(gen.eos_token_id) + _as_list(merged.config.eos_token_id) if i is not None}
     eos_ids.add(tokenizer.eos_token_id)
     gen.eos_token_id = sorted(eos_ids)
     gen.pad_token_id = tokenizer.pad_token_id
     gen.save_pretrained(out)
-
-    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    got = _logits(reloaded, inputs)
-    max_diff = max(float((a - b).abs().max()) for a, b in zip(got, reference))
-    scale = max(float(r.abs().max()) for r in reference)
-    atol, rtol = TOLERANCE[dtype]
-    tolerance = atol + rtol * scale
-    agree = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(got, reference))
-    total = sum(r.shape[1] for r in reference)
-    report = {
-        "run_dir": str(run_dir),
-        "out_dir": str(out),
-        "dtype": dtype,
-        "max_abs_diff": max_diff,
-        "max_abs_logit": scale,
-        "tolerance": tolerance,
-        "argmax_agreement": agree / total,
-        "positions": total,
-        "passed": max_diff <= tolerance,
-        "compared": "reloaded merged model (fp32 compute) vs base + adapter (fp32), sample prompts with the chat template",
-    }
-    write_json(out / "verification.json", report)
-    level = log.info if report["passed"] else log.error
-    level("export %s: max |logit diff| %.3g (tolerance %.3g), argmax agreement %.4f -> %s",
-          out, max_diff, tolerance, report["argmax_agreement"], "PASSED" if report["passed"] else "FAILED")
-    return report
 
 
 def _as_list(value) -> list:

@@ -23,7 +23,6 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
     from llmtune.config.load import read_yaml
     from llmtune.core.runner import prepare_tokenizer
     from llmtune.core.trainer import accumulation_steps, world_size
-    from llmtune.data import render_labels
     from llmtune.models import resolve_model_source
     from llmtune.stages import STAGES
 
@@ -32,10 +31,12 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
     stage_name = stage or declared or "sft"
     recipe = load_recipe(recipe_path, overrides, stage=stage_name)
     console.print(f"[bold]recipe[/bold] {recipe_path}: valid ({stage_name})")
+    recipe = _inherit(recipe, console)
     source = resolve_model_source(recipe.model, convert=False)
     console.print(f"model: {recipe.model.name_or_path} ({source.kind})")
     tokenizer = prepare_tokenizer(recipe)
-    data = STAGES[stage_name](recipe).build_data(tokenizer, ".")
+    stage_obj = STAGES[stage_name](recipe)
+    data = stage_obj.build_data(tokenizer, ".")
     console.print(data.report.summary())
 
     n_train = len(data.train)
@@ -53,6 +54,30 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
     index = min(max(example, 0), n_train - 1)
     row = data.train[index]
     console.print(f"\n[bold]training row {index}[/bold] (trained tokens between «»):")
-    console.print(render_labels(row["input_ids"], row["labels"], tokenizer), markup=False)
+    console.print(stage_obj.render_example(row, tokenizer), markup=False)
     sys.stdout.flush()
     return 0
+
+
+def _inherit(recipe, console):
+    """Apply ``model.from_run`` when that run is finished (printing what is inherited); else say that it must be."""
+    from pathlib import Path
+
+    from llmtune.models import inherit_from_run
+
+    run = recipe.model.from_run
+    if not run:
+        return recipe
+    if not (Path(run) / "lineage.json").is_file():
+        console.print(f"[yellow]model.from_run: {run} is not a finished run yet[/yellow]; it must be before training "
+                      f"(checking the data with model.name_or_path {recipe.model.name_or_path})")
+        return recipe
+    inherited, chain = inherit_from_run(recipe, ".")
+    before, after = recipe.model_dump(), inherited.model_dump()
+    for section in ("model", "data"):
+        for key, value in after[section].items():
+            if value != before[section][key]:
+                console.print(f"from_run {run}: {section}.{key} = {value!r} (inherited)")
+    for entry in chain:
+        console.print(f"from_run {run}: merges the {entry['stage']} adapter {entry['path']} before training")
+    return inherited

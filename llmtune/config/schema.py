@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Section(BaseModel):
@@ -30,6 +30,12 @@ class ModelConfig(Section):
         "builtin:smollm2-135m-instruct",
         description="Base model: a local HF directory, a hub id (needs network), a .gguf file, "
         "or builtin:smollm2-135m-instruct (the embedded default).",
+    )
+    from_run: str | None = Field(
+        None,
+        description="Start from an earlier finished run directory (e.g. runs/sft): its base model, chat template and "
+        "adapter chain (lineage.json) are inherited; the earlier adapters are merged into the base in fp32 before "
+        "this stage's new adapter is attached. An explicit name_or_path overrides the recorded base (logged).",
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) for hub ids.")
     dtype: Literal["auto", "fp32", "fp16", "bf16"] = Field(
@@ -60,8 +66,14 @@ class DatasetConfig(Section):
         description="Local .json/.jsonl/.parquet/.csv file, a datasets save_to_disk directory, a hub dataset "
         "name (needs network), builtin:gsm8k or builtin:sharegpt.",
     )
-    format: Literal["auto", "alpaca", "sharegpt", "messages", "text", "prompt_completion"] = Field(
-        "auto", description="Row format; auto detects it from the columns of the first row."
+    format: Literal[
+        "auto", "alpaca", "sharegpt", "messages", "text", "prompt_completion", "preference", "preference_messages", "hh"
+    ] = Field(
+        "auto",
+        description="Row format; auto detects it from the columns of the first row. SFT: alpaca, sharegpt, messages, "
+        "text, prompt_completion. Preference pairs (rm, dpo): preference ({prompt, chosen, rejected} strings), "
+        "preference_messages ({chosen, rejected} message lists sharing a prompt prefix, optional prompt), "
+        "hh (HH-RLHF transcripts; prompt = text before the last Assistant turn).",
     )
     columns: dict[str, str] = Field(
         default_factory=dict,
@@ -113,6 +125,19 @@ class DataConfig(Section):
     )
     seed: int = Field(42, description="Seed for mixing, shuffling and the validation split.")
     num_proc: int | None = Field(None, ge=1, description="Processes for tokenization (default: one).")
+    max_prompt_length: int | None = Field(
+        None,
+        ge=1,
+        description="Preference pairs (rm, dpo): cut prompts to at most this many tokens (truncation_mode picks the "
+        "end kept); must be < max_length. null = prompts are not cut, and a pair whose prompt leaves no completion "
+        "token within max_length is dropped and counted.",
+    )
+    truncation_mode: Literal["keep_end", "keep_start"] = Field(
+        "keep_end",
+        description="Preference pairs: which end of a prompt longer than max_prompt_length is kept: keep_end (the "
+        "last turns and the generation prompt, as TRL; the BOS stays first) or keep_start. Completions are always "
+        "cut at their end.",
+    )
 
 
 class AdapterConfig(Section):
@@ -190,6 +215,47 @@ class DistributedConfig(Section):
     zero_stage: Literal[0, 1, 2, 3] | None = Field(None, description="DeepSpeed ZeRO stage when no config file is given.")
 
 
+class RMConfig(Section):
+    """Reward modeling (`llmtune rm`): Bradley-Terry loss on the score of the last real token."""
+
+    margin: float = Field(
+        0.0, description="Constant margin m in -log sigmoid(r_chosen - r_rejected - m), in reward units (0 = plain "
+        "Bradley-Terry)."
+    )
+    center_rewards_coef: float = Field(
+        0.0, ge=0, description="Weight c of the reward-centering term c * mean((r_chosen + r_rejected)^2) that keeps "
+        "scores near zero (Eisenstein et al. 2023); 0 = off, 0.01 is typical."
+    )
+
+
+class DPOConfig(Section):
+    """Direct preference optimization (`llmtune dpo`); the reference is the policy with its adapter disabled."""
+
+    beta: float = Field(0.1, gt=0, description="Strength beta of the implicit KL penalty (higher = stay closer to "
+                        "the reference); rewards are beta * (logp - ref_logp).")
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = Field(
+        "sigmoid", description="sigmoid = DPO (Rafailov et al. 2023; cDPO with label_smoothing), ipo (Azar et al. "
+        "2023), hinge (SLiC, Zhao et al. 2023), robust = rDPO (Chowdhury et al. 2024; needs label_smoothing > 0)."
+    )
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="Assumed probability epsilon in [0, 0.5) that a pair's preference label is "
+        "flipped (sigmoid: cDPO, Mitchell 2023; robust: rDPO). Not used by ipo/hinge."
+    )
+    precompute_ref_logps: bool = Field(
+        False, description="Compute the reference log-probs of every train/eval pair once before training and store "
+        "them with the rows (no reference forward per step; needed for adapter.type: none)."
+    )
+
+    @model_validator(mode="after")
+    def _smoothing_applies(self):
+        if self.label_smoothing > 0 and self.loss_type in ("ipo", "hinge"):
+            raise ValueError(f"label_smoothing applies to loss_type sigmoid or robust, not {self.loss_type}; "
+                             "set dpo.label_smoothing: 0")
+        if self.loss_type == "robust" and self.label_smoothing == 0:
+            raise ValueError("loss_type robust needs label_smoothing in (0, 0.5) (the assumed label-flip rate)")
+        return self
+
+
 class OutputConfig(Section):
     """Where the run directory goes and what is logged."""
 
@@ -213,6 +279,8 @@ class Recipe(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    rm: RMConfig = Field(default_factory=RMConfig)
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
 
 

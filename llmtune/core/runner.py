@@ -25,7 +25,14 @@ from llmtune.core.trainer import (
     early_stopping,
     world_size,
 )
-from llmtune.models import attach_adapter, count_parameters, load_model, load_tokenizer, resolve_model_source
+from llmtune.models import (
+    attach_adapter,
+    count_parameters,
+    inherit_from_run,
+    load_model_with_chain,
+    load_tokenizer,
+    resolve_model_source,
+)
 from llmtune.utils import get_logger, is_main_process, setup_logging, write_json
 
 log = get_logger("runner")
@@ -55,10 +62,11 @@ def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
     Raises:
         RecipeError: run-dir conflicts or a bad ``resume_from``.
         DataError: bad input rows (policy ``error``) or no usable rows.
-        ModelLoadError: the base model cannot be loaded.
+        ModelLoadError: the base model cannot be loaded; ``model.from_run`` names an unfinished run.
     """
     setup_logging()
-    recipe = stage.recipe
+    recipe, chain = inherit_from_run(stage.recipe, base_dir)  # model.from_run: base, chat template, adapter chain
+    stage.recipe = recipe
     t0 = time.perf_counter()
     check_precision(recipe)
     run = rd.RunDir(Path(recipe.output.dir))
@@ -76,7 +84,7 @@ def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
         data.report.save(run / rd.DATA_REPORT)
     log.info("data:\n%s", data.report.summary())
 
-    model = load_model(recipe.model, recipe.precision)
+    model = load_model_with_chain(recipe.model, recipe.precision, chain, head=stage.model_head)
     model = stage.prepare_model(model, tokenizer)
     quantized = recipe.model.load_in_4bit or recipe.model.load_in_8bit
     model = attach_adapter(
@@ -102,6 +110,10 @@ def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
         callbacks=[MetricsJsonlCallback(run / rd.METRICS), *(early_stopping(recipe) if has_eval else [])],
         stage=stage,
     )
+    prepared = stage.prepare_data(trainer, data)
+    if prepared is not data:
+        data, trainer.train_dataset = prepared, prepared.train
+        trainer.eval_dataset = by_length(prepared.eval) if has_eval else None
     eval_before = trainer.evaluate() if has_eval and recipe.train.eval_at_start and not resume else None
     result = trainer.train(resume_from_checkpoint=str(resume_ckpt) if resume_ckpt else None)
     eval_after = trainer.evaluate() if has_eval else None
@@ -127,28 +139,32 @@ def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
             verify_saved_adapter(adapter_dir, model)
         if recipe.output.plot:
             plot_losses(run / rd.METRICS, run / rd.LOSS_PLOT)
-        write_json(run / rd.LINEAGE, lineage(recipe, stage, data.sources, summary))
+        write_json(run / rd.LINEAGE, lineage(recipe, stage, data.sources, summary, chain))
     return summary
 
 
 def by_length(rows):
     """Eval rows longest first: batches of similar length waste less compute on padding, and an
     out-of-memory error shows at the first batch. Eval metrics are sums, so the order does not matter."""
-    if not hasattr(rows, "select") or "input_ids" not in getattr(rows, "column_names", []):
+    columns = getattr(rows, "column_names", [])
+    if not hasattr(rows, "select") or not {"length", "input_ids"} & set(columns):
         return rows
-    lengths = [len(ids) for ids in rows["input_ids"]]
+    lengths = rows["length"] if "length" in columns else [len(ids) for ids in rows["input_ids"]]
     return rows.select(sorted(range(len(lengths)), key=lambda i: -lengths[i]))
 
 
-def lineage(recipe: Recipe, stage: Stage, sources: list[dict], summary: dict) -> dict:
-    """What this run was made from: base model, earlier adapters, data with hashes, final metrics."""
+def lineage(recipe: Recipe, stage: Stage, sources: list[dict], summary: dict, chain: list[dict] = ()) -> dict:
+    """What this run was made from: base model, earlier adapters (``chain``, oldest first, merged into the base
+    before this run's adapter), the model head, data with hashes, final metrics."""
     source = resolve_model_source(recipe.model)
     return {
         "llmtune_version": __version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "stage": stage.name,
         "base_model": {"name_or_path": recipe.model.name_or_path, "kind": source.kind, "path": str(source.path)},
-        "previous_adapters": [],
+        "from_run": recipe.model.from_run,
+        "previous_adapters": list(chain),
+        "model_head": stage.model_head,
         "adapter": rd.ADAPTER,
         "adapter_type": recipe.adapter.type,
         "data": sources,

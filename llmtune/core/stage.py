@@ -46,6 +46,8 @@ class Stage:
 
     name: ClassVar[str] = ""
     data_kind: ClassVar[str] = ""
+    # Head the core loads the base with (llmtune.models.HEADS): causal_lm, or score (one scalar: reward/value).
+    model_head: ClassVar[str] = "causal_lm"
 
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
@@ -64,6 +66,20 @@ class Stage:
     def prepare_model(self, model: torch.nn.Module, tokenizer) -> torch.nn.Module:
         """Add what the stage needs on the base before the adapter (heads); default: nothing."""
         return model
+
+    def prepare_data(self, trainer: Any, data: StageData) -> StageData:
+        """Last changes to the data that need the model, once before training (DPO: reference log-probs).
+
+        Called with the constructed trainer (model on its device, ``trainer.accelerator`` for autocast);
+        default: nothing.
+        """
+        return data
+
+    def render_example(self, row: dict, tokenizer) -> str:
+        """One tokenized row as text with its trained tokens marked (for ``llmtune validate``)."""
+        from llmtune.data import render_labels
+
+        return render_labels(row["input_ids"], row["labels"], tokenizer)
 
     def count_items(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Items in this micro-batch that the loss averages over (scalar tensor)."""
@@ -85,3 +101,64 @@ class Stage:
 
     # Keys of eval_stats in a fixed order (the Trainer moves tuples, not dicts, between ranks).
     eval_keys: ClassVar[tuple[str, ...]] = ()
+
+
+class PairwiseStage(Stage):
+    """Base of the stages trained on preference pairs (RM, DPO): their data, batches and item count.
+
+    Rows hold ``chosen_input_ids``/``chosen_labels``/``rejected_input_ids``/``rejected_labels`` with an identical
+    prompt prefix (labels -100 on the prompt), plus ``length`` = the longer side (for length grouping). A batch
+    of B pairs is ``input_ids``/``attention_mask``/``labels`` of shape (2B, T): rows 0..B-1 chosen, B..2B-1
+    rejected, right-padded; float columns of the rows (``ref_chosen_logps`` ...) come along as (B,) tensors.
+    The loss is averaged over pairs: ``count_items`` = B.
+    """
+
+    data_kind = "pairwise"
+
+    def build_data(self, tokenizer, base_dir: str) -> StageData:
+        from llmtune.data import PreferenceCollator, build_preference_data
+
+        data = build_preference_data(self.recipe.data, tokenizer, base_dir=base_dir)
+        train, evals = with_pair_length(data.train), with_pair_length(data.eval)
+        return StageData(train, evals, data.report, PairCollator(PreferenceCollator(tokenizer)),
+                         data.report.sources_lineage())
+
+    def count_items(self, batch):
+        return torch.tensor(batch["input_ids"].shape[0] // 2)
+
+    def render_example(self, row: dict, tokenizer) -> str:
+        from llmtune.data import render_pair
+
+        return render_pair(row, tokenizer)
+
+    @staticmethod
+    def halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Split a (2B, ...) tensor into its chosen and rejected halves, each (B, ...)."""
+        n = x.shape[0] // 2
+        return x[:n], x[n:]
+
+
+PAIR_FLOATS = ("ref_chosen_logps", "ref_rejected_logps")  # per-pair values some stages store with the rows
+
+
+class PairCollator:
+    """A preference collator (``llmtune.data.PreferenceCollator``: ignores other row keys) plus the rows'
+    per-pair floats (``ref_chosen_logps``, ``ref_rejected_logps``) as (B,) fp32 tensors."""
+
+    def __init__(self, collator: Callable[[list[dict]], dict[str, torch.Tensor]]):
+        self.collator = collator
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        batch = self.collator(rows)
+        for key in PAIR_FLOATS:
+            if key in rows[0]:
+                batch[key] = torch.tensor([float(r[key]) for r in rows], dtype=torch.float32)
+        return batch
+
+
+def with_pair_length(rows):
+    """Add ``length`` = max(chosen, rejected) tokens to pair rows (a ``datasets.Dataset``) for length grouping."""
+    if rows is None or not hasattr(rows, "add_column") or "length" in rows.column_names:
+        return rows
+    lengths = [max(len(c), len(r)) for c, r in zip(rows["chosen_input_ids"], rows["rejected_input_ids"])]
+    return rows.add_column("length", lengths)

@@ -84,3 +84,43 @@ class SFTCollator:
         else:
             batch["attention_mask"] = attention_mask
         return batch
+
+
+class PreferenceCollator:
+    """Stack chosen and rejected sequences of preference pairs into one right-padded batch.
+
+    Rows ``0..B-1`` of the batch are the chosen sequences and rows ``B..2B-1`` the rejected ones, in the
+    order of the pairs, padded to one common T (one forward pass for both, as DPO/RM stages need).
+    Padding is found by position (each sequence's own length, kept in ``attention_mask``), never by
+    comparing ids: SmolLM2's pad token equals its EOS (trl #976).
+
+    Args:
+        tokenizer: gives ``pad_token_id`` (fallbacks as :class:`SFTCollator`).
+        pad_to_multiple_of: round T up to a multiple of this; None = no rounding.
+    """
+
+    def __init__(self, tokenizer, pad_to_multiple_of: int | None = None):
+        self.pad = SFTCollator(tokenizer, pad_to_multiple_of)
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """Collate pairs into a batch.
+
+        Args:
+            rows: B pairs, each with ``chosen_input_ids``/``chosen_labels`` and ``rejected_input_ids``/
+                ``rejected_labels`` (lists or 1-D tensors); other keys (``prompt_length``) are ignored.
+
+        Returns:
+            ``input_ids`` (2B, T), ``attention_mask`` (2B, T) (1 = real token) and ``labels`` (2B, T)
+            (-100 on the prompt and on padding), all long.
+
+        Raises:
+            ValueError: empty batch, or a sequence whose labels and ids differ in length.
+        """
+        if not rows:
+            raise ValueError("PreferenceCollator got an empty batch")
+        seqs = [
+            {"input_ids": r[f"{side}_input_ids"], "labels": r[f"{side}_labels"]}
+            for side in ("chosen", "rejected")
+            for r in rows
+        ]
+        return self.pad(seqs)

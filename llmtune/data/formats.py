@@ -7,9 +7,13 @@ Canonical rows (plain dicts, so they can be stored as JSON or Arrow):
 * text: ``{"text": str}``;
 * prompt/completion: ``{"prompt": str, "completion": str}`` (raw strings, no chat template).
 
-Later data kinds reuse the same sources and report: preference rows will be
-``{"prompt": messages, "chosen": messages, "rejected": messages}`` and prompt-only rows
-``{"prompt": messages}``.
+* preference: ``{"prompt": str | messages, "chosen": str, "rejected": str}``: the prompt (a raw string, or
+  messages ending with a user turn) shared by both completions; ``chosen``/``rejected`` are the final
+  assistant texts (formats preference, preference_messages, hh; see :func:`to_canonical` with
+  ``kind="preference"``). An empty completion is kept (with a chat template it still renders the
+  end-of-turn token: "say nothing" is a legitimate preferred answer in HH-RLHF).
+
+Later data kinds reuse the same sources and report: prompt-only rows will be ``{"prompt": messages}``.
 
 Column names are mapped with ``DatasetConfig.columns`` (canonical field -> column in the file); the
 canonical fields of each format are listed in ``FORMAT_FIELDS``. An adapter raises
@@ -18,6 +22,7 @@ canonical fields of each format are listed in ``FORMAT_FIELDS``. An adapter rais
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from typing import Any, Callable
 
@@ -31,6 +36,12 @@ FORMAT_FIELDS: dict[str, dict[str, str]] = {
     "messages": {"messages": "messages", "role": "role", "content": "content", "system": "system"},
     "text": {"text": "text"},
     "prompt_completion": {"prompt": "prompt", "completion": "completion"},
+    "preference": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "system": "system"},
+    "preference_messages": {
+        "prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "role": "role", "content": "content",
+        "system": "system",
+    },
+    "hh": {"chosen": "chosen", "rejected": "rejected"},
 }
 REQUIRED: dict[str, tuple[str, ...]] = {
     "alpaca": ("instruction", "output"),
@@ -38,7 +49,15 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "messages": ("messages",),
     "text": ("text",),
     "prompt_completion": ("prompt", "completion"),
+    "preference": ("prompt", "chosen", "rejected"),
+    "preference_messages": ("chosen", "rejected"),
+    "hh": ("chosen", "rejected"),
 }
+KIND_FORMATS: dict[str, tuple[str, ...]] = {
+    "sft": ("alpaca", "sharegpt", "messages", "text", "prompt_completion"),
+    "preference": ("preference", "preference_messages", "hh"),
+}
+KIND_NAMES = {"sft": "SFT rows", "preference": "preference pairs"}
 ROLE_ALIASES: dict[str, str] = {
     "system": "system",
     "user": "user", "human": "user",
@@ -46,6 +65,11 @@ ROLE_ALIASES: dict[str, str] = {
     "model": "assistant",
 }
 ORDER = "roles out of order"
+PROMPT_MISMATCH = "prompt mismatch"
+SAME_PAIR = "chosen equals rejected"
+HH_ASSISTANT = "\n\nAssistant:"
+_HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+HH_ROLES = {"Human": "user", "Assistant": "assistant"}
 _JSON_TYPE = {
     dict: "an object", list: "an array", int: "a number", float: "a number", bool: "a boolean", type(None): "null",
 }
@@ -77,11 +101,12 @@ def resolve_columns(fmt: str, ds: DatasetConfig, key: str, builtin: dict[str, st
     return {**fields, **(builtin or {}), **ds.columns}
 
 
-def detect_format(raw: RawSource, ds: DatasetConfig, key: str) -> str:
-    """Pick the format from the first row's columns (after the recipe's column mapping).
+def detect_format(raw: RawSource, ds: DatasetConfig, key: str, kind: str = "sft") -> str:
+    """Pick the format of ``kind`` (``sft`` or ``preference``) from the first row's columns (after the
+    recipe's column mapping).
 
     Raises:
-        DataError: the first row is not an object, or matches no format.
+        DataError: the first row is not an object, or matches no format of ``kind``.
     """
     first = next(iter(raw.rows), None)
     if first is None:
@@ -90,6 +115,8 @@ def detect_format(raw: RawSource, ds: DatasetConfig, key: str) -> str:
         raise DataError(
             f"{raw.path} row {raw.row_ids[0]} is {_type_name(first)}; expected an object with named fields."
         )
+    if kind == "preference":
+        return _detect_preference(first, raw, ds, key)
     for fmt in ("messages", "sharegpt", "alpaca", "prompt_completion", "text"):
         mapped = {k: v for k, v in ds.columns.items() if k in FORMAT_FIELDS[fmt]}
         cols = {**FORMAT_FIELDS[fmt], **raw.columns_map, **mapped}
@@ -106,8 +133,30 @@ def detect_format(raw: RawSource, ds: DatasetConfig, key: str) -> str:
     cols = ", ".join(first) or "(none)"
     raise DataError(
         f"{key}: cannot detect the format of {raw.path} from its first row (columns: {cols}). Set {key}.format to "
-        f"one of {', '.join(FORMAT_FIELDS)} and map your columns with {key}.columns, e.g. "
+        f"one of {', '.join(KIND_FORMATS['sft'])} and map your columns with {key}.columns, e.g. "
         "{instruction: question, output: answer} or {messages: conversations, role: from, content: value}."
+        + (" (chosen/rejected pairs are preference data, for llmtune rm / dpo.)" if "chosen" in first else "")
+    )
+
+
+def _detect_preference(first: dict, raw: RawSource, ds: DatasetConfig, key: str) -> str:
+    fields = FORMAT_FIELDS["preference_messages"]
+    cols = {**fields, **{k: v for k, v in ds.columns.items() if k in fields}}
+    chosen, rejected = first.get(cols["chosen"]), first.get(cols["rejected"])
+    if isinstance(chosen, list) and isinstance(rejected, list):
+        return "preference_messages"
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        if HH_ASSISTANT in chosen and chosen.lstrip().startswith("Human:"):
+            return "hh"
+        if cols["prompt"] in first:
+            return "preference"
+    found = ", ".join(first) or "(none)"
+    raise DataError(
+        f"{key}: cannot detect a preference format in {raw.path} from its first row (columns: {found}). Preference "
+        "data is {prompt, chosen, rejected} strings (format preference), {chosen, rejected} message lists with an "
+        "optional prompt (preference_messages), or HH-RLHF transcripts {chosen, rejected} "
+        f"('\\n\\nHuman: ... \\n\\nAssistant: ...', hh). Set {key}.format and map your columns with {key}.columns, "
+        "e.g. {prompt: question, chosen: response_j, rejected: response_k}."
     )
 
 
@@ -123,7 +172,13 @@ def _field(row: dict, col: str, *, required: bool = True) -> str | None:
     return value
 
 
-def _check_order(messages: list[dict]) -> None:
+def _check_order(messages: list[dict], *, last: str = "assistant", what: str = "conversation",
+                 check_empty: bool = True) -> None:
+    """Check turn order: optional system first, then user/assistant alternating, ending with ``last``.
+
+    ``what`` names the checked part in messages ("conversation", "prompt"); ``check_empty`` rejects empty
+    assistant turns (they would be trained on).
+    """
     roles = [m["role"] for m in messages]
     for t, role in enumerate(roles):
         if role == "system" and t != 0:
@@ -132,13 +187,14 @@ def _check_order(messages: list[dict]) -> None:
     if start == len(roles):
         raise RowError(ORDER, f"{ORDER}: only a system message, no user/assistant turns")
     if roles[start] != "user":
-        raise RowError(ORDER, f"{ORDER}: the conversation starts with assistant (turn {start}); expected user")
+        raise RowError(ORDER, f"{ORDER}: the {what} starts with assistant (turn {start}); expected user")
     for t in range(start + 1, len(roles)):
         if roles[t] == roles[t - 1]:
             raise RowError(ORDER, f"{ORDER}: two {roles[t]} turns in a row (turns {t - 1} and {t})")
-    if roles[-1] != "assistant":
-        raise RowError(ORDER, f"{ORDER}: the last turn ({len(roles) - 1}) is {roles[-1]}; expected assistant")
-    for t, m in enumerate(messages):
+    if roles[-1] != last:
+        where = "" if what == "conversation" else f" of the {what}"
+        raise RowError(ORDER, f"{ORDER}: the last turn ({len(roles) - 1}){where} is {roles[-1]}; expected {last}")
+    for t, m in enumerate(messages if check_empty else []):
         if m["role"] == "assistant" and not m["content"].strip():
             raise RowError("empty response", f"empty response: assistant turn {t} is empty")
 
@@ -161,37 +217,43 @@ def _alpaca(row: dict, cols: dict[str, str], ds: DatasetConfig) -> dict:
     return {"messages": _with_system(messages, system if system is not None else ds.system_prompt)}
 
 
-def _chat(row: dict, cols: dict[str, str], ds: DatasetConfig) -> dict:
-    turns = row.get(cols["messages"])
+def _parse_turns(turns: Any, cols: dict[str, str], field: str, where: str = "") -> list[dict]:
+    """Canonical ``{role, content}`` messages from the list of turns in column ``field``.
+
+    ``where`` prefixes turn-level reasons (e.g. ``"'chosen' "`` -> "'chosen' turn 1 lacks field 'content'").
+    """
     if turns is None:
-        raise RowError(f"missing field '{cols['messages']}'")
+        raise RowError(f"missing field '{field}'")
     if not isinstance(turns, list):
-        raise RowError(
-            "malformed conversation", f"field '{cols['messages']}' must be a list of turns, got {_type_name(turns)}"
-        )
+        raise RowError("malformed conversation", f"field '{field}' must be a list of turns, got {_type_name(turns)}")
     if not turns:
-        raise RowError("empty conversation", f"field '{cols['messages']}' is an empty list")
+        raise RowError("empty conversation", f"field '{field}' is an empty list")
     messages = []
     for t, turn in enumerate(turns):
         if not isinstance(turn, dict):
-            raise RowError("malformed conversation", f"turn {t} is {_type_name(turn)}; expected an object with "
-                           f"'{cols['role']}' and '{cols['content']}'")
+            raise RowError("malformed conversation", f"{where}turn {t} is {_type_name(turn)}; expected an object "
+                           f"with '{cols['role']}' and '{cols['content']}'")
         role = turn.get(cols["role"])
         if role is None:
-            raise RowError(f"missing field '{cols['role']}'", f"turn {t} lacks field '{cols['role']}'")
+            raise RowError(f"missing field '{cols['role']}'", f"{where}turn {t} lacks field '{cols['role']}'")
         canonical = ROLE_ALIASES.get(role) if isinstance(role, str) else None
         if canonical is None:
-            raise RowError("unknown role", f"turn {t} has unknown role {role!r} in field '{cols['role']}'; expected "
-                           "system, user (or human) or assistant (or gpt)")
+            raise RowError("unknown role", f"{where}turn {t} has unknown role {role!r} in field '{cols['role']}'; "
+                           "expected system, user (or human) or assistant (or gpt)")
         content = turn.get(cols["content"])
         if content is None:
-            raise RowError(f"missing field '{cols['content']}'", f"turn {t} lacks field '{cols['content']}'")
+            raise RowError(f"missing field '{cols['content']}'", f"{where}turn {t} lacks field '{cols['content']}'")
         if not isinstance(content, str):
             raise RowError(
                 "non-string content",
-                f"turn {t} ({canonical}) field '{cols['content']}' must be a string, got {_type_name(content)}",
+                f"{where}turn {t} ({canonical}) field '{cols['content']}' must be a string, got {_type_name(content)}",
             )
         messages.append({"role": canonical, "content": content})
+    return messages
+
+
+def _chat(row: dict, cols: dict[str, str], ds: DatasetConfig) -> dict:
+    messages = _parse_turns(row.get(cols["messages"]), cols, cols["messages"])
     messages = _with_system(messages, _field(row, cols["system"], required=False) or ds.system_prompt)
     _check_order(messages)
     return {"messages": messages}
@@ -212,39 +274,156 @@ def _prompt_completion(row: dict, cols: dict[str, str], ds: DatasetConfig) -> di
     return {"prompt": prompt, "completion": completion}
 
 
+def _same_pair() -> RowError:
+    return RowError(SAME_PAIR, f"{SAME_PAIR}: the two completions are identical, so the pair prefers nothing")
+
+
+def _preference(row: dict, cols: dict[str, str], ds: DatasetConfig) -> dict:
+    prompt = _field(row, cols["prompt"])
+    chosen, rejected = _field(row, cols["chosen"]), _field(row, cols["rejected"])
+    if chosen == rejected:
+        raise _same_pair()
+    system = _field(row, cols["system"], required=False) or ds.system_prompt
+    if system is not None:  # a system message needs the chat template: the prompt becomes messages
+        prompt = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+
+
+def _first_difference(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _preference_messages(row: dict, cols: dict[str, str], ds: DatasetConfig) -> dict:
+    """``chosen``/``rejected`` message lists: the prompt is everything before the final assistant turn and
+    must be the same in both. An explicit ``prompt`` (messages or a string = one user turn) is put in front
+    of lists that do not already start with it (TRL's explicit-prompt layout)."""
+    given = row.get(cols["prompt"])
+    if given is None:
+        prefix = []
+    elif isinstance(given, str):
+        prefix = [{"role": "user", "content": given}]
+    else:
+        prefix = _parse_turns(given, cols, cols["prompt"], f"'{cols['prompt']}' ")
+    prompts, completions = [], []
+    for side in (cols["chosen"], cols["rejected"]):
+        turns = _parse_turns(row.get(side), cols, side, f"'{side}' ")
+        full = turns if turns[: len(prefix)] == prefix else prefix + turns
+        if full[-1]["role"] != "assistant":
+            raise RowError(ORDER, f"{ORDER}: the last turn of '{side}' is {full[-1]['role']}; expected the "
+                           "assistant completion")
+        prompts.append(full[:-1])
+        completions.append(full[-1]["content"])
+    if prompts[0] != prompts[1]:
+        t = _first_difference(*prompts)
+        raise RowError(
+            PROMPT_MISMATCH,
+            f"chosen and rejected do not share a prompt: the turns before their final assistant turn differ from "
+            f"turn {t} on ({len(prompts[0])} prompt turns in '{cols['chosen']}', {len(prompts[1])} in "
+            f"'{cols['rejected']}')",
+        )
+    prompt = _with_system(prompts[0], _field(row, cols["system"], required=False) or ds.system_prompt)
+    if not prompt:
+        raise RowError("empty prompt", f"no prompt: '{cols['chosen']}' has only the final assistant turn and "
+                       f"there is no '{cols['prompt']}' column")
+    _check_order(prompt, last="user", what="prompt", check_empty=False)
+    if completions[0] == completions[1]:
+        raise _same_pair()
+    return {"prompt": prompt, "chosen": completions[0], "rejected": completions[1]}
+
+
+def _hh_split(text: str, col: str) -> tuple[str, str]:
+    """``(prompt transcript, completion)``: the text before the last ``"\\n\\nAssistant:"`` and the answer after it."""
+    k = text.rfind(HH_ASSISTANT)
+    if k < 0:
+        raise RowError("malformed transcript", f"field '{col}' has no '\\n\\nAssistant:' turn")
+    return text[:k], text[k + len(HH_ASSISTANT):].strip()
+
+
+def _hh_messages(transcript: str) -> list[dict]:
+    """Human -> user, Assistant -> assistant; consecutive turns of one speaker are joined with a blank line."""
+    parts = _HH_TURN.split("\n\n" + transcript.lstrip())
+    if parts[0].strip():
+        raise RowError("malformed transcript", "the transcript does not start with '\\n\\nHuman:'")
+    messages: list[dict] = []
+    for speaker, content in zip(parts[1::2], parts[2::2]):
+        role, content = HH_ROLES[speaker], content.strip()
+        if messages and messages[-1]["role"] == role:
+            messages[-1]["content"] += "\n\n" + content
+        else:
+            messages.append({"role": role, "content": content})
+    return messages
+
+
+def _hh(row: dict, cols: dict[str, str], ds: DatasetConfig) -> dict:
+    """HH-RLHF transcripts: the prompt is everything before the last ``"\\n\\nAssistant:"``, identical in both."""
+    prompt_c, chosen = _hh_split(_field(row, cols["chosen"]), cols["chosen"])
+    prompt_r, rejected = _hh_split(_field(row, cols["rejected"]), cols["rejected"])
+    if prompt_c != prompt_r:
+        i = _first_difference(prompt_c, prompt_r)
+        raise RowError(
+            PROMPT_MISMATCH,
+            f"chosen and rejected do not share a prompt: the transcripts before their last '\\n\\nAssistant:' differ "
+            f"from char {i} on (chosen: {prompt_c[max(0, i - 20):i + 40]!r}, rejected: "
+            f"{prompt_r[max(0, i - 20):i + 40]!r})",
+        )
+    prompt = _with_system(_hh_messages(prompt_c), ds.system_prompt)
+    if not any(m["role"] == "user" for m in prompt):
+        raise RowError("empty prompt", "no '\\n\\nHuman:' turn before the last '\\n\\nAssistant:'")
+    _check_order(prompt, last="user", what="prompt", check_empty=False)
+    if chosen == rejected:
+        raise _same_pair()
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+
+
 ADAPTERS: dict[str, Callable[[dict, dict[str, str], DatasetConfig], dict]] = {
     "alpaca": _alpaca,
     "sharegpt": _chat,
     "messages": _chat,
     "text": _text,
     "prompt_completion": _prompt_completion,
+    "preference": _preference,
+    "preference_messages": _preference_messages,
+    "hh": _hh,
 }
 
 
 def row_kind(row: dict) -> str:
-    """``chat``, ``text`` or ``prompt_completion`` for a canonical row."""
+    """``chat``, ``text``, ``prompt_completion`` or ``preference`` for a canonical row."""
     if "messages" in row:
         return "chat"
+    if "chosen" in row:
+        return "preference"
     return "text" if "text" in row else "prompt_completion"
 
 
-def to_canonical(raw: RawSource, ds: DatasetConfig) -> tuple[str, list[tuple[int, dict]], list[tuple[int, RowError]]]:
+def to_canonical(
+    raw: RawSource, ds: DatasetConfig, kind: str = "sft"
+) -> tuple[str, list[tuple[int, dict]], list[tuple[int, RowError]]]:
     """Convert and validate every row of a source.
 
     Args:
         raw: the rows as read.
         ds: the source's config section.
+        kind: ``sft`` (formats alpaca, sharegpt, messages, text, prompt_completion) or ``preference``
+            (preference, preference_messages, hh).
 
     Returns:
         ``(format, valid, bad)``: the format used, ``[(row_id, canonical_row)]`` and ``[(row_id, RowError)]``
         (the latter includes rows the reader could not parse), both in file order.
 
     Raises:
-        DataError: undetectable format, invalid column mapping, ``system_prompt`` on a non-chat format,
-            or no valid row at all (the message names the schema problem and the columns found).
+        DataError: undetectable format, a format of another kind, invalid column mapping, ``system_prompt`` on
+            a non-chat format, or no valid row at all (the message names the schema problem and the columns found).
     """
     key = f"data.datasets[{raw.index}]"
-    fmt = ds.format if ds.format != "auto" else (raw.format or detect_format(raw, ds, key))
+    fmt = ds.format if ds.format != "auto" else (raw.format or detect_format(raw, ds, key, kind))
+    if fmt not in KIND_FORMATS[kind]:
+        other = next(k for k, formats in KIND_FORMATS.items() if fmt in formats)
+        where = f"{key}.format: {fmt!r}" if ds.format != "auto" else f"{key}: {raw.path} (format {fmt!r})"
+        raise DataError(
+            f"{where} is {KIND_NAMES[other]}, but this stage needs {KIND_NAMES[kind]}: one of the formats "
+            f"{', '.join(KIND_FORMATS[kind])}. Point {key}.path at such data (or set {key}.format)."
+        )
     cols = resolve_columns(fmt, ds, key, raw.columns_map if fmt == raw.format else None)
     if ds.system_prompt is not None and fmt in ("text", "prompt_completion"):
         raise DataError(f"{key}.system_prompt applies to chat formats (alpaca, sharegpt, messages), not {fmt!r}.")

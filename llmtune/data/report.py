@@ -55,6 +55,8 @@ class DataReport:
             after packing (equal to the rows when not packing).
         tokens / trained_tokens: tokens in the train split, and those with a label != -100.
         eval_tokens / eval_trained_tokens: the same for the eval split.
+        kind: ``sft`` (rows) or ``preference`` (rows are chosen/rejected pairs; tokens count both sequences,
+            trained tokens are the completion tokens).
     """
 
     sources: list[SourceReport] = field(default_factory=list)
@@ -71,6 +73,7 @@ class DataReport:
     max_length: int = 0
     packing: bool = False
     seed: int = 0
+    kind: str = "sft"
 
     @property
     def truncated(self) -> int:
@@ -111,8 +114,9 @@ class DataReport:
         """A short human-readable table: per-source counts, drop reasons with example rows, truncation."""
         pct = 100.0 * self.trained_tokens / self.tokens if self.tokens else 0.0
         packed = f" packed into {self.train_sequences} sequences," if self.packing else ""
+        rows = "pairs" if self.kind == "preference" else "rows"
         lines = [
-            f"data: {self.train_rows} train rows,{packed} {self.eval_rows} eval rows; train tokens {self.tokens:,} "
+            f"data: {self.train_rows} train {rows},{packed} {self.eval_rows} eval {rows}; train tokens {self.tokens:,} "
             f"({self.trained_tokens:,} trained, {pct:.1f}%), max_length {self.max_length}",
         ]
         width = max([len(s.path) for s in self.sources] + [6])

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from llmtune.data.errors import DataError, RowError
 
@@ -52,6 +52,75 @@ def tokenizer_adds_bos(tokenizer) -> bool:
     return bool(ids) and ids[0] == bos
 
 
+def bos_prefix(tokenizer, add_bos: bool, text: str) -> list[int]:
+    """``[bos_id]`` when the tokenizer adds a BOS by itself and ``text`` does not start with the BOS text, else ``[]``.
+
+    Texts are tokenized with ``add_special_tokens=False``, so this is the only place a BOS id is added:
+    a row gets exactly one BOS when the tokenizer uses one, never two (trl #1400).
+    """
+    return [tokenizer.bos_token_id] if add_bos and not text.startswith(tokenizer.bos_token) else []
+
+
+def encode_text(tokenizer, text: str, need: int | None = None) -> list[int]:
+    """Token ids of ``text`` alone (``add_special_tokens=False``).
+
+    With ``need``, only the first ``need`` ids are guaranteed (the list may stop early): a text far longer
+    than needed is cut before tokenizing (at ``CHARS_PER_TOKEN_CAPS`` chars per token for ``need`` +
+    ``CUT_MARGIN_TOKENS`` tokens); a cut changes only tokens near it, which lie beyond the margin. If a cut
+    text yields too few tokens, a longer cut (finally the whole text) is tokenized.
+    """
+    if need is not None:
+        for chars_per_token in CHARS_PER_TOKEN_CAPS:
+            cap = (need + CUT_MARGIN_TOKENS) * chars_per_token
+            if len(text) <= cap:
+                break
+            ids = tokenizer(text[:cap], add_special_tokens=False)["input_ids"]
+            if len(ids) >= need + CUT_MARGIN_TOKENS:
+                return ids[:need]
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def render_chat(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
+    """``messages`` rendered as text with the tokenizer's chat template.
+
+    Raises:
+        RowError: the template fails on these messages (jinja errors, ``raise_exception()`` in templates).
+    """
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as exc:  # jinja2 errors, raise_exception() in templates
+        raise RowError("chat template error", f"chat template error: {type(exc).__name__}: {exc}") from None
+
+
+def assistant_span(tokenizer, messages: list[dict], i: int) -> tuple[str, str]:
+    """Where assistant turn ``i`` sits when rendered: ``(prefix, through)``.
+
+    ``prefix`` renders ``messages[:i]`` with the generation prompt (it ends where the answer starts),
+    ``through`` renders ``messages[:i+1]``. The trained text of the turn is
+    ``through[len(prefix):len(through.rstrip())]``: the answer plus the template's end-of-turn (ChatML
+    ``<|im_end|>``, Llama ``</s>``), without the whitespace after it.
+
+    Raises:
+        RowError: ``through`` does not start with ``prefix`` (template not prefix-consistent), or the
+            template fails.
+    """
+    prefix = render_chat(tokenizer, messages[:i], generation_prompt=True)
+    through = render_chat(tokenizer, messages[: i + 1])
+    if not through.startswith(prefix):
+        raise not_prefix_consistent(i)
+    return prefix, through
+
+
+def not_prefix_consistent(i: int) -> RowError:
+    """The row error for a template that renders earlier turns differently once assistant turn ``i`` exists."""
+    return RowError(
+        "chat template is not prefix-consistent",
+        f"chat template is not prefix-consistent at assistant turn {i}: rendering the turns before it "
+        "(with the generation prompt) or through it is not a prefix of the whole conversation. Use a "
+        "template that renders earlier turns identically (e.g. data.chat_template: chatml)",
+    )
+
+
 class SFTTokenizer:
     """Turn canonical rows into :class:`Tokenized` rows (picklable, so it can run in worker processes).
 
@@ -61,6 +130,8 @@ class SFTTokenizer:
         truncation: ``truncate`` (keep the first ``max_length`` tokens) or ``drop``.
         train_on: ``assistant`` (assistant turns / completion / text) or ``all`` (every token).
     """
+
+    result_type = Tokenized
 
     def __init__(self, tokenizer, max_length: int, truncation: str = "truncate", train_on: str = "assistant"):
         self.tokenizer = tokenizer
@@ -78,49 +149,24 @@ class SFTTokenizer:
             DataError: the tokenizer lacks an EOS token for text / prompt-completion rows.
         """
         if "messages" in row:
-            text = self._render(row["messages"])
+            text = render_chat(self.tokenizer, row["messages"])
             pieces = self._chat_pieces(row["messages"], text)
             eos = []
         else:
             text, pieces = self._plain_pieces(row)
             eos = [self.tokenizer.eos_token_id]
-        input_ids: list[int] = []
-        labels: list[int] = []
-        if self.add_bos and not text.startswith(self.tokenizer.bos_token):
-            input_ids.append(self.tokenizer.bos_token_id)
-            labels.append(self.tokenizer.bos_token_id if self.train_on == "all" else IGNORE_INDEX)
+        input_ids = bos_prefix(self.tokenizer, self.add_bos, text)
+        labels = list(input_ids) if self.train_on == "all" else [IGNORE_INDEX] * len(input_ids)
         limit = self.max_length + 1  # enough tokens to know that a row is too long
         for piece, trained in pieces:
             if len(input_ids) >= limit:
                 break  # the rest would be truncated away: do not render or tokenize it
-            ids = self._encode(piece, limit - len(input_ids))
+            ids = encode_text(self.tokenizer, piece, limit - len(input_ids))
             input_ids += ids
             labels += ids if trained or self.train_on == "all" else [IGNORE_INDEX] * len(ids)
         input_ids += eos
         labels += eos
         return self._truncate(input_ids, labels)
-
-    def _encode(self, text: str, need: int) -> list[int]:
-        """Token ids of ``text`` alone; only the first ``need`` are guaranteed when the text is very long.
-
-        A text far longer than needed is cut before tokenizing (at ``CHARS_PER_TOKEN_CAPS`` chars per token
-        for ``need`` + ``CUT_MARGIN_TOKENS`` tokens); a cut changes only tokens near it, which lie beyond the
-        margin. If a cut text yields too few tokens, a longer cut (finally the whole text) is tokenized.
-        """
-        for chars_per_token in CHARS_PER_TOKEN_CAPS:
-            cap = (need + CUT_MARGIN_TOKENS) * chars_per_token
-            if len(text) <= cap:
-                break
-            ids = self.tokenizer(text[:cap], add_special_tokens=False)["input_ids"]
-            if len(ids) >= need + CUT_MARGIN_TOKENS:
-                return ids[:need]
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def _render(self, messages: list[dict], generation_prompt: bool = False) -> str:
-        try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-        except Exception as exc:  # jinja2 errors, raise_exception() in templates
-            raise RowError("chat template error", f"chat template error: {type(exc).__name__}: {exc}") from None
 
     def _chat_pieces(self, messages: list[dict], full: str) -> Iterator[tuple[str, bool]]:
         """Yield the ``(text, trained)`` segments of the rendered conversation ``full`` in order (lazily)."""
@@ -131,16 +177,10 @@ class SFTTokenizer:
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prefix = self._render(messages[:i], generation_prompt=True)
-            through = self._render(messages[: i + 1])
+            prefix, through = assistant_span(self.tokenizer, messages, i)
             start, end = len(prefix), len(through.rstrip())
-            if not (full.startswith(prefix) and full.startswith(through)) or start < cursor or end < start:
-                raise RowError(
-                    "chat template is not prefix-consistent",
-                    f"chat template is not prefix-consistent at assistant turn {i}: rendering the turns before it "
-                    "(with the generation prompt) or through it is not a prefix of the whole conversation. Use a "
-                    "template that renders earlier turns identically (e.g. data.chat_template: chatml)",
-                )
+            if not full.startswith(through) or start < cursor or end < start:
+                raise not_prefix_consistent(i)
             if end == start:
                 raise RowError("no trained tokens", f"assistant turn {i} renders no text")
             if start > cursor:
@@ -185,29 +225,32 @@ class SFTTokenizer:
         return Tokenized(input_ids, labels, truncated)
 
 
-def _map_batch(batch: dict, fn: SFTTokenizer) -> dict:
-    out: dict[str, list] = {"input_ids": [], "labels": [], "truncated": [], "kind": [], "reason": [], "bad": []}
+def _map_batch(batch: dict, fn) -> dict:
+    out: dict[str, list] = {"result": [], "kind": [], "reason": [], "bad": []}
     for row in batch["row"]:
         try:
-            tok = fn(json.loads(row))
-            values = (tok.input_ids, tok.labels, tok.truncated, "", "", False)
+            values = (json.dumps(asdict(fn(json.loads(row)))), "", "", False)
         except RowError as err:
-            values = ([], [], False, err.kind, err.reason, err.bad)
+            values = ("", err.kind, err.reason, err.bad)
         for key, value in zip(out, values):
             out[key].append(value)
     return out
 
 
-def tokenize_rows(rows: list[dict], fn: SFTTokenizer, num_proc: int | None = None) -> list[Tokenized | RowError]:
+def tokenize_rows(rows: list[dict], fn, num_proc: int | None = None) -> list:
     """Tokenize canonical rows; failures are returned (not raised) as :class:`RowError` in their place.
 
     Args:
         rows: canonical rows.
-        fn: the row tokenizer.
+        fn: the row tokenizer (:class:`SFTTokenizer` or the preference pair tokenizer): a picklable callable
+            returning a dataclass of type ``fn.result_type`` or raising :class:`RowError`.
         num_proc: worker processes (``datasets.map``); None or 1 tokenizes in this process.
+
+    Returns:
+        One ``fn.result_type`` or :class:`RowError` per row, in order.
     """
     if not num_proc or num_proc <= 1 or len(rows) < 2 * num_proc:
-        out: list[Tokenized | RowError] = []
+        out: list = []
         for row in rows:
             try:
                 out.append(fn(row))
@@ -222,9 +265,7 @@ def tokenize_rows(rows: list[dict], fn: SFTTokenizer, num_proc: int | None = Non
         keep_in_memory=True, load_from_cache_file=False, new_fingerprint=uuid.uuid4().hex,
     )
     return [
-        RowError(r["kind"], r["reason"], bad=r["bad"])
-        if r["kind"]
-        else Tokenized(r["input_ids"], r["labels"], r["truncated"])
+        RowError(r["kind"], r["reason"], bad=r["bad"]) if r["kind"] else fn.result_type(**json.loads(r["result"]))
         for r in mapped
     ]
 

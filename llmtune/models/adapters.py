@@ -115,16 +115,21 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
         model.enable_input_require_grads()
 
 
-def build_lora_config(adapter: AdapterConfig) -> LoraConfig:
-    """The peft ``LoraConfig`` for a recipe's ``adapter:`` section (task CAUSAL_LM, no bias training).
+def build_lora_config(adapter: AdapterConfig, task_type: str = "CAUSAL_LM") -> LoraConfig:
+    """The peft ``LoraConfig`` for a recipe's ``adapter:`` section (no bias training).
 
-    ``target_modules: all-linear`` adapts every linear layer except the output head (peft excludes ``lm_head``).
+    ``target_modules: all-linear`` adapts every linear layer except the output head (peft excludes ``lm_head``
+    and, for ``SEQ_CLS``, the ``score`` head, which peft trains in full as a module to save).
     LoRA scaling is ``lora_alpha / lora_r``, or ``lora_alpha / sqrt(lora_r)`` with ``use_rslora``.
+
+    Args:
+        adapter: the recipe's ``adapter:`` section.
+        task_type: ``CAUSAL_LM`` or ``SEQ_CLS`` (a base with a score head, see :func:`task_type_of`).
     """
     from peft import LoraConfig, TaskType
 
     return LoraConfig(
-        task_type=TaskType.CAUSAL_LM,
+        task_type=TaskType(task_type),
         r=adapter.lora_r,
         lora_alpha=adapter.lora_alpha,
         lora_dropout=adapter.lora_dropout,
@@ -134,6 +139,11 @@ def build_lora_config(adapter: AdapterConfig) -> LoraConfig:
         use_rslora=adapter.use_rslora,
         bias="none",
     )
+
+
+def task_type_of(model: nn.Module) -> str:
+    """peft task type of a loaded base: ``SEQ_CLS`` for ``*ForSequenceClassification`` models, else ``CAUSAL_LM``."""
+    return "SEQ_CLS" if type(model).__name__.endswith("ForSequenceClassification") else "CAUSAL_LM"
 
 
 def _linear_module_names(model: nn.Module) -> list[str]:
@@ -198,7 +208,7 @@ def attach_adapter(
         from peft import get_peft_model
 
         try:
-            result = get_peft_model(model, build_lora_config(adapter))
+            result = get_peft_model(model, build_lora_config(adapter, task_type_of(model)))
         except ValueError as err:
             raise ModelLoadError(
                 f"adapter.target_modules={adapter.target_modules!r} / adapter.modules_to_save="

@@ -589,8 +589,15 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+HEADS = ("causal_lm", "score")
+"""Model heads :func:`load_model` can put on a base: ``causal_lm`` (``AutoModelForCausalLM``) or ``score``
+(``AutoModelForSequenceClassification`` with one output: reward and value models; the head is newly initialised
+when the checkpoint is a causal LM)."""
+
+
 def load_model(
-    cfg: ModelConfig, precision: PrecisionConfig, *, device_map: str | dict[str, Any] | None = None
+    cfg: ModelConfig, precision: PrecisionConfig, *, device_map: str | dict[str, Any] | None = None,
+    head: str = "causal_lm",
 ) -> PreTrainedModel:
     """Load the base model as an ``AutoModelForCausalLM``, quantized when the recipe asks for it.
 
@@ -600,6 +607,7 @@ def load_model(
         device_map: passed to ``from_pretrained``. ``None`` loads on CPU, except quantized models, which
             transformers places on the current accelerator (CPU without one). Distributed data parallel
             training passes ``{"": local_rank}``.
+        head: one of :data:`HEADS`; ``score`` loads ``AutoModelForSequenceClassification`` with ``num_labels=1``.
 
     Returns:
         The model in eval mode as transformers returns it (all parameters still trainable unless quantized).
@@ -609,8 +617,10 @@ def load_model(
             bitsandbytes is missing; or transformers fails (missing weights, unknown architecture without
             ``trust_remote_code``, an attention kernel that is not installed such as flash_attention_2).
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    if head not in HEADS:
+        raise ValueError(f"unknown model head {head!r}; expected one of {HEADS}")
     quantization = build_quantization_config(cfg, precision)
     source = resolve_model_source(cfg)
     dtype = resolve_dtype(cfg, precision)
@@ -623,9 +633,12 @@ def load_model(
         kwargs["quantization_config"] = quantization
     if device_map is not None:
         kwargs["device_map"] = device_map
+    auto_class = AutoModelForCausalLM
+    if head == "score":
+        auto_class, kwargs["num_labels"] = AutoModelForSequenceClassification, 1
     start = time.perf_counter()
     try:
-        model = AutoModelForCausalLM.from_pretrained(source.path, **kwargs)
+        model = auto_class.from_pretrained(source.path, **kwargs)
     except Exception as err:  # noqa: BLE001
         hint = ""
         if "attn" in str(err).lower() or "flash" in str(err).lower():
@@ -639,8 +652,8 @@ def load_model(
         ) from err
     quant = "4-bit " + cfg.bnb_4bit_quant_type if cfg.load_in_4bit else "8-bit" if cfg.load_in_8bit else "unquantized"
     logger.info(
-        "loaded %s (%s source) in %.1f s: dtype %s, %s, attention %s",
-        source.original, source.kind, time.perf_counter() - start, str(dtype).removeprefix("torch."), quant,
-        cfg.attn_implementation,
+        "loaded %s (%s source%s) in %.1f s: dtype %s, %s, attention %s",
+        source.original, source.kind, ", one-score head" if head == "score" else "", time.perf_counter() - start,
+        str(dtype).removeprefix("torch."), quant, cfg.attn_implementation,
     )
     return model

@@ -1,8 +1,10 @@
 """Stages: thin classes over the core. ``STAGES`` maps a CLI command to its stage class."""
 
-from llmtune.core.stage import Stage
+from llmtune.core.stage import PairwiseStage, Stage
+from llmtune.stages.dpo import DPOStage
+from llmtune.stages.rm import RMStage
 from llmtune.stages.sft import SFTStage
 
-STAGES: dict[str, type[Stage]] = {cls.name: cls for cls in (SFTStage,)}
+STAGES: dict[str, type[Stage]] = {cls.name: cls for cls in (SFTStage, RMStage, DPOStage)}
 
-__all__ = ["STAGES", "SFTStage", "Stage"]
+__all__ = ["STAGES", "DPOStage", "PairwiseStage", "RMStage", "SFTStage", "Stage"]

@@ -1,0 +1,292 @@
+"""Preference pairs for reward modeling and DPO: canonical pairs -> prompt + chosen/rejected ids and labels.
+
+A canonical pair is ``{"prompt": str | messages, "chosen": str, "rejected": str}`` (see
+:mod:`llmtune.data.formats`: formats ``preference``, ``preference_messages``, ``hh``).
+
+Tokenization (:class:`PairTokenizer`): the prompt is rendered and tokenized **once** and each completion
+**on its own** (``add_special_tokens=False``), then the ids are concatenated, so ``chosen_input_ids`` and
+``rejected_input_ids`` start with the identical prompt ids and the first trained position is exactly
+``prompt_length`` (re-tokenizing prompt + completion as one text can merge tokens across the boundary
+and shift it: trl #2054).
+
+* With a chat template (the tokenizer's own or ``data.chat_template``), the prompt messages (a string
+  prompt = one user message) are rendered with the generation prompt, and each completion is the text
+  the template adds for one more assistant turn — ``render(prompt + [assistant])[len(prompt_text):]``
+  without trailing whitespace, the same span rule as SFT (:func:`~llmtune.data.tokenize.assistant_span`):
+  for ChatML ``answer<|im_end|>``.
+* Without a chat template (string prompts only): the raw prompt, then completion + EOS.
+* BOS as in SFT: one BOS id in front when the tokenizer adds one by itself and the prompt does not start
+  with the BOS text; never two.
+
+Truncation, with ``L = data.max_length`` and ``P = data.max_prompt_length``:
+
+1. a prompt longer than ``P`` is cut to ``P`` tokens, keeping its end (``truncation_mode: keep_end``; the
+   BOS, if any, stays first) or its start (``keep_start``);
+2. a completion longer than ``L - prompt`` is cut at its end, so prompt+chosen and prompt+rejected are
+   both <= ``L`` and share the identical prompt;
+3. a pair whose prompt leaves no completion token (prompt >= ``L``) is dropped and counted: no kept pair
+   has zero completion tokens (a pair reduced to padding gave NaN metrics: LLaMA-Factory #4402, trl #3382).
+
+With ``data.truncation: drop`` every pair that would need a cut is dropped instead (counted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from llmtune.config.schema import DataConfig
+from llmtune.data.errors import DataError, RowError
+from llmtune.data.pipeline import read_sources, to_dataset, tokenize_and_split
+from llmtune.data.report import DataReport
+from llmtune.data.templates import apply_chat_template_config
+from llmtune.data.tokenize import (
+    IGNORE_INDEX,
+    bos_prefix,
+    encode_text,
+    not_prefix_consistent,
+    render_chat,
+    render_labels,
+    tokenizer_adds_bos,
+)
+
+if TYPE_CHECKING:
+    import datasets
+
+PAIR_COLUMNS = ["chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels", "prompt_length"]
+
+
+@dataclass
+class TokenizedPair:
+    """One tokenized pair: the shared prompt ids and each completion's ids (already truncated)."""
+
+    prompt_ids: list[int]
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+    truncated: bool = False
+
+    def to_row(self) -> dict:
+        """The dataset row: ``{chosen,rejected}_{input_ids,labels}`` (prompt + completion) and ``prompt_length``."""
+        p = self.prompt_ids
+        masked = [IGNORE_INDEX] * len(p)
+        return {
+            "chosen_input_ids": p + self.chosen_ids, "chosen_labels": masked + self.chosen_ids,
+            "rejected_input_ids": p + self.rejected_ids, "rejected_labels": masked + self.rejected_ids,
+            "prompt_length": len(p),
+        }
+
+
+@dataclass
+class PreferenceData:
+    """Tokenized preference pairs.
+
+    Attributes:
+        train: ``datasets.Dataset`` with list-of-int columns ``chosen_input_ids``, ``chosen_labels``,
+            ``rejected_input_ids``, ``rejected_labels`` (labels -100 on the prompt) and the int column
+            ``prompt_length`` (the first trained position; both sequences start with the same prompt ids).
+        eval: the same for the held-out pairs, or None when ``val_size == 0``.
+        report: what was read, kept, dropped (with row indices and reasons) and truncated; its token counts
+            cover chosen and rejected sequences, trained tokens = completion tokens.
+    """
+
+    train: datasets.Dataset
+    eval: datasets.Dataset | None
+    report: DataReport
+
+
+def check_special_tokens(tokenizer) -> None:
+    """Fail at set-up when the tokenizer lacks a token that pairs need (never ``None`` inside ids, trl #1073).
+
+    Raises:
+        DataError: no EOS token (it ends every completion), or a chat template that renders ``bos_token``
+            while the tokenizer has none.
+    """
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    if tokenizer.eos_token is None or tokenizer.eos_token_id is None:
+        raise DataError(
+            f"the tokenizer {name!r} has no EOS token (eos_token is None), which ends every chosen/rejected "
+            "completion; set eos_token in its tokenizer_config.json (or special_tokens_map.json)."
+        )
+    template = getattr(tokenizer, "chat_template", None)
+    if template and "bos_token" in str(template) and (tokenizer.bos_token is None or tokenizer.bos_token_id is None):
+        raise DataError(
+            f"the chat template of {name!r} renders bos_token, but the tokenizer has no BOS token (bos_token is None); "
+            "set bos_token in its tokenizer_config.json or use a template without it (data.chat_template)."
+        )
+
+
+class PairTokenizer:
+    """Turn canonical pairs into :class:`TokenizedPair` (picklable, so it can run in worker processes).
+
+    Args:
+        tokenizer: a Hugging Face (fast) tokenizer; its ``chat_template`` (if any) renders prompts and turns.
+        max_length: maximum tokens of prompt + completion, for each of chosen and rejected.
+        max_prompt_length: cut prompts to this many tokens (None: prompts are not cut).
+        truncation_mode: ``keep_end`` or ``keep_start``: the end of a cut prompt that is kept.
+        truncation: ``truncate`` (cut as described in the module docstring) or ``drop`` (drop pairs that need a cut).
+
+    Raises:
+        DataError: see :func:`check_special_tokens`; ``max_prompt_length >= max_length``.
+    """
+
+    result_type = TokenizedPair
+
+    def __init__(self, tokenizer, max_length: int, max_prompt_length: int | None = None,
+                 truncation_mode: str = "keep_end", truncation: str = "truncate"):
+        check_special_tokens(tokenizer)
+        if max_prompt_length is not None and max_prompt_length >= max_length:
+            raise DataError(
+                f"data.max_prompt_length={max_prompt_length} must be below data.max_length={max_length} so that at "
+                "least one completion token fits; lower max_prompt_length or raise max_length."
+            )
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.max_prompt_length = max_prompt_length
+        self.truncation_mode = truncation_mode
+        self.truncation = truncation
+        self.add_bos = tokenizer_adds_bos(tokenizer)
+        self.chat = bool(getattr(tokenizer, "chat_template", None))
+
+    def __call__(self, row: dict) -> TokenizedPair:
+        """Tokenize one canonical pair.
+
+        Raises:
+            RowError: template not prefix-consistent, empty prompt or completion (bad rows); too long under
+                ``truncation: drop``, or a prompt that leaves no completion token (policy drops).
+        """
+        prompt = row["prompt"]
+        if self.chat:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            prompt_text = render_chat(self.tokenizer, messages, generation_prompt=True)
+            completions = [self._turn_text(messages, prompt_text, row[k]) for k in ("chosen", "rejected")]
+            end = []
+        else:
+            if not isinstance(prompt, str):  # build_preference_data sets a template first; direct callers may not
+                raise DataError("this pair's prompt is a list of messages but the tokenizer has no chat template; "
+                                "set data.chat_template.")
+            prompt_text = prompt
+            completions = [row[k].removesuffix(self.tokenizer.eos_token) for k in ("chosen", "rejected")]
+            end = [self.tokenizer.eos_token_id]
+        prompt_ids = bos_prefix(self.tokenizer, self.add_bos, prompt_text) + encode_text(self.tokenizer, prompt_text)
+        need = self.max_length + 1  # enough to know that a completion is too long
+        chosen, rejected = (encode_text(self.tokenizer, c, need) + end for c in completions)
+        return self._fit(prompt_ids, chosen, rejected)
+
+    def _turn_text(self, messages: list[dict], prompt_text: str, content: str) -> str:
+        """The text one more assistant turn adds to the rendered prompt (answer + end-of-turn)."""
+        through = render_chat(self.tokenizer, [*messages, {"role": "assistant", "content": content}])
+        if not through.startswith(prompt_text):
+            raise not_prefix_consistent(len(messages))
+        return through[len(prompt_text) : max(len(prompt_text), len(through.rstrip()))]
+
+    def _fit(self, prompt: list[int], chosen: list[int], rejected: list[int]) -> TokenizedPair:
+        if not prompt:
+            raise RowError("empty prompt", "the prompt has no tokens, so no completion token can be predicted")
+        if not chosen or not rejected:
+            which = "chosen" if not chosen else "rejected"
+            raise RowError("no completion tokens", f"the {which} completion renders no tokens")
+        L, P = self.max_length, self.max_prompt_length
+        cut_prompt = P is not None and len(prompt) > P
+        if self.truncation == "drop" and (cut_prompt or len(prompt) + max(len(chosen), len(rejected)) > L):
+            raise RowError(
+                "longer than max_length",
+                f"prompt + completion longer than data.max_length={L} tokens"
+                + (f" or prompt longer than data.max_prompt_length={P}" if P is not None else "")
+                + " (data.truncation: drop)",
+                bad=False,
+            )
+        if cut_prompt:
+            prompt = self._cut_prompt(prompt, P)
+        room = L - len(prompt)
+        if room < 1:
+            raise RowError(
+                "prompt fills max_length",
+                f"the prompt has {len(prompt)} tokens, leaving no completion token within data.max_length={L}; set "
+                "data.max_prompt_length below max_length (prompts are then cut) or raise max_length",
+                bad=False,
+            )
+        truncated = cut_prompt or len(chosen) > room or len(rejected) > room
+        return TokenizedPair(prompt, chosen[:room], rejected[:room], truncated)
+
+    def _cut_prompt(self, prompt: list[int], n: int) -> list[int]:
+        if self.truncation_mode == "keep_start":
+            return prompt[:n]
+        bos = self.tokenizer.bos_token_id
+        if prompt[0] == bos and bos is not None:  # keep exactly one BOS in front
+            return [bos] + prompt[len(prompt) - n + 1 :]
+        return prompt[len(prompt) - n :]
+
+
+def build_preference_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".") -> PreferenceData:
+    """Read, validate, mix, tokenize and split the preference pairs of a recipe.
+
+    Mixing (``weight``), ``max_samples`` (per source and total), ``val_size`` and ``seed`` work as for SFT
+    (:mod:`llmtune.data.pipeline`). Sets ``tokenizer.chat_template`` from ``cfg.chat_template`` when that is
+    set or some prompt is a list of messages (see :func:`apply_chat_template_config`).
+
+    Args:
+        cfg: the recipe's ``data`` section.
+        tokenizer: a Hugging Face fast tokenizer.
+        base_dir: directory that relative local paths are resolved against (usually the recipe's).
+
+    Returns:
+        :class:`PreferenceData` with train/eval ``datasets.Dataset`` and the :class:`DataReport`.
+
+    Raises:
+        DataError: packing or ``train_on: all`` requested; a source cannot be read or holds no preference
+            format; bad rows under ``bad_rows: error`` (prompt mismatch, chosen == rejected, malformed rows; the
+            first 10 listed with file, row index and reason); no chat template for message prompts; the
+            tokenizer lacks EOS (or BOS its template renders); ``max_prompt_length >= max_length``;
+            ``val_size`` too large; no pairs left.
+    """
+    if cfg.packing:
+        raise DataError("data.packing does not apply to preference pairs (each pair is one chosen and one rejected "
+                        "sequence); set data.packing: false.")
+    if cfg.train_on != "assistant":
+        raise DataError("data.train_on: all does not apply to preference pairs (only completions are scored); "
+                        "remove it or set data.train_on: assistant.")
+    if cfg.chat_template is not None:
+        apply_chat_template_config(cfg, tokenizer)
+    # Set-up errors (missing EOS/BOS, max_prompt_length) come before any data is read.
+    fn = PairTokenizer(tokenizer, cfg.max_length, cfg.max_prompt_length, cfg.truncation_mode, cfg.truncation)
+    report = DataReport(max_length=cfg.max_length, seed=cfg.seed, kind="preference")
+    pools = read_sources(cfg, base_dir, report, kind="preference")
+    if not fn.chat and any(not isinstance(row["prompt"], str) for pool in pools for _, row in pool):
+        apply_chat_template_config(cfg, tokenizer)  # raises: message prompts need a chat template
+    train_pairs, eval_pairs = tokenize_and_split(cfg, pools, fn, report)
+    train, evals = [p.to_row() for p in train_pairs], [p.to_row() for p in eval_pairs]
+    report.train_sequences, report.eval_sequences = len(train), len(evals)
+    report.tokens, report.trained_tokens = _count_tokens(train_pairs)
+    report.eval_tokens, report.eval_trained_tokens = _count_tokens(eval_pairs)
+    return PreferenceData(
+        train=to_dataset(train, PAIR_COLUMNS, scalar=("prompt_length",)),
+        eval=to_dataset(evals, PAIR_COLUMNS, scalar=("prompt_length",)) if evals else None,
+        report=report,
+    )
+
+
+def _count_tokens(pairs: list[TokenizedPair]) -> tuple[int, int]:
+    """(tokens of all chosen and rejected sequences, their completion tokens)."""
+    completion = sum(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
+    return completion + sum(2 * len(p.prompt_ids) for p in pairs), completion
+
+
+def render_pair(row: dict, tokenizer) -> str:
+    """Decode a pair for ``llmtune validate``: the prompt, then each completion with trained tokens in ``«…»``.
+
+    Args:
+        row: a dataset row (``chosen_input_ids``, ``chosen_labels``, ``rejected_input_ids``,
+            ``rejected_labels``, ``prompt_length``).
+        tokenizer: the tokenizer that produced the ids.
+
+    Returns:
+        E.g. ``"<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n\\n[chosen]   «Hello<|im_end|>»\\n"
+        "[rejected] «Go away<|im_end|>»"``.
+    """
+    p = int(row["prompt_length"])
+    prompt = tokenizer.decode([int(i) for i in row["chosen_input_ids"][:p]], skip_special_tokens=False,
+                              clean_up_tokenization_spaces=False)
+    chosen = render_labels(row["chosen_input_ids"][p:], row["chosen_labels"][p:], tokenizer)
+    rejected = render_labels(row["rejected_input_ids"][p:], row["rejected_labels"][p:], tokenizer)
+    return f"{prompt}\n[chosen]   {chosen}\n[rejected] {rejected}"

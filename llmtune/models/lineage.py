@@ -1,0 +1,167 @@
+"""Stage chaining: ``model.from_run`` and the adapter chain.
+
+A later stage names an earlier finished run (``model: {from_run: runs/sft}``). From that run's ``lineage.json`` and
+``recipe.resolved.yaml`` it inherits the base model (``name_or_path``, ``revision``, ``trust_remote_code``), the chat
+template (``data.chat_template``) and the adapter chain: the earlier run's own ``previous_adapters`` followed by its
+adapter. The chain is merged into the base in fp32, in order, before the new stage's adapter is attached
+(:func:`load_model_with_chain`); export merges the same chain (then the run's own adapter).
+
+A value the new recipe sets to something other than its default wins over the inherited one; every inherited and
+every overridden value is logged.
+
+A chain entry is ``{"stage", "run_dir", "path", "adapter_type"}`` with absolute paths; ``adapter_type: none`` means the
+earlier run fine-tuned every weight and ``path`` holds a whole model, which replaces the model built so far.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from llmtune.models.load import ModelLoadError, load_model, resolve_dtype
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from llmtune.config import PrecisionConfig, Recipe
+    from llmtune.config.schema import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+LINEAGE, RECIPE, ADAPTER = "lineage.json", "recipe.resolved.yaml", "adapter"  # names of llmtune.core.rundir
+# Inherited when the new recipe leaves them at their default: (section, key).
+INHERITED = (("model", "revision"), ("model", "trust_remote_code"), ("data", "chat_template"))
+
+
+def read_run(run_dir: str | Path) -> tuple[dict, dict]:
+    """``(lineage, resolved recipe as a dict)`` of a finished run.
+
+    Raises:
+        ModelLoadError: the directory does not exist or the run is not finished (no ``lineage.json``).
+    """
+    import yaml
+
+    run = Path(run_dir)
+    if not (run / LINEAGE).is_file():
+        state = "does not exist" if not run.exists() else f"is not a finished run (no {LINEAGE})"
+        raise ModelLoadError(
+            f"model.from_run: {run} {state}; train that stage to the end first (or resume it with "
+            "train.resume_from=latest), or fix the path (relative paths are relative to the working directory)"
+        )
+    lineage = json.loads((run / LINEAGE).read_text())
+    recipe = yaml.safe_load((run / RECIPE).read_text()) if (run / RECIPE).is_file() else {}
+    return lineage, recipe or {}
+
+
+def adapter_chain(run_dir: str | Path, lineage: dict) -> list[dict[str, Any]]:
+    """The adapters to merge, oldest first, to rebuild the model a run ended with (its own adapter last)."""
+    run = Path(run_dir).resolve()
+    own = {"stage": lineage.get("stage"), "run_dir": str(run), "path": str(run / lineage.get("adapter", ADAPTER)),
+           "adapter_type": lineage.get("adapter_type", "lora")}
+    return [*lineage.get("previous_adapters", []), own]
+
+
+def inherit_from_run(recipe: Recipe, base_dir: str | Path = ".") -> tuple[Recipe, list[dict[str, Any]]]:
+    """Apply ``model.from_run``: the recipe with inherited values filled in, and the adapter chain to merge.
+
+    Args:
+        recipe: a validated recipe; returned unchanged with an empty chain when ``model.from_run`` is null.
+        base_dir: directory a relative ``from_run`` is resolved against.
+
+    Returns:
+        ``(recipe, chain)``; the recipe is a copy and keeps ``from_run`` (it is recorded in the resolved recipe).
+
+    Raises:
+        ModelLoadError: the earlier run is not finished, or the new recipe quantizes the base (4/8 bit), which
+            cannot take an fp32-merged chain.
+    """
+    from llmtune.config.schema import Recipe as RecipeCls
+
+    if not recipe.model.from_run:
+        return recipe, []
+    run = Path(base_dir) / recipe.model.from_run
+    lineage, earlier = read_run(run)
+    chain = adapter_chain(run, lineage)
+    if recipe.model.load_in_4bit or recipe.model.load_in_8bit:
+        raise ModelLoadError(
+            f"model.from_run ({run}) merges the earlier adapters into the base in fp32, which a 4/8-bit base cannot "
+            f"take; export the earlier run (llmtune export {run}) and use its merged/ directory as "
+            "model.name_or_path without from_run, or turn off model.load_in_4bit/load_in_8bit"
+        )
+    doc = recipe.model_dump(mode="json")
+    defaults = RecipeCls().model_dump(mode="json")
+    base = lineage.get("base_model", {})
+    recorded_base = base.get("path") if base.get("kind") == "local" else base.get("name_or_path")
+    values = [("model", "name_or_path", recorded_base)]
+    values += [(s, k, earlier.get(s, {}).get(k)) for s, k in INHERITED if k in earlier.get(s, {})]
+    for section, key, value in values:
+        current, default = doc[section][key], defaults[section][key]
+        if value is None or current == value:
+            continue
+        if current == default:
+            doc[section][key] = value
+            logger.info("from_run %s: %s.%s = %r (inherited)", run, section, key, value)
+        else:
+            logger.warning("from_run %s: %s.%s = %r (set by this recipe; the earlier run used %r)",
+                           run, section, key, current, value)
+    for entry in chain:
+        logger.info("from_run %s: merging the %s adapter %s (%s) into the base before training",
+                    run, entry["stage"], entry["path"], entry["adapter_type"])
+    return RecipeCls.model_validate(doc), chain
+
+
+def merge_adapter(model: PreTrainedModel, adapter_dir: str | Path) -> PreTrainedModel:
+    """Merge a saved peft adapter into ``model`` (in the model's dtype) and return the plain model.
+
+    The adapter is applied with the task-agnostic ``PeftModel`` so that, e.g., an SFT (causal LM) adapter merges
+    into the backbone of a sequence-classification model; weights the model lacks (``lm_head`` of a causal LM
+    adapter on a score model) are skipped by peft with a warning.
+
+    Raises:
+        ModelLoadError: the adapter cannot be read or does not fit the model.
+    """
+    from peft import PeftConfig, PeftModel
+
+    try:
+        config = PeftConfig.from_pretrained(str(adapter_dir))
+        config.task_type, config.inference_mode = None, True
+        return PeftModel.from_pretrained(model, str(adapter_dir), config=config).merge_and_unload()
+    except Exception as err:  # noqa: BLE001
+        raise ModelLoadError(
+            f"could not merge the adapter {adapter_dir} into {type(model).__name__}: {type(err).__name__}: {err}"
+        ) from err
+
+
+def load_model_with_chain(
+    cfg: ModelConfig, precision: PrecisionConfig, chain: list[dict[str, Any]], *, head: str = "causal_lm",
+    dtype: Any = None,
+) -> PreTrainedModel:
+    """Load the base and merge an adapter chain into it, in fp32, then cast once.
+
+    Args:
+        cfg: the ``model:`` section (after :func:`inherit_from_run`).
+        precision: decides the final dtype with ``cfg.dtype`` (see :func:`resolve_dtype`).
+        chain: entries from :func:`adapter_chain`, oldest first; empty = :func:`load_model` unchanged.
+        head: ``causal_lm`` or ``score`` (see :func:`load_model`).
+        dtype: final torch dtype (default: :func:`resolve_dtype`); export passes fp32.
+
+    Returns:
+        The merged model (no peft wrapper), cast to the final dtype.
+
+    Raises:
+        ModelLoadError: the base or an adapter cannot be loaded.
+    """
+    from llmtune.config import PrecisionConfig as Precision
+
+    if not chain:
+        return load_model(cfg, precision, head=head)
+    fp32 = cfg.model_copy(update={"dtype": "fp32", "load_in_4bit": False, "load_in_8bit": False})
+    model = load_model(fp32, Precision(), head=head)
+    for entry in chain:
+        if entry.get("adapter_type") == "none":  # full fine-tuning: the saved directory is the whole model
+            model = load_model(fp32.model_copy(update={"name_or_path": entry["path"]}), Precision(), head=head)
+        else:
+            model = merge_adapter(model, entry["path"])
+    return model.to(dtype if dtype is not None else resolve_dtype(cfg, precision))
