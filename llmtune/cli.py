@@ -158,7 +158,8 @@ def run_stage_command(command: str, recipe_path: str, overrides: list[str]) -> i
     recipe = load_recipe(recipe_path, overrides, stage=command)
     summary = run_stage(STAGES[command](recipe), base_dir=Path.cwd())
     table = Table(title=f"llmtune {command}: done")
-    for key in ("run_dir", "steps", "train_loss", "trained_tokens", "wall_s", "adapter"):
+    trained = next(k for k in summary if k.startswith("trained_"))  # trained_tokens (SFT), trained_pairs (RM, DPO)
+    for key in ("run_dir", "steps", "train_loss", trained, "wall_s", "adapter"):
         table.add_row(key, f"{summary[key]:.4f}" if isinstance(summary[key], float) else str(summary[key]))
     for when in ("eval_before", "eval_after"):
         if summary.get(when):

@@ -12,9 +12,10 @@ from llmtune.utils import append_jsonl, read_jsonl
 class MetricsJsonlCallback(TrainerCallback):
     """Append every log (training and eval) to ``metrics.jsonl`` on rank 0, with step and epoch.
 
-    Training records carry ``loss`` (mean over the trained tokens of the logged steps), ``learning_rate``,
-    ``grad_norm``, ``trained_tokens`` (cumulative, all ranks), ``tokens_per_s`` (all non-pad tokens, all
-    ranks), ``peak_mem_gb``; eval records carry ``eval_*`` keys.
+    Training records carry ``loss`` (mean over the stage's items of the logged steps: trained tokens for SFT,
+    pairs for RM/DPO), ``learning_rate``, ``grad_norm``, ``trained_tokens`` or ``trained_pairs`` (cumulative, all
+    ranks; ``Stage.item_unit``), ``tokens_per_s`` (all non-pad tokens, all ranks), ``peak_mem_gb``, the stage's
+    own metrics; eval records carry ``eval_*`` keys.
     """
 
     def __init__(self, path: str | Path):

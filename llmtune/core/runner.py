@@ -125,7 +125,7 @@ def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
         "stage": stage.name,
         "steps": trainer.state.global_step,
         "train_loss": result.training_loss,
-        "trained_tokens": trainer.trained_tokens,
+        f"trained_{stage.item_unit}": trainer.trained_tokens,
         "eval_before": eval_before,
         "eval_after": eval_after,
         "wall_s": round(time.perf_counter() - t0, 1),

@@ -48,6 +48,8 @@ class Stage:
     data_kind: ClassVar[str] = ""
     # Head the core loads the base with (llmtune.models.HEADS): causal_lm, or score (one scalar: reward/value).
     model_head: ClassVar[str] = "causal_lm"
+    # What count_items counts; the training logs report the running total as trained_<item_unit>.
+    item_unit: ClassVar[str] = "tokens"
 
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
@@ -114,6 +116,7 @@ class PairwiseStage(Stage):
     """
 
     data_kind = "pairwise"
+    item_unit = "pairs"
 
     def build_data(self, tokenizer, base_dir: str) -> StageData:
         from llmtune.data import PreferenceCollator, build_preference_data

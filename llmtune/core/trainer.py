@@ -147,7 +147,7 @@ class CoreTrainer(Trainer):
         self.stage = stage
         self._metric_sums: dict[str, float] = defaultdict(float)
         self._metric_counts: dict[str, int] = defaultdict(int)
-        self.trained_tokens = 0  # items (tokens for SFT) over all ranks since the start of this process
+        self.trained_tokens = 0  # items (Stage.item_unit: tokens for SFT, pairs for RM/DPO), all ranks, this process
         self.seen_tokens = 0  # all non-pad tokens on this rank
         self._last_log_time = time.perf_counter()
         self._last_log_tokens = 0
@@ -198,7 +198,7 @@ class CoreTrainer(Trainer):
         """Add trained tokens, throughput, peak memory and stage metrics to the training logs."""
         if "loss" in logs:
             now = time.perf_counter()
-            logs["trained_tokens"] = self.trained_tokens
+            logs[f"trained_{self.stage.item_unit}"] = self.trained_tokens
             seen = self.seen_tokens * self.args.world_size
             logs["tokens_per_s"] = (seen - self._last_log_tokens) / max(now - self._last_log_time, 1e-9)
             self._last_log_time, self._last_log_tokens = now, seen

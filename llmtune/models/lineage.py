@@ -98,14 +98,14 @@ def inherit_from_run(recipe: Recipe, base_dir: str | Path = ".") -> tuple[Recipe
     values += [(s, k, earlier.get(s, {}).get(k)) for s, k in INHERITED if k in earlier.get(s, {})]
     for section, key, value in values:
         current, default = doc[section][key], defaults[section][key]
-        if value is None or current == value:
+        if value is None:
             continue
-        if current == default:
-            doc[section][key] = value
-            logger.info("from_run %s: %s.%s = %r (inherited)", run, section, key, value)
-        else:
+        if current not in (value, default):
             logger.warning("from_run %s: %s.%s = %r (set by this recipe; the earlier run used %r)",
                            run, section, key, current, value)
+            continue
+        doc[section][key] = value
+        logger.info("from_run %s: %s.%s = %r (inherited)", run, section, key, value)
     for entry in chain:
         logger.info("from_run %s: merging the %s adapter %s (%s) into the base before training",
                     run, entry["stage"], entry["path"], entry["adapter_type"])

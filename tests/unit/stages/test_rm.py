@@ -112,3 +112,25 @@ def test_rm_trains_lora_and_the_whole_score_head(tmp_path, tokenizer, pairs, col
     loss.backward()
     head = [p for n, p in model.named_parameters() if "score.modules_to_save" in n][0]
     assert head.grad is not None and head.grad.abs().sum() > 0
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tmp_path, tokenizer, pairs, collate):
+    """Scores run the backbone directly (not the model's forward): checkpointing must still reach the LoRA weights."""
+    grads = []
+    for checkpointing in (False, True):
+        recipe = load_recipe(raw={"adapter": {"lora_r": 4, "lora_dropout": 0.0}, "output": {"dir": str(tmp_path)}},
+                             stage="rm")
+        stage = RMStage(recipe)
+        model = attach_adapter(score_model(tokenizer, tokenizer.pad_token_id), recipe.adapter,
+                               gradient_checkpointing=checkpointing, quantized=False)
+        model.train()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.2, generator=torch.Generator().manual_seed(3))
+        loss, _ = stage.loss(model, collate(pairs(3)), torch.tensor(3))
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any("lora_A" in n for n in grads[1])
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, atol=1e-6, rtol=1e-5, msg=name)
