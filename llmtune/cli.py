@@ -41,6 +41,8 @@ def _field_line(path: str, field, indent: int = 4) -> str:
     type_name = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
     if typing.get_origin(ann) is typing.Literal:
         type_name = " | ".join(str(a) for a in typing.get_args(ann))
+    if field.is_required():
+        return f"{' ' * indent}{path}  ({type_name}; required)\n{' ' * (indent + 4)}{field.description}"
     default = field.get_default(call_default_factory=True)
     if isinstance(default, BaseModel) or (isinstance(default, list) and default and isinstance(default[0], BaseModel)):
         default = "..."
@@ -65,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(
             name,
             help=f"train the {name.upper()} stage from a recipe",
-            description=f"{(cls.__doc__ or '').strip()}\n\nRuns the {name} stage and writes the run directory "
+            description=f"{_stage_summary(cls)}\n\nRuns the {name} stage and writes the run directory "
             "(recipe.resolved.yaml, data_report.json, metrics.jsonl, loss.png, checkpoints/, adapter/, lineage.json).",
             epilog=options_help(),
             formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -110,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stage_summary(cls) -> str:
+    """First paragraph of the stage module's docstring, for ``llmtune <stage> --help``."""
+    doc = (sys.modules[cls.__module__].__doc__ or cls.__doc__ or "").strip()
+    return doc.split("\n\n")[0].replace("``", "")
+
+
 def _recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="YAML recipe (may inherit with base: other.yaml)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="recipe overrides, applied in order")
@@ -137,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
 
             return chat_command(args.model, args.prompt, args.max_new_tokens, args.system)
         return run_stage_command(args.command, args.recipe, args.overrides)
+    except KeyboardInterrupt:
+        print("\ninterrupted. Checkpoints written so far are kept: continue with the same command plus "
+              "train.resume_from=latest (needs train.save_steps).", file=sys.stderr)
+        return 130
     except (RecipeError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -22,15 +22,25 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
 
     from llmtune.config.load import read_yaml
     from llmtune.core.runner import prepare_tokenizer
-    from llmtune.core.trainer import accumulation_steps, world_size
+    from llmtune.config import RecipeError
+    from llmtune.core.rundir import RunDir
+    from llmtune.core.trainer import accumulation_steps, check_precision, world_size
     from llmtune.models import resolve_model_source
     from llmtune.stages import STAGES
 
     console = Console(stderr=False, highlight=False)
     declared = read_yaml(recipe_path).get("stage")
     stage_name = stage or declared or "sft"
+    if stage_name not in STAGES:
+        raise RecipeError([("stage", f"stage {stage_name!r} is not implemented yet; available: {', '.join(STAGES)}")],
+                          source=recipe_path)
     recipe = load_recipe(recipe_path, overrides, stage=stage_name)
-    console.print(f"[bold]recipe[/bold] {recipe_path}: valid ({stage_name})")
+    check_precision(recipe)
+    late: list[tuple[str, str]] = []  # problems that do not stop the data check; reported at the end
+    try:
+        RunDir(recipe.output.dir).check(resume=recipe.train.resume_from is not None, overwrite=recipe.output.overwrite)
+    except RecipeError as exc:
+        late += exc.problems
     recipe = _inherit(recipe, console)
     source = resolve_model_source(recipe.model, convert=False)
     console.print(f"model: {recipe.model.name_or_path} ({source.kind})")
@@ -51,10 +61,16 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
         f"{accum} accumulation x {world_size()} ranks; {n_train} training rows -> {steps} optimizer steps"
         + (f"; {len(data.eval)} eval rows" if data.eval is not None else "")
     )
-    index = min(max(example, 0), n_train - 1)
+    if not 0 <= example < n_train:
+        raise RecipeError([("--example", f"row {example} does not exist: there are {n_train} training rows "
+                            f"(0..{n_train - 1})")])
+    index = example
     row = data.train[index]
     console.print(f"\n[bold]training row {index}[/bold] (trained tokens between «»):")
     console.print(stage_obj.render_example(row, tokenizer), markup=False)
+    if late:
+        raise RecipeError(late, source=recipe_path)
+    console.print(f"\n[bold green]valid[/bold green]: {recipe_path} ({stage_name}) — recipe, model source and data checked")
     sys.stdout.flush()
     return 0
 

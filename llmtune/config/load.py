@@ -7,6 +7,7 @@ together as one :class:`~llmtune.config.validate.RecipeError`.
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +42,14 @@ def read_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
         raise RecipeError([("base", f"inheritance cycle: {cycle}")], source=str(_chain[0]))
     if len(_chain) > MAX_INHERITANCE_DEPTH:
         raise RecipeError([("base", f"more than {MAX_INHERITANCE_DEPTH} levels of base: inheritance")], source=str(path))
+    if path.is_dir():
+        raise RecipeError([("", f"{path} is a directory; give the recipe's .yaml file")], source=str(path))
     if not path.is_file():
         where = f" (named by base: in {_chain[-1]})" if _chain else ""
         raise RecipeError([("", f"recipe file not found: {path}{where}")], source=str(path))
     try:
-        doc = yaml.safe_load(path.read_text()) or {}
+        with open(path) as fh:  # a file object: YAML errors then name the file, not "<unicode string>"
+            doc = yaml.safe_load(fh) or {}
     except yaml.YAMLError as exc:
         raise RecipeError([("", f"YAML syntax error: {exc}")], source=str(path)) from None
     if not isinstance(doc, dict):
@@ -68,8 +72,12 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise RecipeError([(text, "override must look like section.key=value, e.g. train.max_steps=10")])
+    if not raw.strip():
+        raise RecipeError([(key.strip(), "override has no value; write null explicitly to unset it (e.g. "
+                            f"{key.strip()}=null)")])
+    key = re.sub(r"\[(\d+)\]", r".\1", key)  # data.datasets[0].path == data.datasets.0.path
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml.safe_load(raw)
     except yaml.YAMLError:
         value = raw
     return key.strip().split("."), value
@@ -82,7 +90,8 @@ def apply_override(doc: dict, keys: list[str], value: Any) -> None:
         last = i == len(keys) - 1
         if isinstance(node, list):
             if not key.isdigit() or int(key) >= len(node):
-                raise RecipeError([(".".join(keys), f"list index {key!r} out of range (length {len(node)})")])
+                raise RecipeError([(".".join(keys), f"list index {key} out of range: the list has {len(node)} entr{'y' if len(node) == 1 else 'ies'} "
+                                    "(overrides can change entries, not add them: add sources in the recipe file)")])
             if last:
                 node[int(key)] = value
             else:
@@ -118,9 +127,13 @@ def load_recipe(
     doc.pop("base", None)
     if overrides:  # start from the defaults so that overrides can index default lists (data.datasets.0.path)
         doc = deep_merge(Recipe().model_dump(mode="json"), doc)
-    for text in overrides:
-        keys, value = parse_override(text)
-        apply_override(doc, keys, value)
+    problems: list[tuple[str, str]] = []
+    for text in overrides:  # collect every bad override, then report them with the schema's problems
+        try:
+            keys, value = parse_override(text)
+            apply_override(doc, keys, value)
+        except RecipeError as exc:
+            problems += exc.problems
     if stage is not None:
         declared = doc.get("stage")
         if declared is not None and declared != stage:
@@ -130,7 +143,13 @@ def load_recipe(
                 source=str(path) if path else None,
             )
         doc["stage"] = stage
-    return validate_recipe(doc, source=str(path) if path else None)
+    try:
+        recipe = validate_recipe(doc, source=str(path) if path else None)
+    except RecipeError as exc:
+        raise RecipeError(problems + exc.problems, source=exc.source) from None
+    if problems:
+        raise RecipeError(problems, source=str(path) if path else None)
+    return recipe
 
 
 def dump_recipe(recipe: Recipe, path: str | Path) -> None:

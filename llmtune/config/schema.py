@@ -12,7 +12,7 @@ with field errors in one message.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -147,7 +147,7 @@ class AdapterConfig(Section):
     lora_r: int = Field(16, ge=1, description="LoRA rank r.")
     lora_alpha: float = Field(32.0, gt=0, description="LoRA alpha; the update is scaled by alpha/r (alpha/sqrt(r) with rsLoRA).")
     lora_dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input, in [0, 1).")
-    target_modules: list[str] | str = Field(
+    target_modules: Annotated[list[str], Field(min_length=1)] | str = Field(
         "all-linear", description="Module names to adapt, or all-linear (every linear layer except the output head)."
     )
     modules_to_save: list[str] = Field(

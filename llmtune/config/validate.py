@@ -121,6 +121,9 @@ def cross_field_problems(doc: dict) -> list[tuple[str, str]]:
         problems.append(("data.val_size", f"a fraction must be < 1 and a count an integer; got {val}"))
     if _get(doc, "distributed.deepspeed") and _get(doc, "distributed.zero_stage") is not None:
         problems.append(("distributed.zero_stage", "set either distributed.deepspeed (a config file) or zero_stage, not both"))
+    if _get(doc, "train.eval_steps") and not _get(doc, "data.val_size"):
+        problems.append(("train.eval_steps", "evaluation needs a validation split: set data.val_size (a fraction "
+                         "or a row count)"))
     if _get(doc, "train.early_stopping_patience") and not _get(doc, "data.val_size"):
         problems.append(("train.early_stopping_patience", "early stopping needs a validation split (data.val_size > 0)"))
     if _get(doc, "data.packing") is True and _get(doc, "model.attn_implementation", "sdpa") == "eager":

@@ -15,6 +15,7 @@ Checkpoints keep transformers' ``checkpoint-N`` naming so that its resume and ro
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,22 +76,69 @@ class RunDir:
                                 f"checkpoints are under {self.root / CHECKPOINTS}")])
         return path
 
-    def prepare(self, *, resume: bool, overwrite: bool) -> None:
-        """Create the directory, refusing to mix two runs in one place.
+    def check(self, *, resume: bool, overwrite: bool) -> None:
+        """Everything :meth:`prepare` would refuse, without touching the disk (used by ``llmtune validate``).
 
         Raises:
-            RecipeError: the directory holds another run and neither resume nor overwrite was asked for.
+            RecipeError: the path is a file or not writable, or holds another run and neither resume nor
+                overwrite was asked for.
         """
+        if self.root.exists() and not self.root.is_dir():
+            raise RecipeError([("output.dir", f"{self.root} exists and is not a directory; pick another output.dir")])
+        parent = next((p for p in (self.root, *self.root.parents) if p.exists()), Path("."))
+        if not os.access(parent, os.W_OK):
+            raise RecipeError([("output.dir", f"{self.root} cannot be created: {parent} is not writable")])
         holds_run = (self.root / RECIPE).exists() or (self.root / CHECKPOINTS).exists()
-        if holds_run and not resume:
-            if not overwrite:
-                raise RecipeError([("output.dir", f"{self.root} already holds a run; continue it with "
-                                    "train.resume_from=latest, replace it with output.overwrite=true, or pick another "
-                                    "output.dir")])
-            shutil.rmtree(self.root)
-        elif self.root.exists() and any(self.root.iterdir()) and not holds_run and not resume:
+        if holds_run and not resume and not overwrite:
+            hint = ("it is complete (lineage.json); replace it with output.overwrite=true or pick another output.dir"
+                    if self.is_complete else "continue it with train.resume_from=latest, replace it with "
+                    "output.overwrite=true, or pick another output.dir")
+            raise RecipeError([("output.dir", f"{self.root} already holds a run; {hint}")])
+        if self.root.exists() and any(self.root.iterdir()) and not holds_run and not resume:
             raise RecipeError([("output.dir", f"{self.root} is not empty and is not a run directory; pick another "
                                 "output.dir")])
+
+    def check_resume_recipe(self, recipe_dump: dict) -> None:
+        """Refuse to resume with settings that change what is trained (batch, lr, data, model, adapter...).
+
+        Keys that only extend or observe a run may change: ``train.max_steps``, ``num_epochs``, ``*_steps`` of
+        eval/save/logging, ``resume_from``, ``save_total_limit``, ``eval_batch_size`` and ``output.*``.
+
+        Raises:
+            RecipeError: one problem per changed key, with its old and new value.
+        """
+        import yaml
+
+        path = self.root / RECIPE
+        if not path.is_file():
+            return
+        old = yaml.safe_load(path.read_text()) or {}
+        free = {"train.max_steps", "train.num_epochs", "train.eval_steps", "train.save_steps", "train.logging_steps",
+                "train.resume_from", "train.save_total_limit", "train.eval_batch_size", "train.eval_at_start",
+                "train.early_stopping_patience", "train.dataloader_num_workers"}
+        problems = []
+        for section, values in recipe_dump.items():
+            if section == "output" or not isinstance(values, dict):
+                continue
+            for key, value in values.items():
+                dotted = f"{section}.{key}"
+                before = (old.get(section) or {}).get(key, value)
+                if dotted not in free and before != value:
+                    problems.append((dotted, f"was {before!r} in the interrupted run, now {value!r}; resuming "
+                                     "must keep it (or start a new run with output.overwrite=true)"))
+        if problems:
+            raise RecipeError(problems)
+
+    def prepare(self, *, resume: bool, overwrite: bool) -> None:
+        """Create the directory, refusing to mix two runs in one place (see :meth:`check`).
+
+        Raises:
+            RecipeError: as :meth:`check`.
+        """
+        self.check(resume=resume, overwrite=overwrite)
+        holds_run = (self.root / RECIPE).exists() or (self.root / CHECKPOINTS).exists()
+        if holds_run and not resume:
+            shutil.rmtree(self.root)
         self.root.mkdir(parents=True, exist_ok=True)
         if not resume:
             for name in (METRICS, LINEAGE):

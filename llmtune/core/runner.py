@@ -71,9 +71,11 @@ def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
     check_precision(recipe)
     run = rd.RunDir(Path(recipe.output.dir))
     resume = recipe.train.resume_from is not None
+    resume_ckpt = run.resolve_resume(recipe.train.resume_from)
+    if resume:
+        run.check_resume_recipe(recipe.model_dump(mode="json"))
     if is_main_process():
         run.prepare(resume=resume, overwrite=recipe.output.overwrite)
-    resume_ckpt = run.resolve_resume(recipe.train.resume_from)
     set_seed(recipe.train.seed)
     if is_main_process():
         dump_recipe(recipe, run / rd.RECIPE)
@@ -114,6 +116,8 @@ def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
     if prepared is not data:
         data, trainer.train_dataset = prepared, prepared.train
         trainer.eval_dataset = by_length(prepared.eval) if has_eval else None
+    if resume_ckpt:
+        trainer.load_counters(resume_ckpt)
     eval_before = trainer.evaluate() if has_eval and recipe.train.eval_at_start and not resume else None
     result = trainer.train(resume_from_checkpoint=str(resume_ckpt) if resume_ckpt else None)
     eval_after = trainer.evaluate() if has_eval else None

@@ -155,6 +155,31 @@ class CoreTrainer(Trainer):
         # Older transformers decide "already scaled" from this flag instead of `loss_is_scaled_for_ga`.
         self.model_accepts_loss_kwargs = True
 
+    # ---- counters that survive a resume ---------------------------------------------------------
+    COUNTERS = "llmtune_counters.json"
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.is_world_process_zero():
+            import json
+
+            ckpt = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
+            (ckpt / self.COUNTERS).write_text(json.dumps({"trained": self.trained_tokens, "seen": self.seen_tokens}))
+
+    def load_counters(self, checkpoint: str | Path) -> None:
+        """Restore the cumulative trained/seen counts saved with a checkpoint (0 if it has none)."""
+        import json
+
+        path = Path(checkpoint) / self.COUNTERS
+        counters = json.loads(path.read_text()) if path.is_file() else {}
+        self.trained_tokens = int(counters.get("trained", 0))
+        self.seen_tokens = int(counters.get("seen", 0))
+        self._last_log_tokens = self.seen_tokens * self.args.world_size
+
+    def train(self, *args, **kwargs):
+        self._last_log_time = time.perf_counter()  # throughput counts training time, not loading or eval
+        return super().train(*args, **kwargs)
+
     # ---- training -------------------------------------------------------------------------------
     def _get_train_sampler(self, train_dataset=None):
         """transformers' sampler, except that length grouping is seeded per epoch so that a resumed run

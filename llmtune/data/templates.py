@@ -107,5 +107,31 @@ def apply_chat_template_config(cfg: DataConfig, tokenizer) -> None:
                 f"the tokenizer {name!r} has no chat template, and data.chat_template is not set. "
                 f"Set data.chat_template to a builtin ({', '.join(BUILTIN_TEMPLATES)}) or a Jinja string."
             )
-        return
-    tokenizer.chat_template = resolve_chat_template(cfg.chat_template)
+    else:
+        tokenizer.chat_template = resolve_chat_template(cfg.chat_template)
+    check_chat_template(tokenizer, "data.chat_template" if cfg.chat_template else "the tokenizer's chat template")
+
+
+def check_chat_template(tokenizer, where: str) -> None:
+    """Render a two-turn conversation once, so a broken template is one configuration error, not a bad
+    row per conversation; warn when an assistant turn does not end with the tokenizer's EOS (the model
+    would never learn to stop).
+
+    Raises:
+        DataError: the template does not compile or fails to render a plain user/assistant exchange.
+    """
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    try:
+        prompt = tokenizer.apply_chat_template(probe[:1], tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(probe, tokenize=False)
+    except Exception as exc:  # jinja2 syntax/undefined errors, raise_exception() in templates
+        raise DataError(f"{where} does not render a user/assistant exchange: {type(exc).__name__}: {exc}. "
+                        f"Fix the Jinja, or use a builtin ({', '.join(BUILTIN_TEMPLATES)}).") from None
+    turn = full[len(prompt):].rstrip() if full.startswith(prompt) else full
+    eos = tokenizer.eos_token
+    if eos and not turn.endswith(eos):
+        import logging
+
+        logging.getLogger("llmtune.data").warning(
+            "%s: an assistant turn renders as %r, which does not end with the EOS token %r; the model will not learn "
+            "to stop. Use a template that closes assistant turns with the EOS.", where, turn[-40:], eos)

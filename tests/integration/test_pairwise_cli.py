@@ -46,7 +46,7 @@ def workspace(tmp_path_factory):
     pair_data = {"datasets": [{"path": str(root / "pairs.jsonl"), "format": "preference"}], "max_length": 64,
                  "val_size": 4}
     sft = write_recipe(root, "sft", "sft", model={"name_or_path": str(model_dir)},
-                       data={"datasets": [{"path": str(root / "sft.jsonl")}], "max_length": 64},
+                       data={"datasets": [{"path": str(root / "sft.jsonl")}], "max_length": 64, "val_size": 2},
                        output={"dir": str(root / "sft")}, **common)
     rm = write_recipe(root, "rm", "rm", model={"name_or_path": str(model_dir)}, data=pair_data,
                       rm={"center_rewards_coef": 0.01}, output={"dir": str(root / "rm")}, **common)
@@ -204,8 +204,8 @@ def test_dpo_export_merges_the_sft_adapter_too(workspace):
 
 
 @pytest.mark.parametrize("stage", ["rm", "dpo"])
-def test_validate_renders_a_pair(workspace, stage, capsys):
-    assert main(["validate", str(workspace / f"{stage}.yaml")]) == 0
+def test_validate_renders_a_pair(workspace, stage, capsys, tmp_path):
+    assert main(["validate", str(workspace / f"{stage}.yaml"), f"output.dir={tmp_path / 'new'}"]) == 0
     out = capsys.readouterr().out
     assert "[chosen]" in out and "[rejected]" in out and "«" in out
     if stage == "dpo":

@@ -138,7 +138,8 @@ def test_validate_reports_bad_rows_and_exits_nonzero(workspace, tmp_path, capsys
             {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
             {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": {"k": 1}}]}]
     bad.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    assert main(["validate", str(workspace / "recipe.yaml"), f"data.datasets.0.path={bad}", "data.val_size=0"]) == 1
+    assert main(["validate", str(workspace / "recipe.yaml"), f"data.datasets.0.path={bad}", "data.val_size=0", "train.eval_steps=null",
+                 f"output.dir={tmp_path / 'v'}"]) == 1
     err = capsys.readouterr().err
     assert "row 1" in err and "row 2" in err and str(bad) in err
 
@@ -146,7 +147,7 @@ def test_validate_reports_bad_rows_and_exits_nonzero(workspace, tmp_path, capsys
 def test_packed_sft_trains_through_the_cli(workspace, tmp_path):
     out = tmp_path / "packed"
     assert main(["sft", str(workspace / "recipe.yaml"), f"output.dir={out}", "data.packing=true",
-                 "train.save_steps=null", "data.val_size=0", "output.report_to=[tensorboard]"]) == 0
+                 "train.save_steps=null", "data.val_size=0", "train.eval_steps=null", "output.report_to=[tensorboard]"]) == 0
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     report = json.loads((out / "data_report.json").read_text())
     assert report["packing"] is True and report["train_sequences"] < report["train_rows"]
@@ -169,3 +170,41 @@ def test_export_bf16_casts_once_from_fp32_merge(workspace, tmp_path):
     layer = PeftModel.from_pretrained(base, workspace / "run" / "adapter").base_model.model.model.layers[0].self_attn.q_proj
     fp32 = layer.base_layer.weight + layer.scaling["default"] * layer.lora_B["default"].weight @ layer.lora_A["default"].weight
     assert torch.equal(q, fp32.detach().to(torch.bfloat16))  # merged in fp32, rounded once
+
+
+def test_validate_reports_an_occupied_output_dir_after_checking_the_data(workspace, capsys):
+    assert main(["validate", str(workspace / "recipe.yaml")]) == 1
+    captured = capsys.readouterr()
+    assert "data:" in captured.out  # the data was still checked and reported
+    assert "output.dir" in captured.err and "already holds a run" in captured.err
+
+
+def test_resume_refuses_a_changed_recipe(workspace, tmp_path):
+    import shutil
+
+    from llmtune.config import RecipeError
+
+    copy = tmp_path / "copy"
+    shutil.copytree(workspace / "run", copy)
+    args = ["sft", str(workspace / "recipe.yaml"), f"output.dir={copy}", "train.resume_from=latest"]
+    with pytest.raises(RecipeError) as info:  # the CLI prints it; main() returns 1 — check the problems themselves
+        from llmtune.config import load_recipe
+        from llmtune.core.rundir import RunDir
+
+        recipe = load_recipe(workspace / "recipe.yaml", [*args[2:], "train.learning_rate=0.5", "data.max_length=32"])
+        RunDir(copy).check_resume_recipe(recipe.model_dump(mode="json"))
+    assert dict(info.value.problems).keys() == {"train.learning_rate", "data.max_length"}
+    assert main([*args, "train.learning_rate=0.5"]) == 1
+    assert main([*args, "train.max_steps=3"]) == 0  # extending a run is allowed
+    assert json.loads((copy / "lineage.json").read_text())["summary"]["trained_tokens"] > 0
+
+
+def test_overrides_collect_all_problems_and_accept_brackets():
+    from llmtune.config import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError) as info:
+        load_recipe(raw={"train": {"lr": 1}}, overrides=["train.max_steps", "data.datasets.5.path=x", "train.seed="])
+    paths = [p for p, _ in info.value.problems]
+    assert paths == ["train.max_steps", "data.datasets.5.path", "train.seed", "train.lr"]
+    recipe = load_recipe(raw={}, overrides=["data.datasets[0].path=x.jsonl"])
+    assert recipe.data.datasets[0].path == "x.jsonl"

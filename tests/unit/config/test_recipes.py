@@ -33,7 +33,7 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
-def test_validate_command_with_model_overridden(path, tiny_dir, capsys):
+def test_validate_command_with_model_overridden(path, tiny_dir, capsys, tmp_path):
     """The model path is overridable (llama7b cannot be downloaded here); data stays the recipe's own."""
     doc = read_yaml(path)
     overrides = []
@@ -42,7 +42,7 @@ def test_validate_command_with_model_overridden(path, tiny_dir, capsys):
         # replaced by the small real HH sample shipped in tests/assets (same format).
         if Path(d["path"]).suffix in (".gz", ".jsonl", ".json") and not Path(d["path"]).exists():
             overrides.append(f"data.datasets.{i}.path={ASSETS / 'hh_sample.jsonl'}")
-    overrides += [f"model.name_or_path={tiny_dir}", "model.dtype=fp32"]
+    overrides += [f"model.name_or_path={tiny_dir}", "model.dtype=fp32", f"output.dir={tmp_path / 'run'}"]
     for i, _ in enumerate(doc.get("data", {}).get("datasets", [])):
         overrides.append(f"data.datasets.{i}.max_samples=60")
     val = doc.get("data", {}).get("val_size", 0)
