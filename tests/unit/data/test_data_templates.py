@@ -10,13 +10,7 @@ from llmtune.data.templates import BUILTIN_TEMPLATES
 from llmtune.data.tokenize import SFTTokenizer
 from llmtune.models.tiny import make_tiny_tokenizer
 
-CHAT = [
-    {"role": "system", "content": "Be nice."},
-    {"role": "user", "content": "Hello!"},
-    {"role": "assistant", "content": "I am fine."},
-    {"role": "user", "content": "What is 2 + 3?"},
-    {"role": "assistant", "content": "It is 5."},
-]
+from chat_fixture import CHAT  # noqa: E402
 # Rendered with the ChatML tiny tokenizer (BOS text <|im_start|>, EOS <|im_end|>); «» = trained.
 EXPECTED = {
     "chatml": "<|im_start|>system\nBe nice.<|im_end|>\n<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n"

@@ -9,13 +9,7 @@ from llmtune.data.errors import RowError
 from llmtune.data.tokenize import SFTTokenizer
 from llmtune.models.tiny import make_tiny_tokenizer
 
-CHAT = [
-    {"role": "system", "content": "Be nice."},
-    {"role": "user", "content": "Hello!"},
-    {"role": "assistant", "content": "I am fine."},
-    {"role": "user", "content": "What is 2 + 3?"},
-    {"role": "assistant", "content": "It is 5."},
-]
+from chat_fixture import CHAT  # noqa: E402
 X = -100
 # CHAT rendered with ChatML by the tiny tokenizer (74 tokens); ids checked against the token strings below.
 CHATML_IDS = [

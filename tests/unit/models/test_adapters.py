@@ -207,12 +207,7 @@ def test_attach_adapter_repairs_a_model_with_reentrant_checkpointing(tiny_dir, b
     assert reentrant_checkpointing_modules(user_model)
     fixed = attach_adapter(user_model, lora(), gradient_checkpointing=gradient_checkpointing, quantized=False)
     assert checkpointing_enabled(fixed) and reentrant_checkpointing_modules(fixed) == []
-    randomize_lora_b(reference)
-    copy_weights(fixed, reference)
-    g_ref, g_fixed = grads_after_backward(reference, batch), grads_after_backward(fixed, batch)
-    for name, g in g_fixed.items():
-        assert g is not None and g.abs().sum() > 0, name
-        torch.testing.assert_close(g, g_ref[name], atol=1e-6, rtol=0)
+    assert_same_nonzero_lora_grads(fixed, reference, batch)
 
 
 def test_model_code_that_stays_reentrant_gets_input_grads(tiny_dir, batch, monkeypatch):
@@ -230,12 +225,7 @@ def test_model_code_that_stays_reentrant_gets_input_grads(tiny_dir, batch, monke
     reference = attach_adapter(base(tiny_dir), lora(), gradient_checkpointing=False, quantized=False)
     fixed = attach_adapter(model, lora(), gradient_checkpointing=True, quantized=False)
     assert reentrant_checkpointing_modules(fixed)  # still reentrant, yet:
-    randomize_lora_b(reference)
-    copy_weights(fixed, reference)
-    g_ref, g_fixed = grads_after_backward(reference, batch), grads_after_backward(fixed, batch)
-    for name, g in g_fixed.items():
-        assert g is not None and g.abs().sum() > 0, name
-        torch.testing.assert_close(g, g_ref[name], atol=1e-6, rtol=0)
+    assert_same_nonzero_lora_grads(fixed, reference, batch)
 
 
 def _counting(fn, calls):
@@ -289,3 +279,14 @@ def test_8bit_lora_backward_on_cpu(tiny_dir, batch):
     randomize_lora_b(model)
     grads = grads_after_backward(model, batch)
     assert len(grads) == 28 and all(g is not None and g.abs().sum() > 0 for g in grads.values())
+
+
+def assert_same_nonzero_lora_grads(fixed, reference, batch):
+    """Same weights (LoRA B randomised so every LoRA weight gets a gradient), then every gradient of ``fixed`` is
+    non-zero and equal (atol 1e-6) to the one without checkpointing."""
+    randomize_lora_b(reference)
+    copy_weights(fixed, reference)
+    g_ref, g_fixed = grads_after_backward(reference, batch), grads_after_backward(fixed, batch)
+    for name, g in g_fixed.items():
+        assert g is not None and g.abs().sum() > 0, name
+        torch.testing.assert_close(g, g_ref[name], atol=1e-6, rtol=0)
