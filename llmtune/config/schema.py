@@ -256,6 +256,58 @@ class DPOConfig(Section):
         return self
 
 
+class PPOConfig(Section):
+    """PPO (`llmtune ppo`): actor-critic RLHF (Schulman et al. 2017; Ouyang et al. 2022) with GAE (Schulman et al.
+    2016). A PPO iteration = one rollout batch of ``rollout_batch_size`` prompts, then ``ppo_epochs`` passes over it
+    in optimizer steps of ``train.global_batch_size`` rollouts; ``train.max_steps``/``save_steps``/``eval_steps`` count
+    optimizer steps and must be multiples of ppo_epochs x rollout_batch_size / global_batch_size."""
+
+    rollout_batch_size: int = Field(16, ge=1, description="Prompts generated per PPO iteration, over all ranks.")
+    ppo_epochs: int = Field(2, ge=1, description="Passes of optimizer steps over each rollout batch.")
+    max_new_tokens: int = Field(64, ge=1, description="Longest response in tokens; a response that reaches it "
+                                "without EOS is counted in truncated_fraction.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold of the rollouts (1 = off).")
+    top_k: int = Field(0, ge=0, description="Top-k sampling of the rollouts (0 = off).")
+    kl_coef: float = Field(0.05, ge=0, description="Initial coefficient of the per-token KL(policy||reference) "
+                           "penalty in the reward.")
+    kl_target: float | None = Field(None, gt=0, description="Adaptive KL controller target (nats per response; "
+                                    "Ziegler et al. 2019); null = fixed kl_coef.")
+    kl_horizon: int = Field(10000, ge=1, description="Adaptive KL controller horizon, in rollouts (samples).")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount gamma of GAE.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
+    cliprange: float = Field(0.2, gt=0, description="Clip range epsilon of the policy ratio.")
+    cliprange_value: float = Field(0.2, gt=0, description="Clip range of the value prediction around the rollout "
+                                   "value, in reward units.")
+    vf_coef: float = Field(0.1, ge=0, description="Weight of the value loss in the total loss.")
+    whiten_advantages: bool = Field(True, description="Normalise advantages to mean 0 / std 1 over the rollout batch.")
+    normalize_scores: bool = Field(False, description="Normalise scores with their running mean/std (over all "
+                                   "rollouts so far, this one included; never the identity).")
+    score_clip: float | None = Field(None, gt=0, description="Clip (normalised) scores to [-score_clip, score_clip].")
+    missing_eos_penalty: float | None = Field(None, description="Added to the score of a response that did not end "
+                                              "with EOS within max_new_tokens (e.g. -1.0); null = none.")
+    value_model: Literal["adapter"] = Field("adapter", description="adapter = a value head on its own LoRA adapter "
+                                            "over the policy's base (one base in memory).")
+    init_value_from_reward: bool = Field(True, description="Initialise the value adapter and head from the reward "
+                                         "model's adapter and score head when reward.from_run is set.")
+    eval_max_new_tokens: int | None = Field(None, ge=1, description="Longest greedy eval response (default "
+                                            "max_new_tokens).")
+    sample_every: int = Field(1, ge=1, description="Write a few rollout completions to samples.jsonl every N PPO "
+                              "iterations.")
+
+
+class RewardConfig(Section):
+    """Where PPO's scalar score of a (prompt, response) comes from: an RM run or a Python function."""
+
+    from_run: str | None = Field(None, description="A finished `llmtune rm` run directory: its base, adapter chain "
+                                 "and score head give the score at the last real token.")
+    function: str | None = Field(None, description="module:function(prompts, completions, references) -> "
+                                 "list[float] (references = the dataset's answers when present, else None); "
+                                 "builtin: llmtune.rewards:gsm8k_reward (+1 when the final '#### <number>' equals "
+                                 "the reference answer, else 0).")
+    batch_size: int = Field(8, ge=1, description="Sequences per reward-model forward.")
+
+
 class OutputConfig(Section):
     """Where the run directory goes and what is logged."""
 
@@ -281,6 +333,8 @@ class Recipe(Section):
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     rm: RMConfig = Field(default_factory=RMConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
 
 

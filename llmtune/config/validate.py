@@ -128,9 +128,40 @@ def cross_field_problems(doc: dict) -> list[tuple[str, str]]:
         problems.append(("train.early_stopping_patience", "early stopping needs a validation split (data.val_size > 0)"))
     if _get(doc, "data.packing") is True and _get(doc, "model.attn_implementation", "sdpa") == "eager":
         problems.append(("data.packing", "packing needs sdpa/flash/flex attention to isolate rows; eager cannot"))
+    if _get(doc, "stage") == "ppo":
+        problems += ppo_problems(doc)
     datasets = _get(doc, "data.datasets")
     if isinstance(datasets, list) and not datasets:
         problems.append(("data.datasets", "at least one data source is needed"))
+    return problems
+
+
+def ppo_problems(doc: dict) -> list[tuple[str, str]]:
+    """PPO's batch arithmetic and reward source (see ``PPOConfig``)."""
+    problems: list[tuple[str, str]] = []
+    has_run, has_fn = bool(_get(doc, "reward.from_run")), bool(_get(doc, "reward.function"))
+    if has_run == has_fn:
+        problems.append(("reward", "PPO needs exactly one score source: reward.from_run (an `llmtune rm` run) or "
+                         "reward.function (module:function, e.g. llmtune.rewards:gsm8k_reward)"))
+    rollout, glob = _get(doc, "ppo.rollout_batch_size", 16), _get(doc, "train.global_batch_size", 8)
+    epochs = _get(doc, "ppo.ppo_epochs", 2)
+    if not all(isinstance(v, int) and v > 0 for v in (rollout, glob, epochs)):
+        return problems
+    if rollout % glob:
+        problems.append(("ppo.rollout_batch_size", f"must be a multiple of train.global_batch_size ({glob}: rollouts "
+                         f"per optimizer step); got {rollout}"))
+        return problems
+    per_iter = epochs * rollout // glob
+    max_steps = _get(doc, "train.max_steps")
+    if max_steps is None:
+        problems.append(("train.max_steps", f"PPO needs max_steps (optimizer steps; one PPO iteration = {per_iter} "
+                         "steps = ppo_epochs x rollout_batch_size / global_batch_size)"))
+    for key in ("train.max_steps", "train.save_steps", "train.eval_steps"):
+        value = _get(doc, key)
+        if isinstance(value, int) and value % per_iter:
+            problems.append((key, f"must be a multiple of {per_iter} optimizer steps (one PPO iteration = ppo_epochs "
+                             f"{epochs} x rollout_batch_size {rollout} / global_batch_size {glob}); got {value}, "
+                             f"try {max(per_iter, round(value / per_iter) * per_iter)}"))
     return problems
 
 
