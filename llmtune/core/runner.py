@@ -102,7 +102,7 @@ def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
 
     has_eval = data.eval is not None and len(data.eval) > 0
     eval_rows = by_length(data.eval) if has_eval else None
-    trainer = CoreTrainer(
+    trainer = (stage.trainer_class or CoreTrainer)(
         model=model,
         args=build_training_args(recipe, run.root, has_eval),
         train_dataset=data.train,

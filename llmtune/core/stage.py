@@ -50,6 +50,8 @@ class Stage:
     model_head: ClassVar[str] = "causal_lm"
     # What count_items counts; the training logs report the running total as trained_<item_unit>.
     item_unit: ClassVar[str] = "tokens"
+    # Trainer class the runner builds (a CoreTrainer subclass; PPO brings its own rollout loop). None = CoreTrainer.
+    trainer_class: ClassVar[Any] = None
 
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
