@@ -3,21 +3,19 @@
     python scripts/gsm8k_check.py runs/quickstart_sft/merged --first 1300 --count 5
 
 Prompts are formatted with the model's saved chat template (greedy decoding, stops at its EOS). An answer
-"ends in GSM8K style" when its last line is `#### <number>`; it is correct when that number equals the
-reference answer's. The quickstart trains on GSM8K rows 0-399 (and holds out 400-499), so rows >= 500 were
-never seen.
+is "in GSM8K style" when a number follows its last `####`; it is correct when that number equals the
+reference answer's (llmtune.rewards.extract_final_answer: commas, $ and a trailing period ignored, 3.0 == 3).
+The quickstart trains on GSM8K rows 0-399 (and holds out 400-499), so rows >= 500 were never seen.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 from importlib import resources
 
 from llmtune.chat import load_for_chat, reply
-
-FINAL = re.compile(r"####\s*(-?[\d,]*\.?\d+)\s*$")
+from llmtune.rewards import extract_final_answer
 
 
 def main() -> None:
@@ -34,14 +32,14 @@ def main() -> None:
     for i in range(args.first, args.first + args.count):
         row = rows[i]
         answer = reply(model, tokenizer, [{"role": "user", "content": row["question"]}], args.max_new_tokens)
-        reference = row["answer"].rsplit("####", 1)[-1].strip().replace(",", "")
-        match = FINAL.search(answer)
-        styled += bool(match)
-        ok = bool(match) and match.group(1).replace(",", "") == reference
+        reference = extract_final_answer(row["answer"])
+        final = extract_final_answer(answer)
+        styled += final is not None
+        ok = final is not None and final == reference
         correct += ok
-        print(f"\n[GSM8K test row {i}] Q: {row['question']}\nA: {answer}\n-> ends with '#### <number>': "
-              f"{'yes' if match else 'no'}; reference {reference}; {'correct' if ok else 'wrong'}")
-    print(f"\n{styled}/{args.count} answers end in GSM8K style ('#### <number>'); {correct}/{args.count} correct")
+        print(f"\n[GSM8K test row {i}] Q: {row['question']}\nA: {answer}\n-> '#### <number>' answer: "
+              f"{final if final is not None else 'none'}; reference {reference}; {'correct' if ok else 'wrong'}")
+    print(f"\n{styled}/{args.count} answers in GSM8K style ('#### <number>'); {correct}/{args.count} correct")
 
 
 if __name__ == "__main__":

@@ -67,13 +67,16 @@ class DatasetConfig(Section):
         "name (needs network), builtin:gsm8k or builtin:sharegpt.",
     )
     format: Literal[
-        "auto", "alpaca", "sharegpt", "messages", "text", "prompt_completion", "preference", "preference_messages", "hh"
+        "auto", "alpaca", "sharegpt", "messages", "text", "prompt_completion", "prompt", "preference",
+        "preference_messages", "hh"
     ] = Field(
         "auto",
         description="Row format; auto detects it from the columns of the first row. SFT: alpaca, sharegpt, messages, "
         "text, prompt_completion. Preference pairs (rm, dpo): preference ({prompt, chosen, rejected} strings), "
         "preference_messages ({chosen, rejected} message lists sharing a prompt prefix, optional prompt), "
-        "hh (HH-RLHF transcripts; prompt = text before the last Assistant turn).",
+        "hh (HH-RLHF transcripts; prompt = text before the last Assistant turn). PPO prompts: any of these (a "
+        "final assistant turn / completion / chosen response becomes the reference answer) or prompt ({prompt} "
+        "string or message list, optional reference).",
     )
     columns: dict[str, str] = Field(
         default_factory=dict,
@@ -130,11 +133,12 @@ class DataConfig(Section):
         ge=1,
         description="Preference pairs (rm, dpo): cut prompts to at most this many tokens (truncation_mode picks the "
         "end kept); must be < max_length. null = prompts are not cut, and a pair whose prompt leaves no completion "
-        "token within max_length is dropped and counted.",
+        "token within max_length is dropped and counted. PPO prompts: the same limit (default max_length); the "
+        "generation prompt is always kept.",
     )
     truncation_mode: Literal["keep_end", "keep_start"] = Field(
         "keep_end",
-        description="Preference pairs: which end of a prompt longer than max_prompt_length is kept: keep_end (the "
+        description="Preference pairs and PPO prompts: which end of a prompt longer than max_prompt_length is kept: keep_end (the "
         "last turns and the generation prompt, as TRL; the BOS stays first) or keep_start. Completions are always "
         "cut at their end.",
     )
@@ -208,11 +212,31 @@ class PrecisionConfig(Section):
 
 
 class DistributedConfig(Section):
-    """DeepSpeed ZeRO settings (the multi-process launcher options come with the ZeRO work; runs are
-    single-process today)."""
+    """Multi-process / multi-node launch and DeepSpeed ZeRO sharding.
 
-    deepspeed: str | None = Field(None, description="Path to a DeepSpeed JSON config (\"auto\" values filled from the recipe).")
-    zero_stage: Literal[0, 1, 2, 3] | None = Field(None, description="DeepSpeed ZeRO stage when no config file is given.")
+    With ``nproc_per_node`` > 1 or ``nnodes`` > 1, ``llmtune <stage>`` re-launches itself through ``torchrun``
+    (one process per GPU); under a launcher already (torchrun, accelerate launch, deepspeed, srun) the launcher
+    keys are not used. Data is sharded over the ranks; ``train.global_batch_size`` stays samples per optimizer
+    step over ALL ranks, so the accumulation shrinks as ranks are added.
+    """
+
+    deepspeed: str | None = Field(
+        None, description="Path to a DeepSpeed JSON config, relative to the working directory (e.g. "
+        "deepspeed_configs/zero3.json); its \"auto\" values (micro batch, accumulation, precision, clipping, "
+        "optimizer) are filled from the recipe.")
+    zero_stage: Literal[0, 1, 2, 3] | None = Field(
+        None, description="DeepSpeed ZeRO stage when no config file is given: 1 shards optimizer states, 2 also "
+        "gradients, 3 also the weights (the built-in config equals deepspeed_configs/zero<stage>.json).")
+    nproc_per_node: int | None = Field(
+        None, ge=1, description="Processes (GPUs) per node; > 1 re-launches through torchrun. null = 1, or what "
+        "an outer launcher set up.")
+    nnodes: int = Field(1, ge=1, description="Number of nodes (machines); every node runs the same command with "
+                        "its own node_rank.")
+    node_rank: int = Field(0, ge=0, description="Rank of this node, 0 .. nnodes-1 (node 0 hosts the rendezvous "
+                           "and writes the run directory).")
+    master_addr: str = Field("127.0.0.1", description="Address (host name or IP) of node 0, reachable from every "
+                             "node.")
+    master_port: int = Field(29500, ge=1, le=65535, description="Free TCP port on node 0 for the rendezvous.")
 
 
 class RMConfig(Section):

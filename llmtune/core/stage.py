@@ -52,6 +52,8 @@ class Stage:
     item_unit: ClassVar[str] = "tokens"
     # Trainer class the runner builds (a CoreTrainer subclass; PPO brings its own rollout loop). None = CoreTrainer.
     trainer_class: ClassVar[Any] = None
+    # The eval metric that says how the stage went (summary tables, pipeline): lower is better for losses.
+    key_metric: ClassVar[str] = "eval_loss"
 
     def __init__(self, recipe: Recipe):
         self.recipe = recipe

@@ -3,8 +3,8 @@
 Shapes: B = rows (samples, or preference pairs) in a batch, T = tokens per row; labels are -100 where not
 trained; (2B, T) = chosen sequences stacked over rejected ones.
 
-Pipeline of :func:`build_sft_data` and :func:`build_preference_data` (deterministic for a given recipe,
-``data.seed`` and input files; the shared steps live in :mod:`llmtune.data.pipeline`):
+Pipeline of :func:`build_sft_data`, :func:`build_preference_data` and :func:`build_prompt_data` (deterministic
+for a given recipe, ``data.seed`` and input files; the shared steps live in :mod:`llmtune.data.pipeline`):
 
 1. read each source (at most its ``max_samples`` rows) and convert/validate rows into canonical rows
    (bad rows raise under ``bad_rows: error`` or are counted under ``skip``);
@@ -28,6 +28,7 @@ from llmtune.data.formats import row_kind
 from llmtune.data.packing import pack_rows
 from llmtune.data.pipeline import read_sources, to_dataset, tokenize_and_split
 from llmtune.data.preference import PreferenceData, build_preference_data, render_pair
+from llmtune.data.prompts import PromptCollator, PromptData, build_prompt_data, prompt_ids
 from llmtune.data.report import DataReport
 from llmtune.data.templates import BUILTIN_TEMPLATES, apply_chat_template_config
 from llmtune.data.tokenize import IGNORE_INDEX, SFTTokenizer, Tokenized, render_labels
@@ -37,8 +38,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BUILTIN_TEMPLATES", "DataError", "DataReport", "IGNORE_INDEX", "PreferenceCollator", "PreferenceData",
-    "SFTCollator", "SFTData", "apply_chat_template_config", "build_preference_data", "build_sft_data",
-    "render_labels", "render_pair",
+    "PromptCollator", "PromptData", "SFTCollator", "SFTData", "apply_chat_template_config", "build_preference_data",
+    "build_prompt_data", "build_sft_data", "prompt_ids", "render_labels", "render_pair",
 ]
 
 

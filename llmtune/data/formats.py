@@ -13,7 +13,12 @@ Canonical rows (plain dicts, so they can be stored as JSON or Arrow):
   ``kind="preference"``). An empty completion is kept (with a chat template it still renders the
   end-of-turn token: "say nothing" is a legitimate preferred answer in HH-RLHF).
 
-Later data kinds reuse the same sources and report: prompt-only rows will be ``{"prompt": messages}``.
+* prompt-only (``kind="prompt"``, PPO): ``{"prompt": messages, "reference": str | None}``: the conversation to
+  generate from (optional system, user/assistant alternating, ending with a non-empty user turn) and what the
+  data says the answer is (the dropped final assistant turn, alpaca ``output``, ``completion``, the chosen
+  response of a pair, or the ``reference`` column of format ``prompt``), None when there is none. Every format
+  except ``text`` gives prompts (see :data:`PROMPT_ADAPTERS`); a bare ``{prompt}`` column is format ``prompt``
+  (a string = one user turn, or a list of messages).
 
 Column names are mapped with ``DatasetConfig.columns`` (canonical field -> column in the file); the
 canonical fields of each format are listed in ``FORMAT_FIELDS``. An adapter raises
@@ -42,6 +47,7 @@ FORMAT_FIELDS: dict[str, dict[str, str]] = {
         "system": "system",
     },
     "hh": {"chosen": "chosen", "rejected": "rejected"},
+    "prompt": {"prompt": "prompt", "reference": "reference", "role": "role", "content": "content", "system": "system"},
 }
 REQUIRED: dict[str, tuple[str, ...]] = {
     "alpaca": ("instruction", "output"),
@@ -52,12 +58,16 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "preference": ("prompt", "chosen", "rejected"),
     "preference_messages": ("chosen", "rejected"),
     "hh": ("chosen", "rejected"),
+    "prompt": ("prompt",),
 }
 KIND_FORMATS: dict[str, tuple[str, ...]] = {
     "sft": ("alpaca", "sharegpt", "messages", "text", "prompt_completion"),
     "preference": ("preference", "preference_messages", "hh"),
+    "prompt": (
+        "messages", "sharegpt", "alpaca", "prompt_completion", "prompt", "preference", "preference_messages", "hh",
+    ),
 }
-KIND_NAMES = {"sft": "SFT rows", "preference": "preference pairs"}
+KIND_NAMES = {"sft": "SFT rows", "preference": "preference pairs", "prompt": "prompts"}
 ROLE_ALIASES: dict[str, str] = {
     "system": "system",
     "user": "user", "human": "user",
@@ -117,6 +127,8 @@ def detect_format(raw: RawSource, ds: DatasetConfig, key: str, kind: str = "sft"
         )
     if kind == "preference":
         return _detect_preference(first, raw, ds, key)
+    if kind == "prompt":
+        return _detect_prompt(first, raw, ds, key)
     for fmt in ("messages", "sharegpt", "alpaca", "prompt_completion", "text"):
         mapped = {k: v for k, v in ds.columns.items() if k in FORMAT_FIELDS[fmt]}
         cols = {**FORMAT_FIELDS[fmt], **raw.columns_map, **mapped}
@@ -158,6 +170,28 @@ def _detect_preference(first: dict, raw: RawSource, ds: DatasetConfig, key: str)
         f"('\\n\\nHuman: ... \\n\\nAssistant: ...', hh). Set {key}.format and map your columns with {key}.columns, "
         "e.g. {prompt: question, chosen: response_j, rejected: response_k}."
     )
+
+
+def _detect_prompt(first: dict, raw: RawSource, ds: DatasetConfig, key: str) -> str:
+    """Prompt-only data: a preference format when the row has chosen/rejected, else an SFT format, else
+    ``prompt`` (a bare prompt column) or ``alpaca`` (an instruction without output)."""
+    cols = {**FORMAT_FIELDS["preference_messages"], **FORMAT_FIELDS["prompt"], **raw.columns_map, **ds.columns}
+    if cols["chosen"] in first and cols["rejected"] in first:
+        return _detect_preference(first, raw, ds, key)
+    try:
+        return detect_format(raw, ds, key, "sft")
+    except DataError:
+        if cols["prompt"] in first:
+            return "prompt"
+        if {**FORMAT_FIELDS["alpaca"], **ds.columns}["instruction"] in first:
+            return "alpaca"
+        raise DataError(
+            f"{key}: cannot detect a prompt format in {raw.path} from its first row (columns: "
+            f"{', '.join(first) or '(none)'}). Prompts are {{prompt}} (a string or a message list), messages / "
+            "sharegpt conversations (a final assistant turn is dropped), alpaca {instruction, input}, "
+            f"prompt_completion or preference data. Set {key}.format and map your columns with {key}.columns, "
+            "e.g. {prompt: question, reference: answer}."
+        ) from None
 
 
 def _field(row: dict, col: str, *, required: bool = True) -> str | None:
@@ -212,9 +246,12 @@ def _alpaca(row: dict, cols: dict[str, str], ds: DatasetConfig) -> dict:
     system = _field(row, cols["system"], required=False)
     if not output.strip():
         raise RowError("empty response", f"empty response: field '{cols['output']}' is empty")
-    user = f"{instruction}\n\n{extra}" if extra and instruction else (instruction or extra or "")
-    messages = [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+    messages = [{"role": "user", "content": _alpaca_user(instruction, extra)}, {"role": "assistant", "content": output}]
     return {"messages": _with_system(messages, system if system is not None else ds.system_prompt)}
+
+
+def _alpaca_user(instruction: str, extra: str | None) -> str:
+    return f"{instruction}\n\n{extra}" if extra and instruction else (instruction or extra or "")
 
 
 def _parse_turns(turns: Any, cols: dict[str, str], field: str, where: str = "") -> list[dict]:
@@ -297,13 +334,7 @@ def _preference_messages(row: dict, cols: dict[str, str], ds: DatasetConfig) -> 
     """``chosen``/``rejected`` message lists: the prompt is everything before the final assistant turn and
     must be the same in both. An explicit ``prompt`` (messages or a string = one user turn) is put in front
     of lists that do not already start with it (TRL's explicit-prompt layout)."""
-    given = row.get(cols["prompt"])
-    if given is None:
-        prefix = []
-    elif isinstance(given, str):
-        prefix = [{"role": "user", "content": given}]
-    else:
-        prefix = _parse_turns(given, cols, cols["prompt"], f"'{cols['prompt']}' ")
+    prefix = _prompt_prefix(row, cols)
     prompts, completions = [], []
     for side in (cols["chosen"], cols["rejected"]):
         turns = _parse_turns(row.get(side), cols, side, f"'{side}' ")
@@ -329,6 +360,16 @@ def _preference_messages(row: dict, cols: dict[str, str], ds: DatasetConfig) -> 
     if completions[0] == completions[1]:
         raise _same_pair()
     return {"prompt": prompt, "chosen": completions[0], "rejected": completions[1]}
+
+
+def _prompt_prefix(row: dict, cols: dict[str, str]) -> list[dict]:
+    """The explicit ``prompt`` column as messages: none -> ``[]``, a string -> one user turn, else its turns."""
+    given = row.get(cols["prompt"])
+    if given is None:
+        return []
+    if isinstance(given, str):
+        return [{"role": "user", "content": given}]
+    return _parse_turns(given, cols, cols["prompt"], f"'{cols['prompt']}' ")
 
 
 def _hh_split(text: str, col: str) -> tuple[str, str]:
@@ -387,10 +428,95 @@ ADAPTERS: dict[str, Callable[[dict, dict[str, str], DatasetConfig], dict]] = {
 }
 
 
+def _prompt_row(messages: list[dict], reference: str | None, where: str) -> dict:
+    """A canonical prompt-only row; ``where`` names the last user turn's field for the empty-prompt reason."""
+    if not messages:
+        raise RowError("empty prompt", "empty prompt: the conversation has no turn before its final assistant turn")
+    _check_order(messages, last="user", what="prompt", check_empty=False)
+    if not messages[-1]["content"].strip():
+        raise RowError("empty prompt", f"empty prompt: {where} is empty")
+    return {"prompt": messages, "reference": reference}
+
+
+def _prompt_chat(row: dict, cols: dict[str, str], ds: DatasetConfig) -> dict:
+    messages = _parse_turns(row.get(cols["messages"]), cols, cols["messages"])
+    messages = _with_system(messages, _field(row, cols["system"], required=False) or ds.system_prompt)
+    reference = messages.pop()["content"] if messages[-1]["role"] == "assistant" else None
+    return _prompt_row(messages, reference, f"the last user turn (turn {len(messages) - 1}) of '{cols['messages']}'")
+
+
+def _prompt_alpaca(row: dict, cols: dict[str, str], ds: DatasetConfig) -> dict:
+    user = _alpaca_user(_field(row, cols["instruction"]), _field(row, cols["input"], required=False))
+    system = _field(row, cols["system"], required=False)
+    messages = _with_system([{"role": "user", "content": user}], system if system is not None else ds.system_prompt)
+    where = f"field '{cols['instruction']}' (with '{cols['input']}')"
+    return _prompt_row(messages, _field(row, cols["output"], required=False), where)
+
+
+def _prompt_completion_prompt(row: dict, cols: dict[str, str], ds: DatasetConfig) -> dict:
+    messages = _with_system([{"role": "user", "content": _field(row, cols["prompt"])}], ds.system_prompt)
+    return _prompt_row(messages, _field(row, cols["completion"], required=False), f"field '{cols['prompt']}'")
+
+
+def _prompt_only(row: dict, cols: dict[str, str], ds: DatasetConfig) -> dict:
+    """Format ``prompt``: a string (one user turn) or a message list ending with a user turn, optional reference."""
+    if row.get(cols["prompt"]) is None:
+        raise RowError(f"missing field '{cols['prompt']}'")
+    messages = _with_system(_prompt_prefix(row, cols), _field(row, cols["system"], required=False) or ds.system_prompt)
+    single = isinstance(row[cols["prompt"]], str)
+    where = f"field '{cols['prompt']}'" if single else f"the last turn of '{cols['prompt']}'"
+    return _prompt_row(messages, _field(row, cols["reference"], required=False), where)
+
+
+def _prompt_preference(row: dict, cols: dict[str, str], ds: DatasetConfig) -> dict:
+    """Prompt of a ``preference`` pair; the reference is the chosen response (rejected is not read)."""
+    system = _field(row, cols["system"], required=False) or ds.system_prompt
+    messages = _with_system([{"role": "user", "content": _field(row, cols["prompt"])}], system)
+    return _prompt_row(messages, _field(row, cols["chosen"]), f"field '{cols['prompt']}'")
+
+
+def _prompt_preference_messages(row: dict, cols: dict[str, str], ds: DatasetConfig) -> dict:
+    """The turns of ``chosen`` (after an explicit prompt) before its final assistant turn, which is the reference."""
+    prefix = _prompt_prefix(row, cols)
+    turns = _parse_turns(row.get(cols["chosen"]), cols, cols["chosen"], f"'{cols['chosen']}' ")
+    full = turns if turns[: len(prefix)] == prefix else prefix + turns
+    if full[-1]["role"] != "assistant":
+        raise RowError(ORDER, f"{ORDER}: the last turn of '{cols['chosen']}' is {full[-1]['role']}; expected the "
+                       "assistant completion")
+    messages = _with_system(full[:-1], _field(row, cols["system"], required=False) or ds.system_prompt)
+    return _prompt_row(messages, full[-1]["content"], f"the last user turn before the completion in '{cols['chosen']}'")
+
+
+def _prompt_hh(row: dict, cols: dict[str, str], ds: DatasetConfig) -> dict:
+    """The ``chosen`` transcript before its last ``"\\n\\nAssistant:"``; the reference is the chosen answer."""
+    transcript, chosen = _hh_split(_field(row, cols["chosen"]), cols["chosen"])
+    messages = _with_system(_hh_messages(transcript), ds.system_prompt)
+    if not any(m["role"] == "user" for m in messages):
+        raise RowError("empty prompt", "no '\\n\\nHuman:' turn before the last '\\n\\nAssistant:'")
+    if messages[-1]["role"] == "assistant":  # 2 of HH harmless-base's 1,800: "  Human:" inline in an answer
+        raise RowError(ORDER, f"{ORDER}: the '{cols['chosen']}' transcript before its last '\\n\\nAssistant:' ends "
+                       "with an Assistant turn, not a Human one (an inline 'Human:' without a blank line before it?)")
+    return _prompt_row(messages, chosen, f"the last Human turn of '{cols['chosen']}'")
+
+
+PROMPT_ADAPTERS: dict[str, Callable[[dict, dict[str, str], DatasetConfig], dict]] = {
+    "alpaca": _prompt_alpaca,
+    "sharegpt": _prompt_chat,
+    "messages": _prompt_chat,
+    "prompt_completion": _prompt_completion_prompt,
+    "prompt": _prompt_only,
+    "preference": _prompt_preference,
+    "preference_messages": _prompt_preference_messages,
+    "hh": _prompt_hh,
+}
+
+
 def row_kind(row: dict) -> str:
-    """``chat``, ``text``, ``prompt_completion`` or ``preference`` for a canonical row."""
+    """``chat``, ``text``, ``prompt_completion``, ``preference`` or ``prompt`` (prompt-only) for a canonical row."""
     if "messages" in row:
         return "chat"
+    if "reference" in row:
+        return "prompt"
     if "chosen" in row:
         return "preference"
     return "text" if "text" in row else "prompt_completion"
@@ -404,8 +530,9 @@ def to_canonical(
     Args:
         raw: the rows as read.
         ds: the source's config section.
-        kind: ``sft`` (formats alpaca, sharegpt, messages, text, prompt_completion) or ``preference``
-            (preference, preference_messages, hh).
+        kind: ``sft`` (formats alpaca, sharegpt, messages, text, prompt_completion), ``preference``
+            (preference, preference_messages, hh) or ``prompt`` (every format but text, plus ``prompt``; rows
+            ``{"prompt": messages, "reference": str | None}``).
 
     Returns:
         ``(format, valid, bad)``: the format used, ``[(row_id, canonical_row)]`` and ``[(row_id, RowError)]``
@@ -420,14 +547,20 @@ def to_canonical(
     if fmt not in KIND_FORMATS[kind]:
         other = next(k for k, formats in KIND_FORMATS.items() if fmt in formats)
         where = f"{key}.format: {fmt!r}" if ds.format != "auto" else f"{key}: {raw.path} (format {fmt!r})"
+        if kind == "prompt" and fmt == "text":
+            raise DataError(
+                f"{where} is plain text, which has no prompt part to generate from. Prompts come from {{prompt}} "
+                "rows, messages/sharegpt conversations, alpaca, prompt_completion or preference data; point "
+                f"{key}.path at such data (or set {key}.format and {key}.columns)."
+            )
         raise DataError(
             f"{where} is {KIND_NAMES[other]}, but this stage needs {KIND_NAMES[kind]}: one of the formats "
             f"{', '.join(KIND_FORMATS[kind])}. Point {key}.path at such data (or set {key}.format)."
         )
     cols = resolve_columns(fmt, ds, key, raw.columns_map if fmt == raw.format else None)
-    if ds.system_prompt is not None and fmt in ("text", "prompt_completion"):
+    if ds.system_prompt is not None and fmt in ("text", "prompt_completion") and kind != "prompt":
         raise DataError(f"{key}.system_prompt applies to chat formats (alpaca, sharegpt, messages), not {fmt!r}.")
-    adapter = ADAPTERS[fmt]
+    adapter = PROMPT_ADAPTERS[fmt] if kind == "prompt" else ADAPTERS[fmt]
     valid: list[tuple[int, dict]] = []
     bad: list[tuple[int, RowError]] = list(raw.bad)
     for row_id, row in zip(raw.row_ids, raw.rows):

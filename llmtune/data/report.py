@@ -114,10 +114,13 @@ class DataReport:
         """A short human-readable table: per-source counts, drop reasons with example rows, truncation."""
         pct = 100.0 * self.trained_tokens / self.tokens if self.tokens else 0.0
         packed = f" packed into {self.train_sequences} sequences," if self.packing else ""
-        rows = "pairs" if self.kind == "preference" else "rows"
+        rows = {"preference": "pairs", "prompt": "prompts"}.get(self.kind, "rows")
+        trained = ("responses are generated" if self.kind == "prompt"
+                   else f"{self.trained_tokens:,} trained, {pct:.1f}%")
+        what = "prompt tokens" if self.kind == "prompt" else "train tokens"
         lines = [
-            f"data: {self.train_rows} train {rows},{packed} {self.eval_rows} eval {rows}; train tokens {self.tokens:,} "
-            f"({self.trained_tokens:,} trained, {pct:.1f}%), max_length {self.max_length}",
+            f"data: {self.train_rows} train {rows},{packed} {self.eval_rows} eval {rows}; {what} {self.tokens:,} "
+            f"({trained}), max_length {self.max_length}",
         ]
         width = max([len(s.path) for s in self.sources] + [6])
         header = f"{'read':>7} {'valid':>7} {'kept':>7} {'train':>7} {'eval':>6}"

@@ -15,6 +15,7 @@ Typical use (the core does this)::
 """
 
 from llmtune.models.adapters import (
+    adapter_scope,
     attach_adapter,
     build_lora_config,
     count_parameters,
@@ -36,7 +37,7 @@ from llmtune.models.load import (
 from llmtune.models.lineage import adapter_chain, inherit_from_run, load_model_with_chain, merge_adapter
 
 __all__ = [
-    "BUILTIN_MODELS", "HEADS", "ModelLoadError", "ModelSource", "adapter_chain", "attach_adapter",
+    "BUILTIN_MODELS", "HEADS", "ModelLoadError", "ModelSource", "adapter_chain", "adapter_scope", "attach_adapter",
     "build_lora_config", "clear_gguf_quantization", "count_parameters", "enable_gradient_checkpointing",
     "inherit_from_run", "last_token_index", "load_model", "load_model_with_chain", "load_tokenizer", "merge_adapter",
     "resolve_dtype", "resolve_model_source", "sequence_scores", "task_type_of",

@@ -96,7 +96,8 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
         raise ModelLoadError(
             f"{type(model).__name__} does not support gradient checkpointing; set train.gradient_checkpointing: false"
         )
-    kwargs = {"use_reentrant": False}
+    # context_fn: a recomputed block runs with the adapter that was active when it first ran (adapter_scope).
+    kwargs = {"use_reentrant": False, "context_fn": adapter_recompute_context}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name; the old one warns
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
@@ -228,3 +229,76 @@ def attach_adapter(
         ", gradient checkpointing (non-reentrant)" if checkpointing_enabled(result) else "",
     )
     return result
+
+
+# ---- several adapters on one base ----------------------------------------------------------------------------
+# peft's set_adapter()/disable_adapter() also flip requires_grad (the inactive adapter's weights are frozen, and
+# leaving disable_adapter() re-enables grads of the ACTIVE adapter only), so switching between two trained adapters
+# with them freezes one of them for good. adapter_scope switches which adapter the LoRA layers apply without touching
+# requires_grad. With gradient checkpointing the blocks are recomputed during backward, after the scope has been left:
+# adapter_recompute_context (the checkpoint's context_fn) re-enters the scope that was active at forward time, so the
+# recomputed activations are the ones that were used (otherwise the value adapter's gradients would silently be
+# computed with the policy adapter's activations).
+
+_SCOPES: list[tuple[list, list[str] | None]] = []  # (tuner layers, active adapter names or None = disabled)
+
+
+def _tuner_layers(model: nn.Module) -> list:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
+class _ApplyScope:
+    """Context manager that sets ``(layers, adapters)`` on entry and restores each layer's previous state on exit."""
+
+    def __init__(self, layers: list, adapters: list[str] | None):
+        self.layers, self.adapters, self.saved = layers, adapters, []
+
+    def __enter__(self):
+        self.saved = [(layer, layer._active_adapter, layer._disable_adapters) for layer in self.layers]
+        for layer in self.layers:
+            if self.adapters is None:
+                layer._disable_adapters = True
+            else:
+                layer._active_adapter = list(self.adapters)
+                layer._disable_adapters = False
+        _SCOPES.append((self.layers, self.adapters))
+        return self
+
+    def __exit__(self, *exc):
+        _SCOPES.pop()
+        for layer, active, disabled in self.saved:
+            layer._active_adapter, layer._disable_adapters = active, disabled
+        return False
+
+
+def adapter_scope(model: nn.Module, adapter: str | None) -> _ApplyScope:
+    """Run ``model`` (a peft model, or a module containing one) with only ``adapter`` applied, or with every
+    adapter disabled when ``adapter`` is None (the reference model). Gradient flags are left untouched, so all
+    adapters stay trainable; nesting restores the outer scope on exit.
+
+    Args:
+        model: any module holding peft tuner layers.
+        adapter: adapter name (``"default"`` = the first one attached), or None for the bare base.
+
+    Raises:
+        ValueError: ``adapter`` is not an adapter of the model.
+    """
+    layers = _tuner_layers(model)
+    if adapter is not None:
+        known = {name for layer in layers for name in getattr(layer, "lora_A", {}).keys()}
+        if known and adapter not in known:
+            raise ValueError(f"adapter {adapter!r} is not attached; the model has {sorted(known)}")
+    return _ApplyScope(layers, None if adapter is None else [adapter])
+
+
+def adapter_recompute_context():
+    """``context_fn`` for ``torch.utils.checkpoint``: ``(forward context, recompute context)``. The recompute
+    context re-applies the adapter scope active when the checkpointed block ran forward (no scope: nothing)."""
+    import contextlib
+
+    if not _SCOPES:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    layers, adapters = _SCOPES[-1]
+    return contextlib.nullcontext(), _ApplyScope(layers, adapters)

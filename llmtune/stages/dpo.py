@@ -81,6 +81,7 @@ class DPOStage(PairwiseStage):
     """DPO (sigmoid / IPO / hinge / robust) on preference pairs; batches are (2B, T): chosen rows then rejected."""
 
     name = "dpo"
+    key_metric = "eval_rewards/accuracies"
     eval_keys = ("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps")
 
     def __init__(self, recipe: Recipe):

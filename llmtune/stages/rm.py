@@ -60,6 +60,7 @@ class RMStage(PairwiseStage):
     """Reward model (Bradley-Terry) on preference pairs; batches are (2B, T): chosen rows then rejected rows."""
 
     name = "rm"
+    key_metric = "eval_accuracy"
     model_head = "score"
     eval_keys = ("chosen", "rejected")
 

@@ -1,0 +1,229 @@
+"""Reward functions for PPO: the GSM8K answer check, and loading/calling a user's ``module:function``.
+
+A reward function scores B generated completions: ``fn(prompts, completions[, references]) -> B numbers``
+where ``prompts[b]`` is the last user message of prompt b, ``completions[b]`` the generated text (decoded
+without special tokens) and ``references[b]`` the dataset's answer for that prompt (None when the data has
+none). ``references`` is passed only to functions that accept it (a ``references`` parameter or
+``**kwargs``). The recipe names one with ``reward.function: module:function``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import re
+import sys
+from collections.abc import Callable, Sequence
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+
+import torch
+
+# After the last '####': optional sign and '$' (either order), then digits with thousands commas and decimals.
+_ANSWER = re.compile(r"\s*([-+]?)\s*\$?\s*([-+]?)\s*(\d[\d,]*(?:\.\d*)?|\.\d+)")
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function cannot be loaded, fails, or returns something other than B finite numbers."""
+
+
+def normalize_number(text: str) -> str | None:
+    """A number written as in GSM8K, in one canonical form: ``"1,234.50"`` -> ``"1234.5"``, ``"3.0"`` -> ``"3"``,
+    ``"-$5"`` -> ``"-5"``, ``"-0"`` -> ``"0"``; None when ``text`` does not start with a number.
+
+    Commas are thousands separators and are removed; a trailing period ends a sentence and is dropped.
+    """
+    match = _ANSWER.match(text)
+    if match is None:
+        return None
+    sign = "-" if "-" in match.group(1) + match.group(2) else ""
+    digits = match.group(3).replace(",", "").rstrip(".")
+    try:
+        value = Decimal(sign + digits)
+    except InvalidOperation:
+        return None
+    if value == value.to_integral_value():
+        return str(int(value))
+    return format(value.normalize(), "f")
+
+
+def extract_final_answer(text: str) -> str | None:
+    """The number after the LAST ``####`` in ``text``, normalised with :func:`normalize_number`.
+
+    Examples: ``"... #### 72"`` -> ``"72"``; ``"#### $1,234.50."`` -> ``"1234.5"``; ``"#### 3.0"`` -> ``"3"``;
+    ``"#### 1 #### -5 apples"`` -> ``"-5"``; ``"The answer is 5"`` -> None (no ``####``);
+    ``"#### five"`` -> None (no number right after the last ``####``).
+    """
+    if "####" not in text:
+        return None
+    return normalize_number(text.rsplit("####", 1)[1])
+
+
+def gsm8k_reward(prompts: Sequence[str], completions: Sequence[str], references: Sequence[str | None]) -> list[float]:
+    """GSM8K correctness: ``1.0`` when the completion's final answer equals the reference's, else ``0.0``.
+
+    Rule: ``extract_final_answer(completion)`` (the number right after the last ``####``, commas, ``$``,
+    spaces and a trailing period removed, ``3.0`` == ``3``) must equal the reference's final answer, i.e.
+    ``extract_final_answer(reference)`` for a full GSM8K solution ending with ``#### <number>``, or the
+    reference itself when it is a bare number (``"72"``). A completion without ``#### <number>`` scores 0.
+
+    Args:
+        prompts: B prompts (unused).
+        completions: B generated texts.
+        references: B reference answers (the GSM8K ``answer`` column).
+
+    Returns:
+        B floats in {0.0, 1.0}.
+
+    Raises:
+        ValueError: ``references`` is None or has another length, or a reference holds no number (the data
+            does not carry GSM8K answers; the message names the index).
+    """
+    if references is None or len(references) != len(completions):
+        got = "None" if references is None else f"{len(references)}"
+        raise ValueError(f"gsm8k_reward needs one reference answer per completion: {len(completions)} completions, "
+                         f"references {got}. Use data whose rows carry the answer (e.g. builtin:gsm8k).")
+    rewards = []
+    for b, (completion, reference) in enumerate(zip(completions, references)):
+        expected = None
+        if reference is not None:
+            expected = extract_final_answer(reference) if "####" in reference else normalize_number(reference)
+        if expected is None:
+            raise ValueError(f"gsm8k_reward: reference {b} has no final answer ('#### <number>' or a bare number): "
+                             f"{str(reference)[-80:]!r}")
+        rewards.append(1.0 if extract_final_answer(completion) == expected else 0.0)
+    return rewards
+
+
+def load_reward_function(spec: str, base_dir: str | Path | None = None) -> Callable:
+    """Import the reward function named by ``spec``.
+
+    Args:
+        spec: ``"package.module:function"`` (an attribute path such as ``module:Class.method`` works too) or
+            ``"path/to/file.py:function"`` (relative paths against ``base_dir``).
+        base_dir: the recipe's directory; it is added to ``sys.path`` (after the current directory, which is
+            also added) so a module next to the recipe imports.
+
+    Returns:
+        The callable.
+
+    Raises:
+        RewardFunctionError: ``spec`` is not ``module:function``; the module cannot be imported (the import
+            error is shown); the attribute is missing (close names listed) or not callable.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name.strip() or not attr.strip() or ":" in attr:
+        raise RewardFunctionError(
+            f"reward.function: {spec!r} is not 'module:function'; write e.g. 'llmtune.rewards:gsm8k_reward' or "
+            "'my_rewards.py:score'."
+        )
+    module_name, attr = module_name.strip(), attr.strip()
+    dirs = [str(Path.cwd())] + ([str(Path(base_dir).resolve())] if base_dir is not None else [])
+    for d in dirs:
+        if d not in sys.path:
+            sys.path.append(d)
+    module = _import_file(module_name, spec, base_dir) if module_name.endswith(".py") else _import(module_name, spec)
+    obj = module
+    for i, part in enumerate(attr.split(".")):
+        if not hasattr(obj, part):
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            close = difflib.get_close_matches(part, names, n=5, cutoff=0.5)
+            owner = ".".join([module_name, *attr.split(".")[:i]]) if i else module_name
+            defined = ", ".join(n for n in names if callable(getattr(obj, n, None)))[:300] or "no public callables"
+            hint = f"did you mean {', '.join(close)}?" if close else f"it defines: {defined}"
+            raise RewardFunctionError(f"reward.function: {spec!r}: {owner} has no attribute {part!r}; {hint}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise RewardFunctionError(
+            f"reward.function: {spec!r} is {type(obj).__name__}, not callable; name a function "
+            "fn(prompts, completions, references) -> list[float]."
+        )
+    return obj
+
+
+def _import(module_name: str, spec: str):
+    try:
+        return importlib.import_module(module_name)
+    except Exception as exc:
+        raise RewardFunctionError(
+            f"reward.function: {spec!r}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}. "
+            "Install it, or put it in the current directory or next to the recipe."
+        ) from exc
+
+
+def _import_file(path: str, spec: str, base_dir: str | Path | None):
+    file = Path(path)
+    if not file.is_absolute() and base_dir is not None and not file.exists():
+        file = Path(base_dir) / file
+    if not file.is_file():
+        raise RewardFunctionError(f"reward.function: {spec!r}: file {file} does not exist.")
+    name = f"llmtune_reward_{file.stem}"
+    module_spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        raise RewardFunctionError(
+            f"reward.function: {spec!r}: importing {file} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    sys.modules[name] = module
+    return module
+
+
+def accepts_references(fn: Callable) -> bool:
+    """True when ``fn`` takes a ``references`` argument (by name, or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+    return any(p.name == "references" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def call_reward_function(
+    fn: Callable, prompts: Sequence[str], completions: Sequence[str], references: Sequence[str | None] | None = None
+) -> torch.Tensor:
+    """Score B completions with ``fn`` and check the result.
+
+    ``fn(prompts, completions, references=references)`` when ``fn`` accepts ``references``
+    (:func:`accepts_references`), else ``fn(prompts, completions)``.
+
+    Args:
+        fn: the reward function (see :func:`load_reward_function`).
+        prompts: B prompt texts. completions: B generated texts. references: B reference answers or None.
+
+    Returns:
+        (B,) float32 tensor of rewards (on CPU).
+
+    Raises:
+        RewardFunctionError: ``fn`` raised (its error is chained), or did not return B finite real numbers
+            (a sequence or 1-D tensor/array of length B); the message names the first offending index.
+    """
+    B = len(completions)
+    name = getattr(fn, "__qualname__", repr(fn))
+    try:
+        out = fn(prompts, completions, references=references) if accepts_references(fn) else fn(prompts, completions)
+    except Exception as exc:
+        raise RewardFunctionError(f"reward function {name} raised {type(exc).__name__}: {exc}") from exc
+    if hasattr(out, "tolist") and not isinstance(out, (list, tuple)):  # torch / numpy
+        if getattr(out, "ndim", 1) != 1:
+            raise RewardFunctionError(f"reward function {name} returned an array of shape {tuple(out.shape)}; "
+                                      f"expected ({B},): one number per completion")
+        out = out.tolist()
+    if isinstance(out, (str, bytes)) or not isinstance(out, Sequence):
+        raise RewardFunctionError(f"reward function {name} returned {type(out).__name__}; expected a list of {B} "
+                                  "numbers, one per completion")
+    if len(out) != B:
+        raise RewardFunctionError(f"reward function {name} returned {len(out)} values for {B} completions; "
+                                  "expected one number per completion")
+    for b, value in enumerate(out):
+        if not isinstance(value, numbers.Real):
+            raise RewardFunctionError(f"reward function {name}: value {b} is {type(value).__name__} {value!r}; "
+                                      "expected a real number")
+        if not math.isfinite(value) or not math.isfinite(float(torch.tensor(float(value), dtype=torch.float32))):
+            raise RewardFunctionError(f"reward function {name}: value {b} is {value!r} (not finite in float32) for "
+                                      f"completion {completions[b][:80]!r}")
+    return torch.tensor([float(v) for v in out], dtype=torch.float32)

@@ -1,0 +1,77 @@
+"""PPO (RLHF) of a policy adapter against a reward model or a reward function, on the shared core.
+
+Actor-critic PPO for language models (Schulman et al. 2017; the RLHF recipe of Ouyang et al. 2022; GAE of Schulman
+et al. 2016): sample responses to prompts, score them, reward = score at the last token - kl_coef * KL(policy ||
+reference) at every token, GAE advantages, clipped policy and value losses over several epochs per rollout batch.
+The policy, the reference (adapters disabled) and the value model (its own adapter + head) share one base.
+
+Units: ``count_items`` = real response tokens; the loss of an optimizer step is the token sum over its micro-batches
+divided by the response tokens of the whole step on all ranks.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from llmtune.core.stage import Stage, StageData
+from llmtune.stages.ppo import ops
+from llmtune.stages.ppo.rollout import response_token_logps
+from llmtune.stages.ppo.trainer import PPOTrainer
+
+
+class PPOStage(Stage):
+    """``llmtune ppo``: the stage hooks; the rollout loop is :class:`PPOTrainer`."""
+
+    name = "ppo"
+    data_kind = "prompt"
+    item_unit = "tokens"
+    trainer_class = PPOTrainer
+    key_metric = "eval_score"
+
+    def build_data(self, tokenizer, base_dir: str) -> StageData:
+        from llmtune.data.prompts import PromptCollator, build_prompt_data
+
+        data = build_prompt_data(self.recipe.data, tokenizer, base_dir=base_dir)
+        return StageData(data.train, data.eval, data.report, PromptCollator(tokenizer), data.report.sources_lineage())
+
+    def render_example(self, row: dict, tokenizer) -> str:
+        prompt = tokenizer.decode(row["input_ids"])
+        reference = row.get("reference")
+        return (f"{prompt}«the policy's response is sampled here during training»"
+                + (f"\n(reference answer, for reward functions: {reference!r})" if reference else ""))
+
+    def count_items(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return batch["response_mask"].sum()
+
+    def loss(self, model, batch, num_items):
+        """Clipped policy loss + ``vf_coef`` x clipped value loss, token sums / ``num_items``.
+
+        Args:
+            batch: a micro-batch from ``PPOTrainer.make_experience``: ``input_ids``/``attention_mask``/
+                ``position_ids`` (b, P + n), ``responses``/``response_mask``/``old_logps``/``old_values``/
+                ``advantages``/``returns`` (b, n).
+            num_items: response tokens of the whole optimizer step (all micro-batches, all ranks).
+        """
+        cfg = self.recipe.ppo
+        mask = batch["response_mask"].float()
+        width = batch["responses"].shape[1]
+        logits, values = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                               position_ids=batch["position_ids"], response_width=width)
+        logps = response_token_logps(logits, batch["responses"], cfg.temperature)
+        pg = ops.policy_loss(logps, batch["old_logps"], batch["advantages"], mask, cfg.cliprange)
+        vf_sum, vf_clipped = ops.value_loss(values, batch["old_values"], batch["returns"], mask, cfg.cliprange_value)
+        loss = (pg.loss_sum + cfg.vf_coef * vf_sum) / num_items
+        tokens = mask.sum().clamp(min=1)
+        with torch.no_grad():
+            entropy = ops.masked_mean(ops.entropy_from_logits(logits.detach().float() / cfg.temperature), mask)
+        metrics = {
+            "policy_loss": float(pg.loss_sum.detach() / tokens), "value_loss": float(vf_sum.detach() / tokens),
+            "clipfrac": float(pg.clipped / tokens), "vf_clipfrac": float(vf_clipped / tokens),
+            "approx_kl": float(pg.approx_kl_sum / tokens), "policy_entropy": float(entropy),
+        }
+        return loss, metrics
+
+
+__all__ = ["PPOStage", "PPOTrainer", "ops"]

