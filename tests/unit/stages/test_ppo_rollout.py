@@ -1,0 +1,192 @@
+"""PPO rollouts on a tiny Llama: the prompt/response split of left-padded batched generation, KL = 0 when the policy
+is the reference, reward/value read positions, and adapter switching that keeps gradients right under gradient
+checkpointing."""
+
+import pytest
+import torch
+from peft import get_peft_model
+
+from llmtune.config import load_recipe
+from llmtune.models.adapters import adapter_scope, build_lora_config, enable_gradient_checkpointing
+from llmtune.models.heads import sequence_scores
+from llmtune.models.tiny import make_tiny_llama, make_tiny_tokenizer
+from llmtune.stages.ppo import ops
+from llmtune.stages.ppo.rollout import join, response_token_logps, split_generation
+from llmtune.stages.ppo.trainer import PolicyValueModel, add_value_model, eos_token_ids, trim
+
+PROMPTS = ["What is 2 + 3?", "Hi", "Tell me a very long story about the sea and the wind, please.", "Why?"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tiny_tokenizer(pad_equals_eos=False)
+
+
+def left_padded(tok, texts):
+    ids = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
+                                   return_dict=False) for t in texts]
+    width = max(len(i) for i in ids)
+    input_ids = torch.tensor([[tok.pad_token_id] * (width - len(i)) + i for i in ids])
+    mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
+    return ids, input_ids, mask
+
+
+def policy_value(tok, seed=0):
+    recipe = load_recipe(raw={"stage": "ppo", "reward": {"function": "llmtune.rewards:gsm8k_reward"},
+                              "adapter": {"lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0},
+                              "train": {"max_steps": 4, "global_batch_size": 8}})
+    base = make_tiny_llama(tok, seed=seed)
+    policy = get_peft_model(base, build_lora_config(recipe.adapter))
+    head = add_value_model(policy, recipe, None)
+    return PolicyValueModel(policy, head), recipe
+
+
+def test_split_masks_everything_after_the_first_eos():
+    seqs = torch.tensor([[0, 7, 8, 5, 2, 9, 2], [7, 7, 8, 9, 9, 9, 9], [0, 0, 8, 2, 2, 2, 2]])
+    responses, mask, ended = split_generation(seqs, prompt_width=3, eos_ids=[2], pad_id=1)
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    assert responses.tolist() == [[5, 2, 1, 1], [9, 9, 9, 9], [2, 1, 1, 1]]
+    assert ended.tolist() == [True, False, True]
+
+
+class ForceEOS:
+    """Logits processor: row b emits EOS exactly at response step ``stops[b]`` (None: never), so that rows end at
+    different points and finished rows get a padded tail."""
+
+    def __init__(self, stops, prompt_width, eos):
+        self.stops, self.width, self.eos = stops, prompt_width, eos
+
+    def __call__(self, input_ids, scores):
+        step = input_ids.shape[1] - self.width
+        for b, stop in enumerate(self.stops):
+            if stop == step:
+                scores[b] = torch.where(torch.arange(scores.shape[1]) == self.eos, 0.0, float("-inf"))
+            else:
+                scores[b, self.eos] = float("-inf")
+        return scores
+
+
+def test_batched_generation_split_equals_each_prompt_alone(tok):
+    from transformers import LogitsProcessorList
+
+    model = make_tiny_llama(tok, seed=3).eval()
+    eos = eos_token_ids(tok)
+    ids, input_ids, attn = left_padded(tok, PROMPTS)
+    width, stops = input_ids.shape[1], [2, None, 5, 0]
+    kwargs = dict(max_new_tokens=8, do_sample=False, eos_token_id=eos, pad_token_id=tok.pad_token_id)
+    with torch.no_grad():
+        seqs = model.generate(input_ids=input_ids, attention_mask=attn,
+                              logits_processor=LogitsProcessorList([ForceEOS(stops, width, eos[0])]), **kwargs)
+    responses, mask, ended = split_generation(seqs, width, eos, tok.pad_token_id)
+    assert mask.sum(1).tolist() == [3, 8, 6, 1] and ended.tolist() == [True, False, True, True]
+    assert (responses[mask == 0] == tok.pad_token_id).all()
+    for b, prompt in enumerate(ids):
+        query = seqs[b, :width][attn[b].bool()].tolist()
+        assert query == prompt  # the decoded query is exactly the prompt
+        assert tok.decode(query) == tok.decode(prompt) and PROMPTS[b] in tok.decode(query)
+        real = responses[b][mask[b].bool()].tolist()
+        assert tok.pad_token_id not in real and eos[0] not in real[:-1]  # no pad, no EOS before the end
+        with torch.no_grad():
+            alone = model.generate(
+                input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                logits_processor=LogitsProcessorList([ForceEOS([stops[b]], len(prompt), eos[0])]), **kwargs,
+            )[0, len(prompt):].tolist()
+        assert real == alone  # the response starts right after the prompt, with nothing of the prompt in it
+
+
+def test_kl_is_exactly_zero_at_step_zero_and_pads_are_masked(tok):
+    model, _ = policy_value(tok)
+    model.eval()
+    eos = eos_token_ids(tok)
+    _, input_ids, attn = left_padded(tok, PROMPTS)
+    with torch.no_grad(), adapter_scope(model.policy, "default"):
+        seqs = model.policy.generate(input_ids=input_ids, attention_mask=attn, max_new_tokens=12, do_sample=True,
+                                     eos_token_id=eos, pad_token_id=tok.pad_token_id,
+                                     logits_processor=[ForceEOS([3, None, 1, 6], input_ids.shape[1], eos[0])])
+    responses, mask, _ = split_generation(seqs, input_ids.shape[1], eos, tok.pad_token_id)
+    assert (mask == 0).any()  # some rows have a padded tail
+    inputs = join(input_ids, attn, responses, mask)
+    with torch.no_grad():
+        logits, values = model(**inputs, response_width=responses.shape[1])
+        ref_logits = model.reference_logits(**inputs, response_width=responses.shape[1])
+    logps = response_token_logps(logits, responses, temperature=0.7) * mask
+    ref = response_token_logps(ref_logits, responses, temperature=0.7) * mask
+    rewards, kl = ops.per_token_rewards(torch.ones(len(PROMPTS)), logps, ref, mask.float(), kl_coef=0.1)
+    assert torch.equal(kl, torch.zeros_like(kl))  # exactly, on every real token
+    assert (rewards[mask == 0] == 0).all() and values.shape == responses.shape
+    assert torch.equal(rewards.sum(1), torch.ones(len(PROMPTS)))  # only the score, at the last real token
+    # logits of the joined input reproduce generation's own scores (left padding, positions from the mask)
+    with torch.no_grad(), adapter_scope(model.policy, "default"):
+        out = model.policy.generate(input_ids=input_ids, attention_mask=attn, max_new_tokens=3, do_sample=False,
+                                    output_scores=True, return_dict_in_generate=True, eos_token_id=eos,
+                                    pad_token_id=tok.pad_token_id)
+    resp3, mask3, _ = split_generation(out.sequences, input_ids.shape[1], eos, tok.pad_token_id)
+    with torch.no_grad():
+        logits3, _ = model(**join(input_ids, attn, resp3, mask3), response_width=resp3.shape[1], with_values=False)
+    assert torch.allclose(logits3[:, 0], out.scores[0], atol=1e-4)
+
+
+def test_reward_read_at_last_real_token_for_left_and_right_padding(tok):
+    from transformers import LlamaForSequenceClassification
+
+    base = make_tiny_llama(tok, seed=1)
+    rm = LlamaForSequenceClassification(base.config.__class__(**{**base.config.to_dict(), "num_labels": 1})).eval()
+    seqs = [[5, 9, 11, 40, 41], [7, 8], [12, 13, 14]]
+    alone = torch.cat([sequence_scores(rm, torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long)) for s in seqs])
+    # PPO layout: prompt left-padded, response right-padded in the same row
+    query = torch.tensor([[0, 5, 9], [0, 0, 7], [0, 12, 13]])
+    qmask = torch.tensor([[0, 1, 1], [0, 0, 1], [0, 1, 1]])
+    resp = torch.tensor([[11, 40, 41], [8, 1, 1], [14, 1, 1]])
+    rmask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 0, 0]])
+    both = sequence_scores(rm, torch.cat([query, resp], 1), torch.cat([qmask, rmask], 1))
+    right = torch.tensor([s + [1] * (5 - len(s)) for s in seqs])
+    rmask_only = torch.tensor([[1] * len(s) + [0] * (5 - len(s)) for s in seqs])
+    right_scores = sequence_scores(rm, right, rmask_only)
+    assert torch.allclose(both, alone, atol=1e-5) and torch.allclose(right_scores, alone, atol=1e-5)
+    assert not torch.allclose(alone[0], alone[1])  # the scores differ, so equality above means something
+
+
+def _grads(model, inputs, width):
+    model.zero_grad()
+    logits, values = model(**inputs, response_width=width)
+    (logits.float().pow(2).mean() + values.pow(2).mean()).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_both_adapters_trainable_and_checkpointing_recomputes_with_the_right_adapter(tok):
+    model, _ = policy_value(tok)
+    for name, p in model.named_parameters():  # non-zero B everywhere so both adapters change the activations
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    torch.nn.init.normal_(model.value_head.weight, std=0.5)
+    _, input_ids, attn = left_padded(tok, PROMPTS[:2])
+    resp = torch.randint(10, 300, (2, 5))
+    inputs = join(input_ids, attn, resp, torch.ones_like(resp))
+    model.train()
+    plain = _grads(model, inputs, 5)
+    assert any(".value." in n for n in plain) and any(".default." in n for n in plain)
+    assert "value_head.weight" in plain
+    base = model.policy.get_base_model()
+    enable_gradient_checkpointing(base)
+    checkpointed = _grads(model, inputs, 5)
+    assert plain.keys() == checkpointed.keys()
+    for name in plain:
+        assert torch.allclose(plain[name], checkpointed[name], atol=1e-6, rtol=1e-5), name
+    # negative control: without the adapter-aware recompute context the value adapter's gradients are wrong
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    naive = _grads(model, inputs, 5)
+    assert any(not torch.allclose(plain[n], naive[n], atol=1e-6, rtol=1e-5) for n in plain if ".value." in n)
+    for name, p in model.named_parameters():  # switching adapters never froze anything
+        if "lora_" in name:
+            assert p.requires_grad, name
+
+
+def test_trim_cuts_responses_to_the_longest_real_one():
+    exp = {"input_ids": torch.arange(14).reshape(2, 7), "attention_mask": torch.ones(2, 7, dtype=torch.long),
+           "position_ids": torch.arange(14).reshape(2, 7), "responses": torch.arange(8).reshape(2, 4),
+           "response_mask": torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])}
+    for key in ("old_logps", "old_values", "advantages", "returns"):
+        exp[key] = torch.zeros(2, 4)
+    rows = trim(exp, torch.tensor([1, 0]), prompt_width=3)
+    assert rows["input_ids"].tolist() == [[7, 8, 9, 10, 11], [0, 1, 2, 3, 4]]
+    assert rows["responses"].shape == (2, 2) and rows["response_mask"].tolist() == [[1, 0], [1, 1]]
