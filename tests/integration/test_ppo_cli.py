@@ -5,6 +5,7 @@ import json
 import math
 
 import pytest
+import torch
 import yaml
 from safetensors.torch import load_file
 
@@ -57,10 +58,8 @@ def workspace(tmp_path_factory):
     return root
 
 
-def test_ppo_with_reward_model(workspace):
-    recipe = ppo_recipe(workspace, "ppo_rm", {"from_run": str(workspace / "rm")})
-    assert main(["ppo", str(recipe)]) == 0
-    run = workspace / "ppo_rm"
+def test_ppo_with_reward_model(workspace, ppo_rm_run):
+    run = ppo_rm_run
     lineage = json.loads((run / "lineage.json").read_text())
     assert lineage["stage"] == "ppo" and lineage["model_head"] == "causal_lm"
     assert [e["stage"] for e in lineage["previous_adapters"]] == ["sft"]
@@ -101,3 +100,48 @@ def test_ppo_with_reward_function(workspace):
     logs = list(read_jsonl(workspace / "ppo_fn" / "metrics.jsonl"))
     assert all(math.isfinite(r["loss"]) for r in logs if "loss" in r)
     assert all(0.0 <= r["score_mean"] <= 1.0 for r in logs if "score_mean" in r)
+
+
+def _adapter(run):
+    return {**load_file(run / "adapter" / "adapter_model.safetensors"),
+            **{f"value/{k}": v for k, v in load_file(run / "adapter" / "value" / "adapter_model.safetensors").items()},
+            **{f"head/{k}": v for k, v in load_file(run / "adapter" / "value" / "value_head.safetensors").items()}}
+
+
+def _losses(run):
+    return [r["loss"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r and "train_runtime" not in r]
+
+
+@pytest.fixture(scope="module")
+def ppo_rm_run(workspace):
+    if not (workspace / "ppo_rm" / "lineage.json").is_file():
+        assert main(["ppo", str(ppo_recipe(workspace, "ppo_rm", {"from_run": str(workspace / "rm")}))]) == 0
+    return workspace / "ppo_rm"
+
+
+def test_resume_from_an_iteration_checkpoint_reproduces_the_run(workspace, ppo_rm_run):
+    import shutil
+
+    copy = workspace / "ppo_resumed"
+    shutil.copytree(ppo_rm_run, copy)
+    for name in ("adapter", "checkpoints/checkpoint-4"):
+        shutil.rmtree(copy / name)
+    (copy / "lineage.json").unlink()
+    kept = [r for r in read_jsonl(copy / "metrics.jsonl") if r.get("step", 0) <= 2 and "train_runtime" not in r]
+    (copy / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    recipe = ppo_recipe(workspace, "ppo_resumed", {"from_run": str(workspace / "rm")})
+    assert main(["ppo", str(recipe), "train.resume_from=latest"]) == 0
+    assert _losses(copy) == pytest.approx(_losses(ppo_rm_run), abs=1e-6)
+    resumed, original = _adapter(copy), _adapter(ppo_rm_run)
+    assert resumed.keys() == original.keys()
+    for key in original:
+        assert torch.allclose(resumed[key], original[key], atol=1e-6), key
+
+
+def test_accumulation_split_gives_the_same_steps(workspace, ppo_rm_run):
+    recipe = ppo_recipe(workspace, "ppo_micro4", {"from_run": str(workspace / "rm")}, train={"micro_batch_size": 4})
+    assert main(["ppo", str(recipe)]) == 0
+    assert _losses(workspace / "ppo_micro4") == pytest.approx(_losses(ppo_rm_run), abs=1e-5)
+    one, two = _adapter(workspace / "ppo_micro4"), _adapter(ppo_rm_run)
+    for key in one:
+        assert torch.allclose(one[key], two[key], atol=1e-5), key
