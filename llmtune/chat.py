@@ -1,11 +1,14 @@
 """``llmtune chat``: talk to a run's result, formatting prompts with the chat template it was trained with.
 
-Accepts a merged model directory, a run directory (uses ``merged/`` when exported, else base + adapter),
-and stops generation at the template's EOS.
+Accepts a merged model directory or a run directory (its ``merged/`` model when exported, else base + adapter
+as :func:`llmtune.export.load_adapter_model` builds it), and stops generation at the chat template's end of turn
+(:func:`llmtune.export.template_eos_ids`) as well as the tokenizer's EOS. Reward models (``model_head: score``)
+output one score, not text: chatting with them is refused with an explanation.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -14,41 +17,81 @@ import torch
 from llmtune.core import rundir as rd
 
 
+class ChatError(RuntimeError):
+    """The directory holds no chat model (a reward model, or neither a run nor a model directory)."""
+
+
+def _refuse_score_model(where: Path, what: str) -> None:
+    raise ChatError(
+        f"{where} is a reward model ({what}): it outputs one score per conversation, not text, so there is nothing "
+        "to chat with. Chat with a policy run (sft, dpo, ppo) instead; score texts with the exported model's "
+        "AutoModelForSequenceClassification."
+    )
+
+
 def load_for_chat(path: str | Path):
     """``(model, tokenizer)`` from a merged model dir or a run dir (merged/ if present, else base + adapter).
 
     Raises:
-        FileNotFoundError: the path is neither.
+        ChatError: the path is neither, or holds a reward (sequence-classification) model.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
     if (path / rd.LINEAGE).is_file():
+        head = json.loads((path / rd.LINEAGE).read_text()).get("model_head", "causal_lm")
+        if head == "score":
+            _refuse_score_model(path, "lineage.json: model_head score")
         if (path / "merged" / "config.json").is_file():
             path = path / "merged"
         else:
-            from llmtune.export import load_run_recipe, merge_adapter
+            from llmtune.export import load_adapter_model, load_run_recipe
 
-            model, tokenizer = merge_adapter(path, load_run_recipe(path))
+            model, tokenizer, _ = load_adapter_model(path, load_run_recipe(path))
             return model.eval(), tokenizer
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is neither a model directory (config.json) nor a finished run (lineage.json)")
+        raise ChatError(f"{path} is neither a model directory (config.json) nor a finished run (lineage.json)")
+    architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
+    if any(a.endswith("ForSequenceClassification") for a in architectures):
+        _refuse_score_model(path, f"config.json architectures {architectures}")
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
 
 
+def stop_ids(model, tokenizer) -> list[int]:
+    """Every token id that ends a reply: the chat template's end of turn, the tokenizer's and the model's EOS."""
+    from llmtune.export import template_eos_ids
+
+    model_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    model_eos = model_eos if isinstance(model_eos, (list, tuple)) else [model_eos]
+    return sorted({*template_eos_ids(tokenizer), *(i for i in model_eos if i is not None)})
+
+
 @torch.no_grad()
-def reply(model, tokenizer, messages: list[dict], max_new_tokens: int = 256) -> str:
-    """Greedy reply to ``messages`` (OpenAI role/content dicts), stopping at the template's EOS."""
+def generate_reply(model, tokenizer, messages: list[dict], max_new_tokens: int = 256) -> list[int]:
+    """Greedy reply token ids to ``messages`` (OpenAI role/content dicts), ending with the stop token if one came."""
     enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    device = next(model.parameters()).device
+    eos = stop_ids(model, tokenizer)
     out = model.generate(
-        **enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        input_ids=enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device),
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0],
     )
-    return tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    return out[0, enc["input_ids"].shape[1]:].tolist()
+
+
+def reply(model, tokenizer, messages: list[dict], max_new_tokens: int = 256) -> str:
+    """Greedy reply text to ``messages``, stopping at the template's end of turn (special tokens removed)."""
+    ids = generate_reply(model, tokenizer, messages, max_new_tokens)
+    return tokenizer.decode(ids, skip_special_tokens=True).strip()
 
 
 def chat_command(path: str, prompt: str | None, max_new_tokens: int, system: str | None) -> int:
-    """One-shot (``--prompt``) or interactive chat; returns the exit code."""
+    """One-shot (``--prompt``) or interactive chat; returns the exit code.
+
+    Raises:
+        ChatError: see :func:`load_for_chat`.
+    """
     model, tokenizer = load_for_chat(path)
     history: list[dict] = [{"role": "system", "content": system}] if system else []
     if prompt is not None:

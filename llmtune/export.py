@@ -1,19 +1,33 @@
 """``llmtune export``: merge a run's adapter chain into its base, save, reload and verify.
 
 The chain is the run's ``previous_adapters`` (from ``model.from_run``, oldest first, in ``lineage.json``) followed
-by its own adapter. Merge arithmetic is done in fp32 on an unquantized fp32 copy of the base and cast ONCE to the
-output dtype (bf16 merges drift: torchtune #1101), so every merged weight equals ``round_to_dtype(W + scale * B @ A)``
-computed in fp32. The saved model is then reloaded with the plain ``Auto*`` class of its head and compared with
-the adapter model on sample prompts: logits for a causal LM (``AutoModelForCausalLM``); for a reward model
+by its own adapter (peft's ``default`` adapter in ``adapter/``; other adapters saved in subdirectories, such as
+PPO's value adapter in ``adapter/value/``, are not merged). Merge arithmetic is done in fp32 and the result is
+cast ONCE to the output dtype (bf16 merges drift: torchtune #1101), so every merged weight equals
+``round_to_dtype(W + sum_i scale_i * B_i @ A_i)`` computed in fp32.
+
+``W`` is the weight the adapter was trained against: the fp32 base for an unquantized run; for a QLoRA run
+(``model.load_in_4bit``/``load_in_8bit``) the base is loaded quantized exactly as training loaded it and then
+dequantized to fp32. Merging into a still-quantized model is refused (:func:`refuse_quantized_merge`): peft would
+round every merged weight back to 4 bits (peft #2321).
+
+Embeddings: an adapter trained after adding tokens holds the resized embedding (and head) in full; the base is
+resized to fit before loading (:func:`llmtune.models.lineage.fit_vocab_to_adapter`). When the input embedding and
+the output head were trained as separate copies on a base whose config ties them, the merged config is untied and
+both are saved (peft #2777: a merged model whose config still said "tied" lost its trained head on reload).
+
+The saved model is reloaded with the plain ``Auto*`` class of its head and compared with the adapter model on
+sample prompts: logits and greedy generations for a causal LM (``AutoModelForCausalLM``); for a reward model
 (``model_head: score``) the one score per sequence (``AutoModelForSequenceClassification``, which must find every
-weight, the trained head included: trl #368 lost the head by saving an RM as a causal LM).
+weight, the trained head included: trl #368 lost the head by saving an RM as a causal LM). The output directory
+also gets ``generation_config.json`` (stopping at every EOS of the chat template), the tokenizer with the training
+chat template, ``verification.json`` and a model card (``README.md``) with the lineage.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import json
+from pathlib import Path
 
 import torch
 import yaml
@@ -30,16 +44,21 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # (x W + s (x A) B vs x (W + s B A)), which grows with the logit scale and depth: measured 9.7e-5 at
 # max |logit| 43 on SmolLM2-135M (30 layers). Wrong merges (lost scaling, heads, tied weights) are >= 1e-2.
 TOLERANCE = {"fp32": (1e-4, 1e-6), "fp16": (1e-2, 1e-2), "bf16": (5e-2, 4e-2)}
+# An 8-bit (LLM.int8) reference also quantizes its activations per row to int8 (error up to max|x|/254 per element),
+# so the model the adapter trained with differs from any dense model by that much: measured 4e-3 on a tiny Llama.
+TOLERANCE_INT8 = (5e-2, 2e-2)
 SAMPLE_PROMPTS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
     "How many clips did Natalia sell altogether in April and May?",
     "Write one sentence about the sea.",
     "What is 12 * 7?",
 ]
+GENERATION_TOKENS = 16  # new tokens per sample prompt in the greedy-generation comparison
+_RUNTIME_METRICS = ("runtime", "per_second", "time", "epoch")  # eval_* keys that are timings, not model quality
 
 
 class ExportError(RuntimeError):
-    """The run cannot be exported (not finished, unsupported adapter) or verification failed."""
+    """The run cannot be exported (not finished, unsupported adapter, quantized merge) or verification failed."""
 
 
 def load_run_recipe(run_dir: Path) -> Recipe:
@@ -71,6 +90,27 @@ def sample_inputs(tokenizer, max_prompts: int = 3) -> list[torch.Tensor]:
     return out
 
 
+def template_eos_ids(tokenizer) -> list[int]:
+    """Token ids that end a reply: the tokenizer's EOS and the special token that closes an assistant turn in the
+    chat template (``<|eot_id|>`` of Llama-3, ``<|im_end|>`` of ChatML), which is not always the tokenizer's EOS.
+
+    Found by rendering a user/assistant exchange and taking the first special token after the assistant's text.
+    """
+    ids = {tokenizer.eos_token_id} - {None}
+    if getattr(tokenizer, "chat_template", None):
+        probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}]
+        try:
+            text = tokenizer.apply_chat_template(probe, tokenize=False)
+        except Exception:  # noqa: BLE001 - a template that cannot render a plain exchange has no turn end to find
+            text = ""
+        cut = text.rfind("Hello there")
+        if cut >= 0:
+            special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+            tail = tokenizer(text[cut + len("Hello there"):], add_special_tokens=False)["input_ids"]
+            ids |= set([i for i in tail if i in special][:1])
+    return sorted(ids)
+
+
 def auto_class(head: str):
     """The plain transformers class a merged model of this head reloads with."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -78,62 +118,272 @@ def auto_class(head: str):
     return AutoModelForSequenceClassification if head == "score" else AutoModelForCausalLM
 
 
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
 @torch.no_grad()
 def _outputs(model, inputs: list[torch.Tensor], head: str) -> list[torch.Tensor]:
-    """Per prompt: (1, T, V) fp32 logits of a causal LM, or the (1,) fp32 score read at the last token."""
+    """Per prompt: (1, T, V) fp32 logits of a causal LM, or the (1,) fp32 score read at the last token (on CPU)."""
     from llmtune.models import sequence_scores
 
     model.eval()
+    device = _device(model)
     if head == "score":
-        return [sequence_scores(model, x, torch.ones_like(x)) for x in inputs]
-    return [model(input_ids=x).logits.float() for x in inputs]
+        return [sequence_scores(model, x.to(device), torch.ones_like(x, device=device)).cpu() for x in inputs]
+    return [model(input_ids=x.to(device)).logits.float().cpu() for x in inputs]
 
 
-def merge_adapter(run_dir: Path, recipe: Recipe, lineage: dict | None = None):
-    """Base (fp32, unquantized) with the earlier adapters merged + the run's adapter -> ``(peft_model, tokenizer)``;
-    the run's own adapter is not merged yet. ``lineage`` defaults to the run's ``lineage.json``."""
-    from peft import PeftModel
+@torch.no_grad()
+def _generate(model, inputs: list[torch.Tensor], eos_ids: list[int], pad_id: int | None, max_new_tokens: int):
+    """Greedy continuation of each prompt, stopping at any of ``eos_ids``: per prompt ``(new token ids, (N, V) fp32
+    logits the model gave at each generated position)``."""
+    device = _device(model)
+    out = []
+    for x in inputs:
+        res = model.generate(
+            input_ids=x.to(device), attention_mask=torch.ones_like(x, device=device), max_new_tokens=max_new_tokens,
+            do_sample=False, eos_token_id=eos_ids, pad_token_id=pad_id if pad_id is not None else eos_ids[0],
+            return_dict_in_generate=True, output_logits=True,
+        )
+        out.append((res.sequences[0, x.shape[1]:].tolist(), torch.cat(res.logits).float().cpu()))
+    return out
+
+
+# ---- quantized bases -----------------------------------------------------------------------------------------
+
+def is_quantized(model) -> bool:
+    """Whether any layer of ``model`` is a bitsandbytes 4-bit or 8-bit linear (also inside a peft wrapper)."""
+    return any(type(p).__name__ in ("Params4bit", "Int8Params") for p in model.parameters())
+
+
+def refuse_quantized_merge(model) -> None:
+    """Refuse to merge an adapter into a model whose base layers are still 4/8-bit.
+
+    peft's merge into a bitsandbytes layer dequantizes the weight, adds ``scale * B @ A`` and quantizes the sum
+    back (peft #2321): the update is smaller than one 4-bit step for most weights and is mostly rounded away, and
+    the result still needs bitsandbytes to load. Merge into the dequantized base instead (:func:`dequantize_to_fp32`).
+
+    Raises:
+        ExportError: ``model`` holds quantized layers.
+    """
+    if is_quantized(model):
+        kinds = ("Linear4bit", "Linear8bitLt")
+        layers = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in kinds})
+        raise ExportError(
+            f"refusing to merge into a quantized model ({', '.join(layers) or 'bitsandbytes layers'}): the merged "
+            "weights would be rounded back to 4/8 bits, losing most of the adapter's update (peft #2321). "
+            "llmtune export dequantizes the base to fp32 first and merges into that; do the same "
+            "(dequantize_to_fp32 / transformers' model.dequantize()) before merge_and_unload."
+        )
+
+
+def refuse_partitioned_merge(model) -> None:
+    """Refuse to merge into DeepSpeed ZeRO-3 partitions: their local tensors are empty placeholders, so a merge
+    would silently produce garbage. Happens when the model was loaded while a ZeRO-3 config was alive.
+
+    Raises:
+        ExportError: some parameters are partitioned (names one; says to gather or to export in one plain process).
+    """
+    from llmtune.core.distributed import assert_gathered
+
+    try:
+        assert_gathered(model, "merge the adapter")
+    except RuntimeError as err:
+        raise ExportError(str(err)) from None
+
+
+def dequantize_to_fp32(model):
+    """Replace every bitsandbytes 4/8-bit linear layer of ``model`` by an ``nn.Linear`` holding its dequantized
+    weight, computed in fp32, and cast every other floating parameter to fp32.
+
+    transformers' ``model.dequantize`` does the replacement; 4-bit weights are dequantized in their quantization
+    state's dtype (the load dtype, often bf16), so that dtype is set to fp32 first: ``code[q] * absmax`` in fp32 is
+    the value the 4-bit weight stands for, and the one the training matmuls rounded to their compute dtype.
+
+    Returns:
+        The dequantized model (a plain ``PreTrainedModel``; its quantizer and ``quantization_config`` are removed).
+    """
+    for param in model.parameters():
+        if type(param).__name__ == "Params4bit" and param.quant_state is not None:
+            param.quant_state.dtype = torch.float32
+    model = model.dequantize(dtype=torch.float32)
+    for attr in ("is_loaded_in_4bit", "is_loaded_in_8bit"):
+        if attr in vars(model):
+            setattr(model, attr, False)
+    model.is_quantized = False
+    return model.to(torch.float32)
+
+
+# ---- building and merging ------------------------------------------------------------------------------------
+
+def load_adapter_model(run_dir: Path, recipe: Recipe, lineage: dict | None = None):
+    """The model the run ended with, unmerged: ``(peft_model, tokenizer, base_info)``.
+
+    Unquantized runs: the fp32 base with the earlier adapters of the chain merged, plus the run's adapter.
+    QLoRA runs: the base loaded quantized as training loaded it (same dtype, quantization settings; non-quantized
+    parameters upcast to fp32 as ``prepare_model_for_kbit_training`` did), plus the run's adapter: the model the
+    adapter was trained on. Full fine-tuning (``adapter.type: none``): the saved model itself (no peft wrapper).
+    Only peft's ``default`` adapter in ``adapter/`` is loaded (PPO saves its value adapter under ``adapter/value/``).
+
+    Args:
+        run_dir: finished run directory.
+        recipe: its resolved recipe (:func:`load_run_recipe`).
+        lineage: its ``lineage.json``; read from ``run_dir`` when omitted.
+
+    Returns:
+        The model, the tokenizer saved with the adapter (training chat template), and ``base_info``
+        (``name_or_path``, ``weights``: what the adapter is merged into), recorded in the report and model card.
+
+    Raises:
+        ExportError: a quantized run with earlier adapters in its chain (training refuses that combination).
+        ModelLoadError: the base or an adapter cannot be loaded, or an added-token adapter lacks its head.
+    """
+    from peft import PeftModel, prepare_model_for_kbit_training
     from transformers import AutoTokenizer
 
     from llmtune.config import PrecisionConfig
-    from llmtune.models import load_model_with_chain
+    from llmtune.models import load_model, load_model_with_chain
+    from llmtune.models.lineage import fit_vocab_to_adapter
 
     if lineage is None:
         lineage = json.loads((run_dir / rd.LINEAGE).read_text())
     head = lineage.get("model_head", "causal_lm")
     adapter_dir = run_dir / rd.ADAPTER
     tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
+    info = {"name_or_path": recipe.model.name_or_path, "path": lineage.get("base_model", {}).get("path")}
     if recipe.adapter.type == "none":  # full fine-tuning: the adapter dir is the whole model
-        return auto_class(head).from_pretrained(adapter_dir, dtype=torch.float32), tokenizer
-    base_cfg = recipe.model.model_copy(update={"load_in_4bit": False, "load_in_8bit": False, "dtype": "fp32"})
-    if recipe.model.load_in_4bit or recipe.model.load_in_8bit:
-        log.warning("the run trained on a quantized base; merging into the unquantized fp32 base weights")
+        info["weights"] = f"full fine-tuned model in {adapter_dir} (no adapter to merge)"
+        return auto_class(head).from_pretrained(adapter_dir, dtype=torch.float32), tokenizer, info
     chain = lineage.get("previous_adapters", [])
-    for entry in chain:
-        log.info("merging the earlier %s adapter %s", entry.get("stage"), entry["path"])
-    base = load_model_with_chain(base_cfg, PrecisionConfig(), chain, head=head, dtype=torch.float32)
+    if recipe.model.load_in_4bit or recipe.model.load_in_8bit:
+        if chain:
+            raise ExportError(
+                f"{run_dir} trained on a quantized base but its lineage lists earlier adapters ({len(chain)}); "
+                "training refuses model.from_run with a quantized base, so this lineage is inconsistent"
+            )
+        base = load_model(recipe.model, recipe.precision, head=head)  # quantized as in training
+        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
+        kind = f"4-bit {recipe.model.bnb_4bit_quant_type}" if recipe.model.load_in_4bit else "8-bit"
+        info["weights"] = (f"{kind} quantized base as trained (load dtype {recipe.model.dtype}), dequantized to "
+                           "fp32: the weights the QLoRA adapter was trained against")
+    else:
+        base_cfg = recipe.model.model_copy(update={"dtype": "fp32"})
+        for entry in chain:
+            log.info("merging the earlier %s adapter %s", entry.get("stage"), entry["path"])
+        base = load_model_with_chain(base_cfg, PrecisionConfig(), chain, head=head, dtype=torch.float32)
+        info["weights"] = "fp32 base" + (f" with {len(chain)} earlier adapter(s) merged in fp32" if chain else "")
     if head == "score" and base.config.pad_token_id is None:
         base.config.pad_token_id = tokenizer.pad_token_id
-    return PeftModel.from_pretrained(base, adapter_dir, is_trainable=False), tokenizer
+    fit_vocab_to_adapter(base, adapter_dir)
+    return PeftModel.from_pretrained(base, adapter_dir, is_trainable=False), tokenizer, info
+
+
+def merge_in_fp32(model, adapter_dir: Path):
+    """Merge the run's adapter into the weights it was trained against, in fp32; returns the plain merged model
+    (every adapted weight ``W + scale * B @ A``).
+
+    A quantized base is unloaded from the adapter, dequantized to fp32 (:func:`dequantize_to_fp32`) and the
+    adapter attached again; then peft's ``merge_and_unload`` adds ``scale * B @ A`` to every adapted weight and
+    replaces each ``modules_to_save`` module by its trained copy. Embeddings whose trained copies diverged are
+    untied (:func:`untie_diverged_embeddings`).
+
+    Args:
+        model: from :func:`load_adapter_model` (a model without a peft wrapper is returned unchanged).
+        adapter_dir: the run's ``adapter/``.
+
+    Raises:
+        ExportError: a parameter is not fp32, a layer is still quantized, or parameters are ZeRO-3 partitions
+            when merging.
+    """
+    from peft import PeftModel
+
+    if not hasattr(model, "merge_and_unload"):
+        return model
+    if is_quantized(model):
+        base = dequantize_to_fp32(model.unload())
+        model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=False)
+    refuse_partitioned_merge(model)
+    refuse_quantized_merge(model)
+    not_fp32 = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32})
+    if not_fp32:
+        raise ExportError(f"merge must run in fp32 but parameters are {not_fp32}; this is a bug in llmtune export")
+    return untie_diverged_embeddings(model.merge_and_unload())
+
+
+def untie_diverged_embeddings(model):
+    """Set ``tie_word_embeddings = False`` when the config ties the input embedding and the output head but they
+    are different tensors (trained as separate ``modules_to_save`` copies), so that both are saved and a reload
+    does not overwrite the trained head with the embedding (peft #2777). Returns ``model``."""
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or emb is None or head.weight is emb.weight:
+        return model
+    configs = {id(c): c for c in (model.config, model.config.get_text_config())}.values()
+    if any(getattr(c, "tie_word_embeddings", False) for c in configs):
+        log.info("the trained output head differs from the trained input embedding: saving them untied")
+        for c in configs:
+            if hasattr(c, "tie_word_embeddings"):
+                c.tie_word_embeddings = False
+    return model
+
+
+# ---- verification --------------------------------------------------------------------------------------------
+
+def _divergence(ref: list[int], got: list[int]) -> int | None:
+    """First position where two generations differ (``None``: identical)."""
+    if ref == got:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+
+
+def compare_generations(reference: list, merged: list, tokenizer, tolerance: float) -> list[dict]:
+    """Per prompt: both greedy texts, whether they match, and the adapter model's margin where they first part.
+
+    Args:
+        reference, merged: :func:`_generate` results of the adapter model and of the reloaded merged model.
+        tolerance: the logit tolerance of the comparison.
+
+    ``margin`` = the adapter model's logit of its own greedy token minus its logit of the merged model's token at
+    the first differing position (same prefix up to there); a margin within the logit tolerance is a near-tie
+    (``near_tie``), which rounding alone can flip, so it is not evidence of a wrong merge.
+    """
+    rows = []
+    for (ref, ref_logits), (got, _) in zip(reference, merged):
+        pos = _divergence(ref, got)
+        row = {"adapter_text": tokenizer.decode(ref), "merged_text": tokenizer.decode(got), "match": pos is None}
+        if pos is not None:
+            row["first_divergence"] = pos
+            if pos < len(ref) and pos < len(got):
+                row["margin"] = float(ref_logits[pos, ref[pos]] - ref_logits[pos, got[pos]])
+            row["near_tie"] = row.get("margin", float("inf")) <= tolerance
+        rows.append(row)
+    return rows
 
 
 def export_run(run_dir: str | Path, dtype: str = "auto", out_dir: str | Path | None = None,
-               max_shard_size: str = "2GB") -> dict:
-    """Merge, save and verify a finished run; writes ``verification.json`` into the output directory.
+               max_shard_size: str | int = "2GB", max_new_tokens: int = GENERATION_TOKENS) -> dict:
+    """Merge, save and verify a finished run; writes ``verification.json`` and ``README.md`` into the output dir.
 
     Args:
         run_dir: finished run directory.
         dtype: ``fp32``/``fp16``/``bf16``, or ``auto`` = the run's training precision.
         out_dir: default ``run_dir/merged``.
-        max_shard_size: largest safetensors shard.
+        max_shard_size: largest safetensors shard (``"2GB"``, ``"500MB"`` or bytes); bigger models are sharded
+            with a ``model.safetensors.index.json``.
+        max_new_tokens: tokens generated per sample prompt for the greedy comparison.
 
     Returns:
-        The verification report (``passed``, ``max_abs_diff``, ``tolerance``, ``argmax_agreement``, ...). For a
-        reward model: ``newly_initialized`` (weights the plain reload had to initialise; must be empty) and
-        ``hf_max_abs_diff`` (the reload's own ``forward`` scores vs the adapter model's).
+        The verification report (``passed``, ``max_abs_diff``, ``tolerance``, ``base``, ...). Causal LMs:
+        ``argmax_agreement`` and ``generations`` (adapter vs merged greedy texts). For fp32 every generation must
+        match (or part only at a near-tie); for fp16/bf16 the agreement is reported but only the logit tolerance
+        decides: rounding every weight to 8 mantissa bits (bf16) legitimately flips greedy choices between tokens
+        whose logits are closer than that rounding, so a differing generation there is not evidence of a wrong
+        merge. For a reward model: ``newly_initialized`` (weights the plain reload had to initialise; must be
+        empty) and ``hf_max_abs_diff`` (the reload's own ``forward`` scores vs the adapter model's).
 
     Raises:
-        ExportError: the run is not finished.
+        ExportError: the run is not finished, or a merge would go into a quantized or ZeRO-3 partitioned model.
+        ModelLoadError: the base or an adapter cannot be loaded (see :func:`load_adapter_model`).
     """
     setup_logging()
     run_dir = Path(run_dir)
@@ -143,41 +393,63 @@ def export_run(run_dir: str | Path, dtype: str = "auto", out_dir: str | Path | N
     if dtype == "auto":
         dtype = "bf16" if recipe.precision.bf16 else "fp16" if recipe.precision.fp16 else "fp32"
     out = Path(out_dir) if out_dir else run_dir / "merged"
-    model, tokenizer = merge_adapter(run_dir, recipe, lineage)
+    model, tokenizer, base_info = load_adapter_model(run_dir, recipe, lineage)
+    quantized = is_quantized(model)
     inputs = sample_inputs(tokenizer)
-    reference = _outputs(model, inputs, head)  # adapter model, fp32, unmerged
-    merged = model.merge_and_unload() if hasattr(model, "merge_and_unload") else model  # fp32 arithmetic
+    eos_ids = template_eos_ids(tokenizer)
+    reference = _outputs(model, inputs, head)  # the adapter model, unmerged (quantized base for QLoRA)
+    ref_gens = _generate(model, inputs, eos_ids, tokenizer.pad_token_id, max_new_tokens) if head == "causal_lm" else []
+    merged = merge_in_fp32(model, run_dir / rd.ADAPTER)  # fp32 arithmetic; `model` is merged in place from here on
+    del model
     merged = merged.to(DTYPES[dtype])  # the one cast
     merged.config.use_cache = True
     out.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
     tokenizer.save_pretrained(out)
     if head == "causal_lm":
-        _save_generation_config(merged, tokenizer, out)
+        _save_generation_config(merged, tokenizer, eos_ids, out)
+    del merged
 
     reloaded, info = auto_class(head).from_pretrained(out, dtype=torch.float32, output_loading_info=True)
     got = _outputs(reloaded, inputs, head)
     max_diff = max(float((a - b).abs().max()) for a, b in zip(got, reference))
     scale = max(float(r.abs().max()) for r in reference)
     atol, rtol = TOLERANCE[dtype]
+    if quantized:  # the reference ran its 4-bit matmuls in the compute dtype (8-bit: int8): allow that rounding too
+        from llmtune.models.load import resolve_compute_dtype
+
+        compute = "int8" if recipe.model.load_in_8bit else {v: k for k, v in DTYPES.items()}[
+            resolve_compute_dtype(recipe.model, recipe.precision)]
+        catol, crtol = TOLERANCE_INT8 if compute == "int8" else TOLERANCE[compute]
+        atol, rtol = max(atol, catol), max(rtol, crtol)
+        base_info["compute_dtype"] = compute
     tolerance = atol + rtol * scale
     report = {
         "run_dir": str(run_dir),
         "out_dir": str(out),
         "model_head": head,
+        "base": base_info,
         "merged_adapters": [e["path"] for e in lineage.get("previous_adapters", [])] + [str(run_dir / rd.ADAPTER)],
         "dtype": dtype,
         "max_abs_diff": max_diff,
         "max_abs_logit": scale,
         "tolerance": tolerance,
         "passed": max_diff <= tolerance,
-        "compared": "reloaded merged model (fp32 compute) vs base + adapter (fp32), sample prompts with the chat template",
+        "compared": "reloaded merged model (fp32 compute) vs the adapter model as trained (base + adapter, unmerged), "
+                    "sample prompts with the chat template",
     }
     if head == "causal_lm":
         agree = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(got, reference))
         total = sum(r.shape[1] for r in reference)
-        report.update(argmax_agreement=agree / total, positions=total)
-        summary = f"max |logit diff| {max_diff:.3g} (tolerance {tolerance:.3g}), argmax agreement {agree / total:.4f}"
+        got_gens = _generate(reloaded, inputs, eos_ids, tokenizer.pad_token_id, max_new_tokens)
+        gens = compare_generations(ref_gens, got_gens, tokenizer, tolerance)
+        same = sum(g["match"] for g in gens)
+        report.update(argmax_agreement=agree / total, positions=total, generations=gens,
+                      generation_agreement=same / len(gens), generation_tokens=max_new_tokens)
+        if dtype == "fp32":  # one rounding per weight: greedy choices may only differ at near-ties
+            report["passed"] = report["passed"] and all(g["match"] or g["near_tie"] for g in gens)
+        summary = (f"max |logit diff| {max_diff:.3g} (tolerance {tolerance:.3g}), argmax agreement "
+                   f"{agree / total:.4f}, greedy generations identical {same}/{len(gens)}")
     else:  # plain transformers use of the export: every weight found, its own forward gives the same scores
         with torch.no_grad():
             hf = [reloaded(input_ids=x).logits[:, 0].float() for x in inputs]
@@ -188,19 +460,20 @@ def export_run(run_dir: str | Path, dtype: str = "auto", out_dir: str | Path | N
         summary = (f"max |score diff| {max_diff:.3g}, plain-transformers forward {hf_diff:.3g} (tolerance "
                    f"{tolerance:.3g}), newly initialised weights: {report['newly_initialized'] or 'none'}")
     write_json(out / "verification.json", report)
+    (out / "README.md").write_text(model_card(run_dir, lineage, report))
     level = log.info if report["passed"] else log.error
     level("export %s: %s -> %s", out, summary, "PASSED" if report["passed"] else "FAILED")
     return report
 
 
-def _save_generation_config(merged, tokenizer, out: Path) -> None:
-    """Generation config that stops at every EOS of the model and the tokenizer, with the tokenizer's pad id."""
+def _save_generation_config(merged, tokenizer, eos_ids: list[int], out: Path) -> None:
+    """Generation config that stops at every EOS of the model, the tokenizer and the chat template, with the
+    tokenizer's pad id."""
     from transformers import GenerationConfig
 
     gen = merged.generation_config if merged.generation_config is not None else GenerationConfig()
-    eos_ids = {i for i in _as_list(gen.eos_token_id) + _as_list(merged.config.eos_token_id) if i is not None}
-    eos_ids.add(tokenizer.eos_token_id)
-    gen.eos_token_id = sorted(eos_ids)
+    ids = {i for i in _as_list(gen.eos_token_id) + _as_list(merged.config.eos_token_id) + eos_ids if i is not None}
+    gen.eos_token_id = sorted(ids)
     gen.pad_token_id = tokenizer.pad_token_id
     gen.save_pretrained(out)
 
@@ -210,3 +483,67 @@ def _as_list(value) -> list:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
+
+# ---- model card ----------------------------------------------------------------------------------------------
+
+def _stage_lineages(run_dir: Path, lineage: dict) -> list[tuple[dict, dict]]:
+    """``(chain entry, that run's lineage or {})`` per merged adapter, oldest first (this run last)."""
+    own = {"stage": lineage.get("stage"), "run_dir": str(run_dir), "path": str(run_dir / rd.ADAPTER),
+           "adapter_type": lineage.get("adapter_type", "lora")}
+    stages = []
+    for entry in [*lineage.get("previous_adapters", []), own]:
+        path = Path(entry.get("run_dir", "")) / rd.LINEAGE
+        stages.append((entry, lineage if entry is own else json.loads(path.read_text()) if path.is_file() else {}))
+    return stages
+
+
+def _key_metrics(summary: dict) -> dict:
+    """``{when: {metric: value}}`` for eval_before/eval_after without timing entries."""
+    out = {}
+    for when in ("eval_before", "eval_after"):
+        values = (summary or {}).get(when) or {}
+        kept = {k: v for k, v in values.items()
+                if isinstance(v, (int, float)) and not any(t in k for t in _RUNTIME_METRICS)}
+        if kept:
+            out[when] = kept
+    return out
+
+
+def model_card(run_dir: Path, lineage: dict, report: dict) -> str:
+    """Markdown model card (YAML front matter for the hub) with the lineage: base model, each merged stage with its
+    run dir, adapter type, datasets with sha256 and key eval metrics, the export dtype and the verification."""
+    base = lineage.get("base_model", {})
+    stages = _stage_lineages(run_dir, lineage)
+    front = {"library_name": "transformers", "base_model": base.get("name_or_path"),
+             "pipeline_tag": "text-classification" if report["model_head"] == "score" else "text-generation",
+             "tags": ["llmtune", *dict.fromkeys(str(e.get("stage")) for e, _ in stages), "merged-adapter"]}
+    kind = "Reward model (sequence classification, one score)" if report["model_head"] == "score" else "Causal LM"
+    lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
+             f"# {Path(report['out_dir']).name} — merged by llmtune", "",
+             f"{kind} exported from `{run_dir}` in **{report['dtype']}** (merged in fp32, cast once).", "",
+             "## Lineage", "",
+             f"- Base model: `{base.get('name_or_path')}` ({base.get('kind', '?')}, `{base.get('path')}`)",
+             f"- Merged into: {report['base'].get('weights')}", ""]
+    for i, (entry, stage_lineage) in enumerate(stages, 1):
+        lines += [f"### {i}. {entry.get('stage')} (`{entry.get('run_dir')}`)", "",
+                  f"- Adapter: {entry.get('adapter_type', 'lora')} at `{entry.get('path')}`"]
+        for source in stage_lineage.get("data", []):
+            lines.append(f"- Data: `{source.get('path')}` ({source.get('format', '?')}, "
+                         f"{source.get('rows_read', '?')} rows), sha256 `{source.get('sha256')}`")
+        summary = stage_lineage.get("summary") or {}
+        if "steps" in summary:
+            loss = summary.get("train_loss")
+            lines.append(f"- Steps: {summary['steps']}, train loss {loss:.4g}" if isinstance(loss, (int, float))
+                         else f"- Steps: {summary['steps']}")
+        for when, metrics in _key_metrics(summary).items():
+            lines.append(f"- {when}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        lines.append("")
+    lines += ["## Verification", "",
+              f"- {'PASSED' if report['passed'] else 'FAILED'}: max |diff| {report['max_abs_diff']:.3g} "
+              f"(tolerance {report['tolerance']:.3g}) between this model and the adapter model on "
+              f"{len(SAMPLE_PROMPTS)} sample prompts"]
+    if "generation_agreement" in report:
+        lines.append(f"- Greedy generations ({report['generation_tokens']} tokens) identical: "
+                     f"{report['generation_agreement']:.0%}; argmax agreement {report['argmax_agreement']:.4f}")
+    lines += ["- Details: `verification.json`", ""]
+    return "\n".join(lines)

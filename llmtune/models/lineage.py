@@ -112,6 +112,62 @@ def inherit_from_run(recipe: Recipe, base_dir: str | Path = ".") -> tuple[Recipe
     return RecipeCls.model_validate(doc), chain
 
 
+def adapter_vocab_rows(model: PreTrainedModel, adapter_dir: str | Path) -> int | None:
+    """Rows of the input embedding a saved adapter holds in full (``modules_to_save`` or peft's
+    ``save_embedding_layers``), or ``None`` when it holds none (or is not saved as safetensors: peft then reports).
+    """
+    from safetensors import safe_open
+
+    weights = Path(adapter_dir) / "adapter_model.safetensors"
+    if not weights.is_file():
+        return None
+    emb = model.get_input_embeddings()
+    name = next((n for n, m in model.named_modules() if m is emb), None)
+    if name is None:
+        return None
+    rows = None
+    with safe_open(str(weights), "pt") as f:  # keys: base_model.model.<name>[.modules_to_save.<adapter>].weight
+        for key in f.keys():
+            if key.startswith(f"base_model.model.{name}.") and key.endswith("weight") and "lora_" not in key:
+                rows = max(rows or 0, f.get_slice(key).get_shape()[0])
+    return rows
+
+
+def fit_vocab_to_adapter(model: PreTrainedModel, adapter_dir: str | Path) -> None:
+    """Resize ``model``'s token embeddings (in place) to the vocabulary an adapter was trained with.
+
+    A run that added tokens resized the embeddings before training; the new rows only exist in the adapter, which
+    must then hold the full input embedding and, for a causal LM with an untied head, the full output head
+    (``adapter.modules_to_save: [embed_tokens, lm_head]``). peft cannot load such an adapter into the base
+    until the base has the same number of rows.
+
+    Raises:
+        ModelLoadError: the vocabulary was resized but the adapter lacks the output head, so the logits of the new
+            tokens cannot be rebuilt.
+    """
+    from safetensors import safe_open
+
+    rows = adapter_vocab_rows(model, adapter_dir)
+    current = model.get_input_embeddings().weight.shape[0]
+    if rows is None or rows == current:
+        return
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    if head is not None and not tied:
+        name = next(n for n, m in model.named_modules() if m is head)
+        with safe_open(str(Path(adapter_dir) / "adapter_model.safetensors"), "pt") as f:
+            has_head = any(k.startswith(f"base_model.model.{name}.") and "lora_" not in k for k in f.keys())
+        if not has_head:
+            raise ModelLoadError(
+                f"{adapter_dir} was trained with {rows} token embeddings (the base has {current}) but does not hold "
+                f"the output head {name}, so the logits of the added tokens cannot be rebuilt; train with "
+                f"adapter.modules_to_save: [{name.rsplit('.', 1)[-1]}, "
+                f"{next(n for n, m in model.named_modules() if m is model.get_input_embeddings()).rsplit('.', 1)[-1]}]"
+            )
+    logger.info("resizing the token embeddings %d -> %d to fit the adapter %s", current, rows, adapter_dir)
+    model.resize_token_embeddings(rows, mean_resizing=False)  # every new row is overwritten by the adapter
+
+
 def merge_adapter(model: PreTrainedModel, adapter_dir: str | Path) -> PreTrainedModel:
     """Merge a saved peft adapter into ``model`` (in the model's dtype) and return the plain model.
 
@@ -124,6 +180,7 @@ def merge_adapter(model: PreTrainedModel, adapter_dir: str | Path) -> PreTrained
     """
     from peft import PeftConfig, PeftModel
 
+    fit_vocab_to_adapter(model, adapter_dir)
     try:
         config = PeftConfig.from_pretrained(str(adapter_dir))
         config.task_type, config.inference_mode = None, True
