@@ -22,12 +22,13 @@ def get_logger(name: str = LOGGER_NAME) -> logging.Logger:
 
 def setup_logging(level: int = logging.INFO) -> None:
     """Send llmtune logs to stderr through rich; quiet on ranks other than 0."""
+    from rich.console import Console
     from rich.logging import RichHandler
 
     root = logging.getLogger(LOGGER_NAME)
     if root.handlers:
         return
-    handler = RichHandler(show_path=False, rich_tracebacks=False, markup=False)
+    handler = RichHandler(console=Console(stderr=True), show_path=False, rich_tracebacks=False, markup=False)
     handler.setFormatter(logging.Formatter("%(message)s"))
     root.addHandler(handler)
     root.setLevel(level if is_main_process() else logging.WARNING)
