@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
         "train.max_steps=20\n  llmtune export runs/quickstart_sft\n\n`llmtune sft --help` lists every recipe option.",
     )
     parser.add_argument("--version", action="version", version=f"llmtune {__version__}")
+    from llmtune.launch import add_local_rank_arg
+
+    add_local_rank_arg(parser)  # `deepspeed --module llmtune ...` passes --local_rank=I first
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, cls in STAGES.items():
         p = sub.add_parser(
@@ -73,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         _recipe_args(p)
+        from llmtune.launch import add_launch_args
+
+        add_launch_args(p)
     v = sub.add_parser(
         "validate",
         help="dry run: check a recipe and its data without training",
@@ -89,16 +95,34 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser(
         "export",
         help="merge a run's adapter into its base model and save it",
-        description="Merge the adapter of RUN_DIR into its base model in fp32, cast once to --dtype, save "
-        "safetensors + tokenizer (with the training chat template) + generation config into RUN_DIR/merged "
-        "(or --out), reload it with AutoModelForCausalLM and compare its logits with the adapter model. "
-        "Writes verification.json; exits 1 if the logits differ beyond tolerance.",
+        description="Merge the adapter chain of RUN_DIR (earlier stages' adapters, then its own) into the base "
+        "model in fp32 (a QLoRA run: into its dequantized 4-bit base) and cast once to --dtype; save sharded "
+        "safetensors + config + generation config (stopping at the chat template's EOS) + tokenizer with the "
+        "training chat template + a model card with the lineage (README.md) into RUN_DIR/merged (or --out). "
+        "Reload it with AutoModelForCausalLM (reward models: AutoModelForSequenceClassification) and compare its "
+        "logits and greedy generations with the adapter model; writes verification.json and exits 1 if the logits "
+        "differ beyond tolerance (or, for fp32, a greedy generation differs).",
     )
     e.add_argument("run_dir", help="a finished run directory (holds lineage.json and adapter/)")
     e.add_argument("--dtype", choices=["auto", "fp32", "fp16", "bf16"], default="auto",
                    help="dtype of the saved weights (auto: the training precision)")
     e.add_argument("--out", default=None, help="output directory (default RUN_DIR/merged)")
     e.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard (default 2GB)")
+    pl = sub.add_parser(
+        "pipeline",
+        help="run a list of stages (sft, rm, dpo, ppo, on-policy pairs) into one directory, then export",
+        description="Validate every step of a pipeline recipe, then run the steps in order: a complete step is "
+        "skipped, an interrupted one resumes from its latest checkpoint, so the same command continues after "
+        "Ctrl-C. Each stage continues the previous policy stage (model.from_run); the last one is exported into "
+        "PIPELINE_DIR/merged. Ends with a summary table (also PIPELINE_DIR/pipeline_summary.json).",
+        epilog="overrides name the step: sft.train.max_steps=10 pairs.k=2 pipeline.dir=runs/p2\n"
+        "example: llmtune pipeline recipes/quickstart_pipeline.yaml",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    pl.add_argument("recipe", help="pipeline YAML (pipeline: {dir, stages, export})")
+    pl.add_argument("overrides", nargs="*", metavar="STEP.section.key=value",
+                    help="step overrides (STEP = a step name, or pipeline), applied in order")
+    pl.add_argument("--dry-run", action="store_true", help="validate and show the plan; train nothing")
     c = sub.add_parser(
         "chat",
         help="talk to a run's result with its training chat template",
@@ -140,11 +164,17 @@ def main(argv: list[str] | None = None) -> int:
 
             report = export_run(args.run_dir, dtype=args.dtype, out_dir=args.out, max_shard_size=args.max_shard_size)
             return 0 if report["passed"] else 1
+        if args.command == "pipeline":
+            from llmtune.pipeline import pipeline_command
+
+            return pipeline_command(args.recipe, args.overrides, dry_run=args.dry_run)
         if args.command == "chat":
             from llmtune.chat import chat_command
 
             return chat_command(args.model, args.prompt, args.max_new_tokens, args.system)
-        return run_stage_command(args.command, args.recipe, args.overrides)
+        from llmtune.launch import launch_overrides
+
+        return run_stage_command(args.command, args.recipe, args.overrides, launch=launch_overrides(args))
     except KeyboardInterrupt:
         print("\ninterrupted. Checkpoints written so far are kept: continue with the same command plus "
               "train.resume_from=latest (needs train.save_steps).", file=sys.stderr)
@@ -153,29 +183,44 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:  # known user-facing errors carry their own message
-        if type(exc).__name__ in ("DataError", "ModelLoadError", "AdapterSaveError", "ExportError"):
+        if type(exc).__name__ in ("DataError", "ModelLoadError", "AdapterSaveError", "ExportError", "ChatError",
+                                   "RewardFunctionError"):
             print(f"error: {exc}", file=sys.stderr)
             return 1
         raise
 
 
-def run_stage_command(command: str, recipe_path: str, overrides: list[str]) -> int:
+def run_stage_command(command: str, recipe_path: str, overrides: list[str], launch: list[str] = ()) -> int:
+    """Train one stage; ``launch`` = the launch flags as ``distributed.*`` overrides. Re-runs itself through torchrun
+    when more processes or DeepSpeed are asked for and no launcher started it (:mod:`llmtune.launch`)."""
     from rich.console import Console
     from rich.table import Table
 
+    from llmtune import launch as launcher
     from llmtune.config import load_recipe
-    from llmtune.core.runner import run_stage
     from llmtune.stages import STAGES
+    from llmtune.utils import is_main_process
 
-    recipe = load_recipe(recipe_path, overrides, stage=command)
+    recipe = load_recipe(recipe_path, [*overrides, *launch], stage=command)
+    os.environ.update(launcher.slurm_rank_env(recipe.distributed))  # srun with one task per GPU
+    if launcher.needs_launch(recipe):
+        return launcher.relaunch(command, recipe_path, list(overrides), recipe)
+    from llmtune.core.runner import run_stage
+
     summary = run_stage(STAGES[command](recipe), base_dir=Path.cwd())
+    if launcher.under_launcher():
+        launcher.finish()  # every rank leaves together, after rank 0 has written the run directory
+    if not is_main_process():
+        return 0
     table = Table(title=f"llmtune {command}: done")
     trained = next(k for k in summary if k.startswith("trained_"))  # trained_tokens (SFT), trained_pairs (RM, DPO)
     for key in ("run_dir", "steps", "train_loss", trained, "wall_s", "adapter"):
         table.add_row(key, f"{summary[key]:.4f}" if isinstance(summary[key], float) else str(summary[key]))
+    key_metric = STAGES[command].key_metric  # eval_loss (SFT), eval_accuracy (RM), ..., eval_score (PPO)
     for when in ("eval_before", "eval_after"):
         if summary.get(when):
-            table.add_row(f"{when} loss", f"{summary[when].get('eval_loss', float('nan')):.4f}")
+            table.add_row(f"{when} {key_metric.removeprefix('eval_')}",
+                          f"{summary[when].get(key_metric, float('nan')):.4f}")
     Console(stderr=True).print(table)
     return 0
 

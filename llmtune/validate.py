@@ -29,7 +29,12 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
     from llmtune.stages import STAGES
 
     console = Console(stderr=False, highlight=False)
-    declared = read_yaml(recipe_path).get("stage")
+    doc = read_yaml(recipe_path)
+    if "pipeline" in doc:  # a pipeline recipe: its dry run validates every step
+        from llmtune.pipeline import pipeline_command
+
+        return pipeline_command(recipe_path, overrides, dry_run=True)
+    declared = doc.get("stage")
     stage_name = stage or declared or "sft"
     if stage_name not in STAGES:
         raise RecipeError([("stage", f"stage {stage_name!r} is not implemented yet; available: {', '.join(STAGES)}")],
@@ -42,6 +47,7 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
     except RecipeError as exc:
         late += exc.problems
     recipe = _inherit(recipe, console)
+    late += STAGES[stage_name](recipe).preflight(".")
     source = resolve_model_source(recipe.model, convert=False)
     console.print(f"model: {recipe.model.name_or_path} ({source.kind})")
     tokenizer = prepare_tokenizer(recipe)

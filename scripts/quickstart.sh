@@ -1,22 +1,17 @@
 #!/usr/bin/env bash
-# The main job on the embedded default: set up (or reuse) the venv, LoRA-SFT SmolLM2-135M-Instruct on
-# GSM8K (recipes/quickstart_sft.yaml), export the merged model, and ask it GSM8K questions it never saw.
-# Extra args are recipe overrides, e.g.  bash scripts/quickstart.sh train.max_steps=5
+# The main job on the embedded default: set up (or reuse) the venv, run the quickstart pipeline on SmolLM2-135M-Instruct
+# (recipes/quickstart_pipeline.yaml: SFT on GSM8K -> reward model -> DPO -> PPO -> export; preference pairs from
+# ../shared/data when the HH-RLHF file is there, else on-policy GSM8K pairs), then ask the merged model GSM8K
+# questions it never saw.
+# Resumable: after Ctrl-C or a kill, run it again; finished steps are skipped and the interrupted one resumes.
+# Extra args are pipeline overrides naming the step, e.g.  bash scripts/quickstart.sh sft.train.max_steps=4
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 . "${LLMTUNE_VENV:-$PWD/.venv}/bin/activate"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-RUN=runs/quickstart_sft
-resume=()
-if [ -f "$RUN/lineage.json" ]; then
-  echo "$RUN is already complete; delete it to train again" >&2
-elif [ -d "$RUN/checkpoints" ]; then
-  resume=(train.resume_from=latest)
-  llmtune sft recipes/quickstart_sft.yaml "${resume[@]}" "$@"
-else
-  llmtune sft recipes/quickstart_sft.yaml output.overwrite=true "$@"
-fi
-llmtune export "$RUN"
-# Ask the exported model GSM8K questions it never saw (rows 1300-1304; it trained on rows 0-399).
-python scripts/gsm8k_check.py "$RUN/merged" --first 1300 --count 5
+PIPELINE_DIR=runs/quickstart_pipeline
+for arg in "$@"; do case "$arg" in pipeline.dir=*) PIPELINE_DIR="${arg#pipeline.dir=}" ;; esac; done
+llmtune pipeline recipes/quickstart_pipeline.yaml "$@"
+# Ask the exported model GSM8K questions it never saw (rows 1300-1304; SFT and PPO used rows 0-499).
+python scripts/gsm8k_check.py "$PIPELINE_DIR/merged" --first 1300 --count 5

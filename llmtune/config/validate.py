@@ -130,9 +130,62 @@ def cross_field_problems(doc: dict) -> list[tuple[str, str]]:
         problems.append(("data.packing", "packing needs sdpa/flash/flex attention to isolate rows; eager cannot"))
     if _get(doc, "stage") == "ppo":
         problems += ppo_problems(doc)
+    problems += distributed_problems(doc)
     datasets = _get(doc, "data.datasets")
     if isinstance(datasets, list) and not datasets:
         problems.append(("data.datasets", "at least one data source is needed"))
+    return problems
+
+
+def _zero_stage(doc: dict) -> int | None:
+    """ZeRO stage of a raw recipe: distributed.zero_stage, or zero_optimization.stage of a readable config file."""
+    path = _get(doc, "distributed.deepspeed")
+    if not isinstance(path, str):
+        stage = _get(doc, "distributed.zero_stage")
+        return stage if isinstance(stage, int) else None
+    import json
+    from pathlib import Path
+
+    try:  # a missing or broken file is reported when the run starts (llmtune.core.distributed.deepspeed_config)
+        stage = json.loads(Path(path).expanduser().read_text()).get("zero_optimization", {}).get("stage", 0)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return stage if isinstance(stage, int) else None
+
+
+def distributed_problems(doc: dict) -> list[tuple[str, str]]:
+    """Launch keys and what ZeRO-3 cannot do: 8-bit bases, a 4-bit storage dtype that DeepSpeed would cast
+    (bitsandbytes #1249; peft's DeepSpeed guide), reference log-probs computed before the engine exists."""
+    problems: list[tuple[str, str]] = []
+    nnodes, node_rank = _get(doc, "distributed.nnodes", 1), _get(doc, "distributed.node_rank", 0)
+    if isinstance(nnodes, int) and isinstance(node_rank, int) and node_rank >= nnodes >= 1:
+        problems.append(("distributed.node_rank", f"{node_rank} is not below nnodes ({nnodes}); node ranks are "
+                         f"0..{nnodes - 1}"))
+    nproc, micro = _get(doc, "distributed.nproc_per_node"), _get(doc, "train.micro_batch_size", 1)
+    glob = _get(doc, "train.global_batch_size", 8)
+    if all(isinstance(v, int) and v > 0 for v in (nproc or 1, nnodes, micro, glob)):
+        per_step = micro * (nproc or 1) * nnodes
+        if per_step > micro and glob % per_step:  # one process: the micro_batch_size rule above
+            problems.append(("train.global_batch_size", f"{glob} is not a multiple of micro_batch_size ({micro}) x "
+                             f"processes ({nproc or 1} per node x {nnodes} nodes) = {per_step}"))
+    if _zero_stage(doc) != 3:
+        return problems
+    if _get(doc, "model.load_in_8bit") is True:
+        problems.append(("model.load_in_8bit", "ZeRO-3 cannot partition bitsandbytes 8-bit weights; use "
+                         "model.load_in_4bit (QLoRA) or ZeRO stage 2"))
+    if _get(doc, "model.load_in_4bit") is True:
+        train_dtype = "bf16" if _get(doc, "precision.bf16") is True else "fp16" if _get(doc, "precision.fp16") is True \
+            else "fp32"
+        model_dtype = _get(doc, "model.dtype", "auto")
+        if model_dtype not in ("auto", train_dtype):
+            problems.append(("model.dtype", f"QLoRA + ZeRO-3 stores the 4-bit weights in the model dtype "
+                             f"(bnb_4bit_quant_storage), and DeepSpeed casts every parameter to the training dtype "
+                             f"{train_dtype}; model.dtype {model_dtype} would be cast and the packed 4-bit data "
+                             f"destroyed. Set model.dtype: {train_dtype} (or auto)"))
+    if _get(doc, "dpo.precompute_ref_logps") is True and _get(doc, "stage") in (None, "dpo"):
+        problems.append(("dpo.precompute_ref_logps", "with ZeRO-3 the weights are partitioned before training "
+                         "starts, so reference log-probs cannot be computed ahead; set it to false (the reference "
+                         "is the policy with its adapter disabled) or use ZeRO stage 2"))
     return problems
 
 

@@ -102,7 +102,8 @@ class RunDir:
         """Refuse to resume with settings that change what is trained (batch, lr, data, model, adapter...).
 
         Keys that only extend or observe a run may change: ``train.max_steps``, ``num_epochs``, ``*_steps`` of
-        eval/save/logging, ``resume_from``, ``save_total_limit``, ``eval_batch_size`` and ``output.*``.
+        eval/save/logging, ``resume_from``, ``save_total_limit``, ``eval_batch_size``, ``output.*``, a node's
+        rank/master address/port and ``ppo.sample_every``.
 
         Raises:
             RecipeError: one problem per changed key, with its old and new value.
@@ -115,7 +116,9 @@ class RunDir:
         old = yaml.safe_load(path.read_text()) or {}
         free = {"train.max_steps", "train.num_epochs", "train.eval_steps", "train.save_steps", "train.logging_steps",
                 "train.resume_from", "train.save_total_limit", "train.eval_batch_size", "train.eval_at_start",
-                "train.early_stopping_patience", "train.dataloader_num_workers"}
+                "train.early_stopping_patience", "train.dataloader_num_workers",
+                # where this process sits in the job (differs per node of one job), what PPO writes as samples
+                "distributed.node_rank", "distributed.master_addr", "distributed.master_port", "ppo.sample_every"}
         problems = []
         for section, values in recipe_dump.items():
             if section == "output" or not isinstance(values, dict):

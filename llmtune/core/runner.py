@@ -5,6 +5,7 @@ Every stage goes through :func:`run_stage`; a stage only supplies its data, loss
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import time
 from pathlib import Path
@@ -16,14 +17,13 @@ from llmtune import __version__
 from llmtune.config import Recipe, dump_recipe
 from llmtune.core import rundir as rd
 from llmtune.core.callbacks import MetricsJsonlCallback, plot_losses
+from llmtune.core.distributed import batch_layout, no_zero3_init, zero_stage
 from llmtune.core.stage import Stage
 from llmtune.core.trainer import (
     CoreTrainer,
-    accumulation_steps,
     build_training_args,
     check_precision,
     early_stopping,
-    world_size,
 )
 from llmtune.models import (
     attach_adapter,
@@ -69,6 +69,11 @@ def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
     stage.recipe = recipe
     t0 = time.perf_counter()
     check_precision(recipe)
+    problems = stage.preflight(str(base_dir))
+    if problems:
+        from llmtune.config import RecipeError
+
+        raise RecipeError(problems)
     run = rd.RunDir(Path(recipe.output.dir))
     resume = recipe.train.resume_from is not None
     resume_ckpt = run.resolve_resume(recipe.train.resume_from)
@@ -86,25 +91,31 @@ def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
         data.report.save(run / rd.DATA_REPORT)
     log.info("data:\n%s", data.report.summary())
 
-    model = load_model_with_chain(recipe.model, recipe.precision, chain, head=stage.model_head)
+    has_eval = data.eval is not None and len(data.eval) > 0
+    # Before the model: a ZeRO-3 TrainingArguments makes from_pretrained load each rank's partition only, and it
+    # sets this process's device. An adapter chain is merged into whole weights; DeepSpeed partitions them later.
+    args = build_training_args(recipe, run.root, has_eval)
+    with no_zero3_init() if chain else contextlib.nullcontext():
+        model = load_model_with_chain(recipe.model, recipe.precision, chain, head=stage.model_head)
     model = stage.prepare_model(model, tokenizer)
     quantized = recipe.model.load_in_4bit or recipe.model.load_in_8bit
     model = attach_adapter(
         model, recipe.adapter, gradient_checkpointing=recipe.train.gradient_checkpointing, quantized=quantized
     )
     trainable, total = count_parameters(model)
-    accum = accumulation_steps(recipe)
+    batch = batch_layout(recipe, args.world_size)
     log.info(
-        "parameters: %s trainable / %s total (%.3f%%); batch: %d samples/step = %d micro x %d accumulation x %d ranks",
-        f"{trainable:,}", f"{total:,}", 100 * trainable / max(total, 1), recipe.train.global_batch_size,
-        recipe.train.micro_batch_size, accum, world_size(),
+        "parameters: %s trainable / %s total (%.3f%%); effective global batch: %d samples/step = %d micro x %d "
+        "accumulation x %d ranks%s",
+        f"{trainable:,}", f"{total:,}", 100 * trainable / max(total, 1), batch["global_batch_size"],
+        batch["micro_batch_size"], batch["accumulation_steps"], batch["world_size"],
+        f"; DeepSpeed ZeRO-{zero_stage(recipe)}" if args.deepspeed else "",
     )
 
-    has_eval = data.eval is not None and len(data.eval) > 0
     eval_rows = by_length(data.eval) if has_eval else None
     trainer = (stage.trainer_class or CoreTrainer)(
         model=model,
-        args=build_training_args(recipe, run.root, has_eval),
+        args=args,
         train_dataset=data.train,
         eval_dataset=eval_rows,
         data_collator=data.collator,
@@ -118,8 +129,12 @@ def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
         trainer.eval_dataset = by_length(prepared.eval) if has_eval else None
     if resume_ckpt:
         trainer.load_counters(resume_ckpt)
-    eval_before = trainer.evaluate() if has_eval and recipe.train.eval_at_start and not resume else None
+    # Under DeepSpeed the first evaluation must run inside train(), once the engine exists (args.eval_on_start).
+    eval_before = trainer.evaluate() if has_eval and recipe.train.eval_at_start and not resume \
+        and not args.eval_on_start else None
     result = trainer.train(resume_from_checkpoint=str(resume_ckpt) if resume_ckpt else None)
+    if args.eval_on_start:
+        eval_before = next((r for r in trainer.state.log_history if any(k.startswith("eval_") for k in r)), None)
     eval_after = trainer.evaluate() if has_eval else None
 
     adapter_dir = run / rd.ADAPTER
@@ -134,6 +149,8 @@ def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
         "eval_after": eval_after,
         "wall_s": round(time.perf_counter() - t0, 1),
         "adapter": str(adapter_dir),
+        "batch": batch,  # effective global batch = micro x accumulation x ranks
+        "zero_stage": zero_stage(recipe),
     }
     if trainer.is_world_process_zero():
         tokenizer.save_pretrained(str(adapter_dir))

@@ -69,6 +69,11 @@ class Stage:
         """Read, validate and tokenize the recipe's data. Raises ``DataError`` on bad input."""
         raise NotImplementedError
 
+    def preflight(self, base_dir: str) -> list[tuple[str, str]]:
+        """Problems found before any data or weights are loaded, as ``(recipe key, message)``; default none.
+        The runner raises them as one ``RecipeError``; ``llmtune validate`` reports them."""
+        return []
+
     def prepare_model(self, model: torch.nn.Module, tokenizer) -> torch.nn.Module:
         """Add what the stage needs on the base before the adapter (heads); default: nothing."""
         return model

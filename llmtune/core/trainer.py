@@ -79,11 +79,9 @@ def build_training_args(recipe: Recipe, run_dir: Path, has_eval: bool) -> Traini
     warmup: float = t.warmup_steps if t.warmup_steps else t.warmup_ratio
     if recipe.output.report_to:  # transformers >= 5 reads the TensorBoard directory from the environment
         os.environ["TENSORBOARD_LOGGING_DIR"] = str(run_dir / "tensorboard")
-    deepspeed = recipe.distributed.deepspeed
-    if deepspeed is None and recipe.distributed.zero_stage is not None:
-        from llmtune.core.distributed import zero_config
+    from llmtune.core.distributed import deepspeed_config, process_setup_kwargs
 
-        deepspeed = zero_config(recipe.distributed.zero_stage)
+    deepspeed = deepspeed_config(recipe)  # None, or a fresh dict whose "auto" values transformers fills
     sampling = {}
     if t.group_by_length:  # transformers >= 5 names it train_sampling_strategy; older ones group_by_length
         fields = TrainingArguments.__dataclass_fields__
@@ -91,6 +89,7 @@ def build_training_args(recipe: Recipe, run_dir: Path, has_eval: bool) -> Traini
                     else {"group_by_length": True})
     return TrainingArguments(
         **sampling,
+        **process_setup_kwargs(recipe),  # multi-process CPU runs (gloo); nothing on GPUs
         output_dir=str(run_dir / "checkpoints"),
         per_device_train_batch_size=t.micro_batch_size,
         per_device_eval_batch_size=t.eval_batch_size or t.micro_batch_size,
@@ -112,6 +111,8 @@ def build_training_args(recipe: Recipe, run_dir: Path, has_eval: bool) -> Traini
         fp16=p.fp16,
         tf32=p.tf32 if torch.cuda.is_available() else None,
         eval_strategy="steps" if (has_eval and t.eval_steps) else "no",
+        # DeepSpeed: transformers cannot evaluate before train() builds the engine, so the baseline eval runs in it
+        eval_on_start=bool(deepspeed) and has_eval and t.eval_at_start and t.resume_from is None,
         eval_steps=t.eval_steps,
         metric_for_best_model="eval_loss" if has_eval else None,
         greater_is_better=False if has_eval else None,
@@ -165,6 +166,10 @@ class CoreTrainer(Trainer):
 
             ckpt = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
             (ckpt / self.COUNTERS).write_text(json.dumps({"trained": self.trained_tokens, "seen": self.seen_tokens}))
+            if (ckpt / "adapter_config.json").is_file():  # every saved adapter is checked (ZeRO-3: DeepSpeed #4295)
+                from llmtune.models.verify import verify_saved_adapter
+
+                verify_saved_adapter(ckpt, self.model)
 
     def load_counters(self, checkpoint: str | Path) -> None:
         """Restore the cumulative trained/seen counts saved with a checkpoint (0 if it has none)."""
@@ -180,6 +185,13 @@ class CoreTrainer(Trainer):
         self._last_log_time = time.perf_counter()  # throughput counts training time, not loading or eval
         return super().train(*args, **kwargs)
 
+    def evaluate(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:  # evaluations inside train() (eval_steps, eval_on_start) do not count as training time
+            self._last_log_time += time.perf_counter() - start
+
     # ---- training -------------------------------------------------------------------------------
     def _get_train_sampler(self, train_dataset=None):
         """transformers' sampler, except that length grouping is seeded per epoch so that a resumed run
@@ -187,7 +199,11 @@ class CoreTrainer(Trainer):
         global RNG, so a resume would skip some rows and repeat others)."""
         sampler = super()._get_train_sampler(train_dataset)
         if isinstance(sampler, LengthGroupedSampler):
-            sampler = SeededLengthGroupedSampler.wrap(sampler, seed=self.args.data_seed or self.args.seed)
+            # Groups sized by the GLOBAL batch: accelerate deals consecutive micro-batches of this one order out to
+            # the ranks, so every optimizer step holds the same rows whatever the number of processes.
+            per_rank_step = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
+            sampler = SeededLengthGroupedSampler.wrap(sampler, seed=self.args.data_seed or self.args.seed,
+                                                      batch_size=per_rank_step * self.args.world_size)
         return sampler
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
@@ -220,16 +236,29 @@ class CoreTrainer(Trainer):
         return (loss, None) if return_outputs else loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add trained tokens, throughput, peak memory and stage metrics to the training logs."""
+        """Add trained tokens, throughput, peak memory and stage metrics to the training logs.
+
+        With several processes this is a collective (as transformers' own logging step): it must be called on every
+        rank. Stage metrics are averaged over the micro-batches of ALL ranks; ``peak_mem_gb`` is the largest rank's.
+        """
         if "loss" in logs:
             now = time.perf_counter()
             logs[f"trained_{self.stage.item_unit}"] = self.trained_tokens
             seen = self.seen_tokens * self.args.world_size
             logs["tokens_per_s"] = (seen - self._last_log_tokens) / max(now - self._last_log_time, 1e-9)
             self._last_log_time, self._last_log_tokens = now, seen
-            logs["peak_mem_gb"] = peak_memory_gb()
-            for key, total in self._metric_sums.items():
-                logs[key] = total / max(self._metric_counts[key], 1)
+            keys = sorted(self._metric_sums)
+            values = [self._metric_sums[k] for k in keys] + [float(self._metric_counts[k]) for k in keys]
+            peak = peak_memory_gb()
+            if self.args.world_size > 1 and keys:  # same stage, same keys on every rank
+                sums = self.accelerator.reduce(torch.tensor(values, dtype=torch.float64, device=self.args.device),
+                                               reduction="sum")
+                values = sums.tolist()
+            if self.args.world_size > 1:
+                peak = float(self.accelerator.gather(torch.tensor([peak], device=self.args.device)).max())
+            logs["peak_mem_gb"] = peak
+            for i, key in enumerate(keys):
+                logs[key] = values[i] / max(values[len(keys) + i], 1.0)
             self._metric_sums.clear()
             self._metric_counts.clear()
         super().log(logs, start_time)
@@ -254,10 +283,15 @@ class SeededLengthGroupedSampler(LengthGroupedSampler):
     """LengthGroupedSampler whose permutation depends only on (seed, epoch)."""
 
     @classmethod
-    def wrap(cls, sampler: LengthGroupedSampler, seed: int) -> "SeededLengthGroupedSampler":
+    def wrap(
+        cls, sampler: LengthGroupedSampler, seed: int, batch_size: int | None = None
+    ) -> "SeededLengthGroupedSampler":
+        """Copy of ``sampler`` seeded by (seed, epoch); ``batch_size`` (samples) replaces its grouping size."""
         new = cls.__new__(cls)
         new.__dict__.update(sampler.__dict__)
         new.seed, new.epoch = seed, 0
+        if batch_size is not None:
+            new.batch_size = batch_size
         return new
 
     def set_epoch(self, epoch: int) -> None:

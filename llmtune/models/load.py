@@ -526,6 +526,9 @@ def resolve_compute_dtype(cfg: ModelConfig, precision: PrecisionConfig) -> torch
 def build_quantization_config(cfg: ModelConfig, precision: PrecisionConfig):
     """The ``BitsAndBytesConfig`` for ``load_in_4bit``/``load_in_8bit``, or ``None`` for an unquantized base.
 
+    While a ZeRO-3 ``TrainingArguments`` is alive (DeepSpeed QLoRA), ``bnb_4bit_quant_storage`` = the model dtype
+    (:func:`resolve_dtype`); otherwise bitsandbytes' default uint8 storage.
+
     Raises:
         ModelLoadError: both ``load_in_4bit`` and ``load_in_8bit`` are set, or bitsandbytes is not installed.
     """
@@ -543,11 +546,20 @@ def build_quantization_config(cfg: ModelConfig, precision: PrecisionConfig):
 
     if cfg.load_in_8bit:
         return BitsAndBytesConfig(load_in_8bit=True)
+    storage = {}
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():
+        # QLoRA + ZeRO-3: DeepSpeed partitions and casts every parameter to the model dtype, so the packed 4-bit
+        # weights must be stored in that dtype, not uint8 (bitsandbytes #1249; peft's DeepSpeed guide).
+        # llmtune.config.validate refuses a model.dtype that differs from the training dtype.
+        storage["bnb_4bit_quant_storage"] = resolve_dtype(cfg, precision)
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
         bnb_4bit_use_double_quant=cfg.bnb_4bit_use_double_quant,
         bnb_4bit_compute_dtype=resolve_compute_dtype(cfg, precision),
+        **storage,
     )
 
 

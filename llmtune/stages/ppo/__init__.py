@@ -36,6 +36,30 @@ class PPOStage(Stage):
         data = build_prompt_data(self.recipe.data, tokenizer, base_dir=base_dir)
         return StageData(data.train, data.eval, data.report, PromptCollator(tokenizer), data.report.sources_lineage())
 
+    def preflight(self, base_dir: str) -> list[tuple[str, str]]:
+        """The score source exists before anything is loaded: an RM run that finished, or an importable function."""
+        from pathlib import Path
+
+        reward = self.recipe.reward
+        if reward.from_run:
+            lineage_path = Path(reward.from_run) / "lineage.json"
+            if not lineage_path.is_file():
+                state = "does not exist" if not Path(reward.from_run).exists() else "is not a finished run"
+                return [("reward.from_run", f"{reward.from_run} {state} (no lineage.json); train the reward model "
+                         "first with `llmtune rm ...`, or fix the path (relative to the working directory)")]
+            lineage = json.loads(lineage_path.read_text())
+            if lineage.get("model_head") != "score":
+                return [("reward.from_run", f"{reward.from_run} is a {lineage.get('stage')} run, not a reward model; "
+                         "point it to an `llmtune rm` run")]
+        if reward.function:
+            from llmtune.rewards import RewardFunctionError, load_reward_function
+
+            try:
+                load_reward_function(reward.function, base_dir=base_dir)
+            except RewardFunctionError as exc:
+                return [("reward.function", str(exc).removeprefix("reward.function: "))]
+        return []
+
     def render_example(self, row: dict, tokenizer) -> str:
         prompt = tokenizer.decode(row["input_ids"])
         reference = row.get("reference")

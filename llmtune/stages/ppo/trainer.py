@@ -354,6 +354,10 @@ class PPOTrainer(CoreTrainer):
         size = self.args.per_device_eval_batch_size
         per_row, samples = [], []
         max_new = self.ppo.eval_max_new_tokens or self.ppo.max_new_tokens
+        from tqdm.auto import tqdm
+
+        progress = tqdm(total=len(indices), desc="eval: greedy responses", unit="prompt", leave=False,
+                        disable=not self.is_world_process_zero() or self.args.disable_tqdm)
         for start in range(0, len(indices), size):
             rows = [rows_all[i] for i in indices[start:start + size]]
             batch = {k: v.to(self.args.device) for k, v in self.prompt_collator(rows).items()
@@ -367,9 +371,11 @@ class PPOTrainer(CoreTrainer):
             scores = self.scorer(batch["input_ids"], batch["attention_mask"], responses, mask, rows).float()
             kl = (fwd["kl_exact"] * mask).sum(1)
             per_row.append(torch.stack([scores.to(kl.device), kl, mask.sum(1).float(), (~ended).float()], 1))
+            progress.update(len(rows))
             if len(samples) < 8:
                 for row, text, s in zip(rows, decode_responses(self.tokenizer, responses, mask), scores.tolist()):
                     samples.append({"prompt": row["prompt"], "response": text, "score": s})
+        progress.close()
         stats = torch.cat(per_row) if per_row else torch.zeros(0, 4, device=self.args.device)
         if self.args.world_size > 1:
             stats = self.accelerator.gather_for_metrics(stats)

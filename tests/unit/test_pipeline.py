@@ -1,0 +1,239 @@
+"""`llmtune pipeline` without training: loading, wiring, validation of every step at once, when_missing, overrides,
+the skip/resume/restart decision on fabricated run directories, and the pair choice rule."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmtune.config import RecipeError, dump_recipe
+from llmtune.pairs import choose_pair
+from llmtune.pipeline import PipelineError, load_pipeline, plan_stage
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "recipes" / "quickstart_pipeline.yaml"
+HH = "shared/data/hh-rlhf-harmless-base-1800.jsonl.gz"
+
+
+def write(path: Path, doc: dict) -> Path:
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def quickstart(tmp_path, with_hh: bool, overrides=()):
+    """The shipped pipeline resolved from tmp/main (so ../shared/data exists only if with_hh)."""
+    base = tmp_path / "main"
+    base.mkdir()
+    if with_hh:
+        (tmp_path / HH).parent.mkdir(parents=True)
+        (tmp_path / HH).write_bytes(b"")
+    return load_pipeline(QUICKSTART, overrides, base_dir=base)
+
+
+@pytest.mark.parametrize("with_hh", [True, False])
+def test_quickstart_pipeline_wiring(tmp_path, with_hh):
+    pipe = quickstart(tmp_path, with_hh)
+    d = tmp_path / "main" / "runs" / "quickstart_pipeline"
+    assert [(s.name, s.kind) for s in pipe.steps] == [("sft", "sft"), ("pairs", "pairs"), ("rm", "rm"),
+                                                      ("dpo", "dpo"), ("ppo", "ppo")]
+    sft, pairs, rm, dpo, ppo = pipe.steps
+    assert sft.recipe.model.from_run is None and sft.recipe.output.dir == str(d / "sft")
+    assert sft.recipe.train.max_steps == 32 and sft.recipe.data.val_size == 50  # step overrides on the file
+    assert rm.recipe.model.from_run == str(d / "sft")  # RM initialised from the SFT model
+    assert dpo.recipe.model.from_run == str(d / "sft")  # the file's runs/quickstart_sft is rewired
+    assert ppo.recipe.model.from_run == str(d / "dpo")
+    assert ppo.recipe.reward.function == "llmtune.rewards:gsm8k_reward" and ppo.recipe.reward.from_run is None
+    assert pipe.export.step == "ppo" and pipe.export.dtype == "fp32"
+    source = rm.recipe.data.datasets[0]
+    if with_hh:
+        assert (source.path, source.format) == ("../" + HH, "hh") and not pairs.used
+        assert rm.inputs == ["sft"]
+    else:  # on-policy GSM8K pairs instead
+        assert (source.path, source.format) == (str(d / "pairs" / "pairs.jsonl"), "preference_messages")
+        assert pairs.used and rm.inputs == ["sft", "pairs"] and dpo.inputs == ["sft", "pairs"]
+        assert pairs.pairs.from_ == "sft" and pairs.pairs.k == 4
+    assert dpo.recipe.data.datasets[0].path == source.path
+
+
+def test_quickstart_pipeline_time_budget_shape():
+    """The quickstart stages stay shorter than the standalone quickstarts (45-minute budget on 2 cores)."""
+    pipe = load_pipeline(QUICKSTART, base_dir=ROOT)
+    steps = {s.name: s.recipe.train.max_steps for s in pipe.steps if s.recipe is not None}
+    assert steps == {"sft": 32, "rm": 18, "dpo": 8, "ppo": 12}
+
+
+def test_cli_overrides_name_the_step(tmp_path):
+    pipe = quickstart(tmp_path, False, ["sft.train.max_steps=3", "pairs.k=2", "pipeline.export.dtype=bf16",
+                                        "ppo.reward.function=null", "pipeline.dir=runs/other"])
+    sft, pairs, rm, _dpo, ppo = pipe.steps
+    assert sft.recipe.train.max_steps == 3 and pairs.pairs.k == 2 and pipe.export.dtype == "bf16"
+    other = tmp_path / "main" / "runs" / "other"
+    assert sft.recipe.output.dir == str(other / "sft")
+    assert ppo.recipe.reward.from_run == str(other / "rm") and ppo.inputs == ["rm", "dpo"]  # wired to the RM step
+
+
+def test_unknown_override_step(tmp_path):
+    with pytest.raises(RecipeError) as err:
+        quickstart(tmp_path, True, ["sfft.train.max_steps=3"])
+    assert "did you mean 'sft'?" in str(err.value)
+
+
+def tiny_pipeline(tmp_path, stages, **extra):
+    return write(tmp_path / "p.yaml", {"pipeline": {"dir": str(tmp_path / "runs"), "stages": stages, **extra}})
+
+
+def test_every_problem_of_every_step_at_once(tmp_path):
+    (tmp_path / "sft.yaml").write_text("stage: sft\ntrain: {lerning_rate: 0.1}\n")
+    path = tiny_pipeline(tmp_path, [
+        {"name": "sft", "recipe": "sft.yaml"},
+        {"name": "pairs", "kind": "pairs", "kk": 3, "reward": {"function": "llmtune.rewards:gsm8k_rewrd"},
+         "data": {"datasets": [{"path": "builtin:gsm8k"}], "max_lenght": 5}},
+        {"name": "dpo", "stage": "dpo", "recipe": {"data": {"datasets": [{"path": "{later}"}, {"path": "nope.jsonl"}]}}},
+        {"name": "later", "stage": "dpo", "overrides": {"train.max_steps": 0}},
+        {"name": "later", "stage": "sft"},
+    ])
+    with pytest.raises(RecipeError) as err:
+        load_pipeline(path, base_dir=tmp_path)
+    problems = dict(err.value.problems)
+    assert problems["stage 1 'sft': train.lerning_rate"] == "unknown key; did you mean 'learning_rate'?"
+    assert problems["stage 2 'pairs': kk"] == "unknown key; did you mean 'k'?"
+    assert problems["stage 2 'pairs': data.max_lenght"] == "unknown key; did you mean 'max_length'?"
+    assert "did you mean gsm8k_reward" in problems["stage 2 'pairs': reward.function"]
+    assert "runs later" in problems["stage 3 'dpo': data.datasets.0.path"]
+    assert problems["stage 3 'dpo': data.datasets.1.path"].startswith("file not found")
+    assert "unique name" in problems["pipeline.stages.3.name"] and "pipeline.stages.4.name" in problems
+    assert str(err.value).startswith(f"{len(err.value.problems)} problem(s) in {path}")
+
+
+def test_step_settings_win_over_wiring(tmp_path):
+    path = tiny_pipeline(tmp_path, [
+        {"name": "a", "stage": "sft"},
+        {"name": "b", "stage": "sft", "recipe": {"model": {"from_run": None}}},  # a second SFT from the base
+        {"name": "c", "stage": "dpo", "overrides": {"model.from_run": "{a}"}},
+        {"name": "r", "stage": "rm"},
+        {"name": "p", "stage": "ppo", "recipe": {"reward": {"from_run": "{r}"}, "train": {"max_steps": 4}}},
+    ], export={"step": "c"})
+    pipe = load_pipeline(path, base_dir=tmp_path)
+    a, b, c, r, p = pipe.steps
+    assert b.recipe.model.from_run is None and c.recipe.model.from_run == str(a.dir) and c.inputs == ["a"]
+    assert r.recipe.model.from_run == str(c.dir)
+    assert p.recipe.reward.from_run == str(r.dir) and p.recipe.model.from_run == str(c.dir)
+    assert pipe.export.step == "c"
+
+
+def test_export_must_name_a_policy_step(tmp_path):
+    path = tiny_pipeline(tmp_path, [{"name": "r", "stage": "rm"}])
+    with pytest.raises(RecipeError, match="pipeline.export.step"):
+        load_pipeline(path, base_dir=tmp_path)
+    path = tiny_pipeline(tmp_path, [{"name": "r", "stage": "rm"}], export={"enabled": False})
+    assert load_pipeline(path, base_dir=tmp_path).export.step is None
+
+
+# --- skip / resume / restart decisions on fabricated run directories ----------------------------------------------
+
+
+@pytest.fixture
+def one_step(tmp_path):
+    path = tiny_pipeline(tmp_path, [{"name": "sft", "stage": "sft", "recipe": {"model": {"name_or_path": "x"}}},
+                                    {"name": "dpo", "stage": "dpo"}])
+    return path, load_pipeline(path, base_dir=tmp_path)
+
+
+def fake_run(step, complete: bool, checkpoint: bool = False):
+    step.dir.mkdir(parents=True, exist_ok=True)
+    dump_recipe(step.recipe, step.dir / "recipe.resolved.yaml")
+    if checkpoint:
+        ckpt = step.dir / "checkpoints" / "checkpoint-3"
+        ckpt.mkdir(parents=True)
+        (ckpt / "trainer_state.json").write_text("{}")
+    if complete:
+        (step.dir / "lineage.json").write_text(json.dumps({"stage": step.kind, "summary": {}}))
+
+
+def test_plan_complete_same_recipe_is_skipped(one_step):
+    _path, pipe = one_step
+    fake_run(pipe.steps[0], complete=True)
+    assert plan_stage(pipe.steps[0], pipe)[0] == "skip"
+
+
+def test_plan_complete_other_recipe_stops_with_the_remedy(one_step, tmp_path):
+    path, pipe = one_step
+    fake_run(pipe.steps[0], complete=True)
+    changed = load_pipeline(path, ["sft.train.learning_rate=0.5"], base_dir=tmp_path)
+    with pytest.raises(PipelineError) as err:
+        plan_stage(changed.steps[0], changed)
+    assert "train.learning_rate: 0.0002 -> 0.5" in str(err.value)
+    assert "sft.output.overwrite=true" in str(err.value) and str(pipe.steps[0].dir) in str(err.value)
+    forced = load_pipeline(path, ["sft.train.learning_rate=0.5", "sft.output.overwrite=true"], base_dir=tmp_path)
+    action, recipe, _ = plan_stage(forced.steps[0], forced)
+    assert action == "restart" and recipe.output.overwrite and recipe.train.resume_from is None
+
+
+def test_plan_interrupted_run_resumes_and_partial_restarts(one_step):
+    _path, pipe = one_step
+    sft = pipe.steps[0]
+    fake_run(sft, complete=False, checkpoint=True)
+    action, recipe, why = plan_stage(sft, pipe)
+    assert (action, recipe.train.resume_from, recipe.output.overwrite) == ("resume", "latest", False)
+    assert "checkpoint-3" in why
+    shutil.rmtree(sft.dir / "checkpoints")
+    action, recipe, _ = plan_stage(sft, pipe)
+    assert (action, recipe.output.overwrite) == ("restart", True)
+    shutil.rmtree(sft.dir)
+    assert plan_stage(sft, pipe)[0] == "train"
+
+
+def test_plan_stale_input_retrains(one_step):
+    """A step whose input finished after it started trained on an old input: it is trained again."""
+    _path, pipe = one_step
+    sft, dpo = pipe.steps
+    fake_run(sft, complete=True)
+    fake_run(dpo, complete=True)
+    dpo.recipe = dpo.recipe  # same recipe: only the timestamps differ
+    t = (dpo.dir / "recipe.resolved.yaml").stat().st_mtime
+    os.utime(sft.dir / "lineage.json", (t + 10, t + 10))
+    action, recipe, why = plan_stage(dpo, pipe)
+    assert action == "restart" and recipe.output.overwrite and "sft" in why
+
+
+# --- the pair rule ----------------------------------------------------------------------------------------------------
+
+
+def test_choose_pair_best_vs_worst():
+    pick = choose_pair([0.2, 0.9, -0.5, 0.9], ["a", "b", "c", "d"], "ref", 5.0)
+    assert pick == {"chosen": "b", "rejected": "c", "chosen_score": 0.9, "rejected_score": -0.5,
+                    "source": "completions"}
+
+
+def test_choose_pair_reference_when_all_tied():
+    pick = choose_pair([0.0, 0.0, 0.0], ["x", "y", "z"], "#### 7", 1.0)
+    assert pick["source"] == "reference" and (pick["chosen"], pick["rejected"]) == ("#### 7", "x")
+    assert choose_pair([0.0, 0.0], ["x", "y"], "#### 7", 1.0, use_reference=False) == "all completions scored alike"
+    assert choose_pair([1.0, 1.0], ["x", "y"], "#### 7", 1.0) == "all completions scored alike, reference not better"
+    assert choose_pair([0.0, 0.0], ["x", "y"], None, None) == "all completions scored alike, no reference answer"
+
+
+def test_choose_pair_min_gap():
+    assert choose_pair([0.1, 0.3], ["a", "b"], None, None, min_gap=0.5).startswith("all completions scored alike")
+    assert choose_pair([0.1, 0.7], ["a", "b"], None, None, min_gap=0.5)["chosen"] == "b"
+
+
+# --- the command ------------------------------------------------------------------------------------------------------
+
+
+def test_cli_help_dry_run_and_errors(tmp_path, capsys):
+    from llmtune.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["pipeline", "--help"])
+    assert info.value.code == 0 and "--dry-run" in capsys.readouterr().out
+    path = tiny_pipeline(tmp_path, [{"name": "sft", "stage": "sft"}, {"name": "dpo", "stage": "dpo"}])
+    assert main(["pipeline", str(path), "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    assert "recipe OK" in err and "dpo" in err and not (tmp_path / "runs").exists()  # nothing written
+    assert main(["pipeline", str(path), "dpo.train.micro_batch_size=3", "--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert "stage 2 'dpo': train.global_batch_size: must be a multiple of micro_batch_size (3)" in err
