@@ -133,53 +133,21 @@ def load_policy(run_dir: Path):
 
 
 class RewardModelScorer:
-    """Scores (prompt messages, completion) with a finished ``llmtune rm`` run: its score at the last real token.
-
-    Each conversation is tokenized as the reward model's training pairs were (``PairTokenizer`` with the run's
-    ``max_length``/``max_prompt_length``), so scores are read where the RM learned to put them.
+    """Scores (prompt messages, completion texts) with a finished ``llmtune rm`` run
+    (:class:`llmtune.models.reward.RewardModel`: tokenized as the RM's training pairs, read at the last real token).
 
     Raises:
-        PairsError: the run is not a reward model (``model_head`` is not ``score``).
+        ModelLoadError: the run is not a reward model (``model_head`` is not ``score``) or cannot be loaded.
     """
 
     def __init__(self, run_dir: Path, batch_size: int):
-        from transformers import AutoTokenizer
+        from llmtune.models.reward import RewardModel
 
-        from llmtune.data.preference import PairTokenizer
-        from llmtune.models import adapter_chain, load_model_with_chain
-        from llmtune.models.lineage import read_run
-
-        lineage, raw = read_run(run_dir)
-        if lineage.get("model_head") != "score":
-            raise PairsError(f"reward.from_run: {run_dir} is a {lineage.get('stage')} run, not a reward model (rm)")
-        recipe = load_recipe(raw=raw)
-        self.model = load_model_with_chain(recipe.model, recipe.precision, adapter_chain(run_dir, lineage),
-                                           head="score").eval()
-        tokenizer = AutoTokenizer.from_pretrained(run_dir / rd.ADAPTER)
-        self.pairs = PairTokenizer(tokenizer, recipe.data.max_length, recipe.data.max_prompt_length,
-                                   recipe.data.truncation_mode)
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.batch_size = batch_size
+        self.rm = RewardModel(run_dir, batch_size=batch_size)
 
     def __call__(self, prompts: list[list[dict]], completions: list[str]) -> list[float]:
         """B prompts (message lists) and B completion texts -> B scores (fp32 floats)."""
-        import torch
-
-        from llmtune.models import sequence_scores
-
-        ids = [self.pairs({"prompt": p, "chosen": c, "rejected": c}).to_row()["chosen_input_ids"]
-               for p, c in zip(prompts, completions)]
-        out: list[float] = []
-        for start in range(0, len(ids), self.batch_size):
-            chunk = ids[start:start + self.batch_size]
-            T = max(map(len, chunk))
-            input_ids = torch.full((len(chunk), T), self.pad, dtype=torch.long)  # (B, T), right-padded
-            mask = torch.zeros_like(input_ids)  # (B, T)
-            for b, row in enumerate(chunk):
-                input_ids[b, :len(row)], mask[b, :len(row)] = torch.tensor(row), 1
-            with torch.no_grad():
-                out += sequence_scores(self.model, input_ids, mask).tolist()
-        return out
+        return self.rm.score_texts(prompts, completions).tolist()
 
 
 def sample_completions(model, tokenizer, batch: dict, cfg: PairsConfig) -> tuple[list[str], list[bool]]:

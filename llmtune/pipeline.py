@@ -534,16 +534,22 @@ def _differences(old: dict, new: dict) -> list[str]:
 
 
 def _resolved(recipe: Recipe, base_dir: Path) -> Recipe:
-    """The recipe as run_stage will record it (model.from_run inherited), without its log lines."""
+    """The recipe as run_stage will record it: what the stage fills in when built (RM: the score head joins
+    ``adapter.modules_to_save``) and ``model.from_run`` inherited; without their log lines."""
     from llmtune.models import inherit_from_run
+    from llmtune.stages import STAGES
 
-    lineage_log = logging.getLogger("llmtune.models.lineage")
-    level = lineage_log.level
-    lineage_log.setLevel(logging.WARNING)
+    quiet = [logging.getLogger(name) for name in ("llmtune.models.lineage", "llmtune")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.WARNING)
     try:
+        if recipe.stage in STAGES:
+            recipe = STAGES[recipe.stage](recipe.model_copy(deep=True)).recipe
         return inherit_from_run(recipe, base_dir)[0]
     finally:
-        lineage_log.setLevel(level)
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
 
 
 def plan_stage(step: Step, pipe: Pipeline) -> tuple[str, Recipe | None, str]:

@@ -62,7 +62,7 @@ def test_quickstart_pipeline_time_budget_shape():
     """The quickstart stages stay shorter than the standalone quickstarts (45-minute budget on 2 cores)."""
     pipe = load_pipeline(QUICKSTART, base_dir=ROOT)
     steps = {s.name: s.recipe.train.max_steps for s in pipe.steps if s.recipe is not None}
-    assert steps == {"sft": 32, "rm": 18, "dpo": 8, "ppo": 12}
+    assert steps == {"sft": 32, "rm": 18, "dpo": 8, "ppo": 8}
 
 
 def test_cli_overrides_name_the_step(tmp_path):
@@ -157,6 +157,23 @@ def test_plan_complete_same_recipe_is_skipped(one_step):
     _path, pipe = one_step
     fake_run(pipe.steps[0], complete=True)
     assert plan_stage(pipe.steps[0], pipe)[0] == "skip"
+
+
+def test_plan_complete_rm_step_is_skipped(tmp_path):
+    """run_stage records an RM recipe with the score head added to modules_to_save: not a change of recipe (the
+    real quickstart pipeline refused to skip its finished rm step because of it)."""
+    from llmtune.stages import RMStage
+
+    path = tiny_pipeline(tmp_path, [{"name": "rm", "stage": "rm", "recipe": {"model": {"name_or_path": "x"}}}],
+                         export={"enabled": False})
+    pipe = load_pipeline(path, base_dir=tmp_path)
+    step = pipe.steps[0]
+    step.dir.mkdir(parents=True)
+    recorded = RMStage(step.recipe.model_copy(deep=True)).recipe  # what run_stage dumps
+    assert recorded.adapter.modules_to_save == ["score"] and step.recipe.adapter.modules_to_save == []
+    dump_recipe(recorded, step.dir / "recipe.resolved.yaml")
+    (step.dir / "lineage.json").write_text(json.dumps({"stage": "rm", "summary": {}}))
+    assert plan_stage(step, pipe)[0] == "skip"
 
 
 def test_plan_complete_other_recipe_stops_with_the_remedy(one_step, tmp_path):

@@ -540,61 +540,33 @@ class FunctionScorer:
 
 
 class RewardModelScorer:
-    """Scores (prompt, response) with the reward model of an ``llmtune rm`` run, read at the last real token.
+    """Scores (prompt, response) with the reward model of an ``llmtune rm`` run
+    (:class:`llmtune.models.reward.RewardModel`, loaded once, frozen, chain merged, in the recipe's precision).
 
-    The RM is loaded once, frozen, with its whole chain merged (fp32 merge, cast to the recipe's dtype). When its
-    tokenizer and chat template equal the policy's, the policy's token ids are scored as they are; otherwise the
-    response is decoded and the conversation re-rendered with the RM's chat template.
+    When the RM's tokenizer and chat template equal the policy's, the policy's token ids are scored as they are
+    (prompt left-padded + response right-padded: the score is read at the last real token); otherwise the response
+    is decoded and the conversation re-tokenized as the RM's training pairs were.
     """
 
     def __init__(self, run_dir: str | Path, recipe, tokenizer):
-        from transformers import AutoTokenizer
+        from llmtune.models.reward import RewardModel
 
-        from llmtune.config import ModelConfig
-        from llmtune.models import load_model_with_chain
-        from llmtune.models.lineage import adapter_chain, read_run
-
-        self.run_dir = Path(run_dir)
-        lineage, rm_recipe = read_run(self.run_dir)
-        if lineage.get("model_head") != "score":
-            from llmtune.models import ModelLoadError
-
-            raise ModelLoadError(f"reward.from_run: {self.run_dir} is a {lineage.get('stage')} run, not a reward "
-                                 "model (model_head score); point it to an `llmtune rm` run")
-        model_cfg = ModelConfig(**{**rm_recipe.get("model", {}), "from_run": None})
-        self.model = load_model_with_chain(model_cfg, recipe.precision, adapter_chain(self.run_dir, lineage),
-                                           head="score").eval()
-        self.model.requires_grad_(False)
-        self.rm_tokenizer = AutoTokenizer.from_pretrained(str(self.run_dir / "adapter"))
-        self.tokenizer = tokenizer
-        self.same_tokens = (self.rm_tokenizer.get_vocab() == tokenizer.get_vocab()
-                            and self.rm_tokenizer.chat_template == tokenizer.chat_template)
-        self.batch_size = recipe.reward.batch_size
+        self.rm = RewardModel(run_dir, recipe.precision, recipe.reward.batch_size)
+        self.run_dir, self.tokenizer = self.rm.run_dir, tokenizer
+        self.same_tokens = (self.rm.tokenizer.get_vocab() == tokenizer.get_vocab()
+                            and self.rm.tokenizer.chat_template == tokenizer.chat_template)
         log.info("reward model %s loaded (%s)", self.run_dir,
-                 "same tokenizer: scoring the policy's tokens" if self.same_tokens else "re-rendering with its template")
+                 "same tokenizer: scoring the policy's tokens" if self.same_tokens else "re-tokenizing its texts")
 
     def to(self, device):
-        self.model.to(device)
+        self.rm.to(device)
         return self
 
-    @torch.no_grad()
     def __call__(self, query_ids, query_mask, responses, mask, rows) -> torch.Tensor:
-        from llmtune.models.heads import sequence_scores
-
         if self.same_tokens:
-            ids, attn = torch.cat([query_ids, responses], 1), torch.cat([query_mask, mask], 1)
-        else:
-            texts = decode_responses(self.tokenizer, responses, mask)
-            encoded = [self.rm_tokenizer.apply_chat_template(
-                json.loads(r["messages"]) + [{"role": "assistant", "content": t}], tokenize=True, return_dict=False)
-                for r, t in zip(rows, texts)]
-            width = max(len(e) for e in encoded)
-            pad = self.rm_tokenizer.pad_token_id if self.rm_tokenizer.pad_token_id is not None else 0
-            ids = torch.tensor([e + [pad] * (width - len(e)) for e in encoded], device=responses.device)
-            attn = torch.tensor([[1] * len(e) + [0] * (width - len(e)) for e in encoded], device=responses.device)
-        scores = [sequence_scores(self.model, ids[i:i + self.batch_size], attn[i:i + self.batch_size])
-                  for i in range(0, ids.shape[0], self.batch_size)]
-        return torch.cat(scores)
+            return self.rm.score_ids(torch.cat([query_ids, responses], 1), torch.cat([query_mask, mask], 1))
+        texts = decode_responses(self.tokenizer, responses, mask)
+        return self.rm.score_texts([json.loads(r["messages"]) for r in rows], texts).to(responses.device)
 
 
 def build_scorer(recipe, tokenizer) -> Any:
