@@ -2,7 +2,7 @@
 
 Accepts a merged model directory or a run directory (its ``merged/`` model when exported, else base + adapter
 as :func:`llmtune.export.load_adapter_model` builds it), and stops generation at the chat template's end of turn
-(:func:`llmtune.export.template_eos_ids`) as well as the tokenizer's EOS. Reward models (``model_head: score``)
+(:func:`llmtune.data.templates.template_eos_ids`) as well as the tokenizer's EOS. Reward models (``model_head: score``)
 output one score, not text: chatting with them is refused with an explanation.
 """
 
@@ -59,7 +59,7 @@ def load_for_chat(path: str | Path):
 
 def stop_ids(model, tokenizer) -> list[int]:
     """Every token id that ends a reply: the chat template's end of turn, the tokenizer's and the model's EOS."""
-    from llmtune.export import template_eos_ids
+    from llmtune.data.templates import template_eos_ids
 
     model_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     model_eos = model_eos if isinstance(model_eos, (list, tuple)) else [model_eos]

@@ -34,6 +34,7 @@ import yaml
 
 from llmtune.config import Recipe, load_recipe
 from llmtune.core import rundir as rd
+from llmtune.data.templates import template_eos_ids  # noqa: F401  (re-exported: export/chat users)
 from llmtune.utils import get_logger, setup_logging, write_json
 
 log = get_logger("export")
@@ -88,27 +89,6 @@ def sample_inputs(tokenizer, max_prompts: int = 3) -> list[torch.Tensor]:
             ids = tokenizer(text)["input_ids"]
         out.append(torch.tensor([ids]))
     return out
-
-
-def template_eos_ids(tokenizer) -> list[int]:
-    """Token ids that end a reply: the tokenizer's EOS and the special token that closes an assistant turn in the
-    chat template (``<|eot_id|>`` of Llama-3, ``<|im_end|>`` of ChatML), which is not always the tokenizer's EOS.
-
-    Found by rendering a user/assistant exchange and taking the first special token after the assistant's text.
-    """
-    ids = {tokenizer.eos_token_id} - {None}
-    if getattr(tokenizer, "chat_template", None):
-        probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}]
-        try:
-            text = tokenizer.apply_chat_template(probe, tokenize=False)
-        except Exception:  # noqa: BLE001 - a template that cannot render a plain exchange has no turn end to find
-            text = ""
-        cut = text.rfind("Hello there")
-        if cut >= 0:
-            special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
-            tail = tokenizer(text[cut + len("Hello there"):], add_special_tokens=False)["input_ids"]
-            ids |= set([i for i in tail if i in special][:1])
-    return sorted(ids)
 
 
 def auto_class(head: str):

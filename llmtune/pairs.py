@@ -162,9 +162,11 @@ def sample_completions(model, tokenizer, batch: dict, cfg: PairsConfig) -> tuple
     """
     import torch
 
+    from llmtune.data.templates import template_eos_ids
+
     configured = model.generation_config.eos_token_id
     configured = [configured] if isinstance(configured, int) else list(configured or [])
-    eos = sorted({tokenizer.eos_token_id, *configured} - {None})
+    eos = sorted({*template_eos_ids(tokenizer), *configured} - {None})
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     with torch.no_grad():
         out = model.generate(

@@ -206,13 +206,13 @@ def _spec_problems(err: ValidationError, cls: type[BaseModel], where: str) -> li
     return out
 
 
+_MISSING = object()
+
+
 def _has(doc: dict, dotted: str) -> bool:
-    node: Any = doc
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
-    return True
+    from llmtune.config.validate import _get
+
+    return _get(doc, dotted, _MISSING) is not _MISSING
 
 
 def _set(doc: dict, dotted: str, value: Any) -> None:

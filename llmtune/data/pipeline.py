@@ -176,3 +176,17 @@ def to_dataset(rows: list[dict], columns: list[str], scalar: tuple[str, ...] = (
         {c: datasets.Value("int64") if c in scalar else datasets.Sequence(datasets.Value("int64")) for c in columns}
     )
     return datasets.Dataset.from_dict({c: [r[c] for r in rows] for c in columns}, features=features)
+
+
+def reject_sft_options(cfg: DataConfig, rows: str, packing_reason: str, labels_reason: str) -> None:
+    """Refuse SFT-only data options for pairs or prompts.
+
+    Raises:
+        DataError: ``data.packing`` is on (``packing_reason`` says why it cannot apply to ``rows``) or
+            ``data.train_on`` is ``all`` (``labels_reason``); the message names the key and the value to set.
+    """
+    if cfg.packing:
+        raise DataError(f"data.packing does not apply to {rows} ({packing_reason}); set data.packing: false.")
+    if cfg.train_on != "assistant":
+        raise DataError(f"data.train_on: all does not apply to {rows} ({labels_reason}); remove it or set "
+                        "data.train_on: assistant.")

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 from llmtune.config.schema import DataConfig
 from llmtune.data.errors import DataError, RowError
-from llmtune.data.pipeline import read_sources, to_dataset, tokenize_and_split
+from llmtune.data.pipeline import read_sources, reject_sft_options, to_dataset, tokenize_and_split
 from llmtune.data.report import DataReport
 from llmtune.data.templates import apply_chat_template_config
 from llmtune.data.tokenize import (
@@ -240,12 +240,8 @@ def build_preference_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = 
             tokenizer lacks EOS (or BOS its template renders); ``max_prompt_length >= max_length``;
             ``val_size`` too large; no pairs left.
     """
-    if cfg.packing:
-        raise DataError("data.packing does not apply to preference pairs (each pair is one chosen and one rejected "
-                        "sequence); set data.packing: false.")
-    if cfg.train_on != "assistant":
-        raise DataError("data.train_on: all does not apply to preference pairs (only completions are scored); "
-                        "remove it or set data.train_on: assistant.")
+    reject_sft_options(cfg, "preference pairs", "each pair is one chosen and one rejected sequence",
+                       "only completions are scored")
     if cfg.chat_template is not None:
         apply_chat_template_config(cfg, tokenizer)
     # Set-up errors (missing EOS/BOS, max_prompt_length) come before any data is read.

@@ -35,7 +35,7 @@ import torch
 from llmtune.config.schema import DataConfig
 from llmtune.data.collators import SFTCollator
 from llmtune.data.errors import DataError, RowError
-from llmtune.data.pipeline import read_sources, tokenize_and_split
+from llmtune.data.pipeline import read_sources, reject_sft_options, tokenize_and_split
 from llmtune.data.report import DataReport
 from llmtune.data.templates import apply_chat_template_config
 from llmtune.data.tokenize import bos_prefix, encode_text, render_chat, tokenizer_adds_bos
@@ -216,12 +216,7 @@ def build_prompt_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".")
             roles out of order, malformed rows; the first 10 listed with file, row index and reason);
             ``max_prompt_length`` too small for the generation prompt; ``val_size`` too large; no prompts left.
     """
-    if cfg.packing:
-        raise DataError("data.packing does not apply to prompts (each prompt is generated from on its own); "
-                        "set data.packing: false.")
-    if cfg.train_on != "assistant":
-        raise DataError("data.train_on: all does not apply to prompts (they carry no labels); remove it or set "
-                        "data.train_on: assistant.")
+    reject_sft_options(cfg, "prompts", "each prompt is generated from on its own", "they carry no labels")
     apply_chat_template_config(cfg, tokenizer)
     limit = cfg.max_prompt_length or cfg.max_length
     fn = PromptTokenizer(tokenizer, limit, cfg.truncation_mode, cfg.truncation)

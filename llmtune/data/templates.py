@@ -135,3 +135,28 @@ def check_chat_template(tokenizer, where: str) -> None:
         logging.getLogger("llmtune.data").warning(
             "%s: an assistant turn renders as %r, which does not end with the EOS token %r; the model will not learn "
             "to stop. Use a template that closes assistant turns with the EOS.", where, turn[-40:], eos)
+
+
+def template_eos_ids(tokenizer) -> list[int]:
+    """Token ids that end a reply: the tokenizer's EOS and the special token that closes an assistant turn in the
+    chat template (``<|eot_id|>`` of Llama-3, ``<|im_end|>`` of ChatML), which is not always the tokenizer's EOS.
+
+    Found by rendering a user/assistant exchange and taking the first special token after the assistant's text.
+    Used wherever a reply is generated (PPO rollouts, on-policy pairs, chat) and in the exported generation config.
+
+    Returns:
+        Sorted ids; empty only when the tokenizer has no EOS and its template closes turns with no special token.
+    """
+    ids = {tokenizer.eos_token_id} - {None}
+    if getattr(tokenizer, "chat_template", None):
+        probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}]
+        try:
+            text = tokenizer.apply_chat_template(probe, tokenize=False)
+        except Exception:  # noqa: BLE001 - a template that cannot render a plain exchange has no turn end to find
+            text = ""
+        cut = text.rfind("Hello there")
+        if cut >= 0:
+            special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+            tail = tokenizer(text[cut + len("Hello there"):], add_special_tokens=False)["input_ids"]
+            ids |= set([i for i in tail if i in special][:1])
+    return sorted(ids)

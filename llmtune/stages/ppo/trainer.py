@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from llmtune.core.trainer import CoreTrainer
+from llmtune.data.templates import template_eos_ids
 from llmtune.models.adapters import adapter_scope
 from llmtune.stages.ppo import ops
 from llmtune.stages.ppo.rollout import decode_responses, join, response_token_logps, split_generation
@@ -142,10 +143,12 @@ class PPOTrainer(CoreTrainer):
         self.prompts, self.prompt_collator = train_dataset, data_collator
         self.eval_prompts = eval_dataset
         world = int(kwargs["args"].world_size)
-        self.local_rollouts = self.ppo.rollout_batch_size // world
         self.local_minibatch = recipe.train.global_batch_size // world
         self.steps_per_iteration = self.ppo.ppo_epochs * self.ppo.rollout_batch_size // recipe.train.global_batch_size
-        self.eos_ids = eos_token_ids(processing_class)
+        self.eos_ids = template_eos_ids(processing_class)
+        if not self.eos_ids:
+            raise ValueError("the tokenizer has no EOS token and its chat template ends turns with no special token: "
+                             "responses could never end; set the tokenizer's eos_token (or data.chat_template)")
         self.pad_id = processing_class.pad_token_id if processing_class.pad_token_id is not None else self.eos_ids[0]
         self.kl_ctl = ops.KLController(self.ppo.kl_coef, self.ppo.kl_target, self.ppo.kl_horizon)
         self.score_stats = ops.RunningMoments()
@@ -444,20 +447,6 @@ def trim(experience: dict[str, torch.Tensor], idx: torch.Tensor, prompt_width: i
     for key in ("responses", "response_mask", "old_logps", "old_values", "advantages", "returns"):
         rows[key] = rows[key][:, :n]
     return rows
-
-
-def eos_token_ids(tokenizer) -> list[int]:
-    """Ids that end a response: the tokenizer's EOS and the chat template's end-of-turn token when it has one."""
-    ids = []
-    if tokenizer.eos_token_id is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    for token in ("<|im_end|>", "<|eot_id|>", "<|end|>", "</s>"):
-        tid = tokenizer.convert_tokens_to_ids(token) if token in tokenizer.get_vocab() else None
-        if tid is not None and tid not in ids and token in (tokenizer.chat_template or ""):
-            ids.append(int(tid))
-    if not ids:
-        raise ValueError("the tokenizer has no EOS token: responses could never end; set tokenizer.eos_token")
-    return ids
 
 
 # ---- value model --------------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ from llmtune.models.heads import sequence_scores
 from llmtune.models.tiny import make_tiny_llama, make_tiny_tokenizer
 from llmtune.stages.ppo import ops
 from llmtune.stages.ppo.rollout import join, response_token_logps, split_generation
-from llmtune.stages.ppo.trainer import PolicyValueModel, add_value_model, eos_token_ids, trim
+from llmtune.data.templates import template_eos_ids as eos_token_ids
+from llmtune.stages.ppo.trainer import PolicyValueModel, add_value_model, trim
 
 PROMPTS = ["What is 2 + 3?", "Hi", "Tell me a very long story about the sea and the wind, please.", "Why?"]
 
