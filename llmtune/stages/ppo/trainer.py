@@ -521,6 +521,11 @@ class FunctionScorer:
         self.fn, self.tokenizer = load_reward_function(spec, base_dir=base_dir), tokenizer
 
     def __call__(self, query_ids, query_mask, responses, mask, rows) -> torch.Tensor:
+        """(B, P) left-padded prompts + mask, (B, N) responses + mask, B prompt rows -> (B,) fp32 scores.
+
+        Raises:
+            RewardFunctionError: the function raised, or did not return B finite numbers (the index is named).
+        """
         from llmtune.rewards import call_reward_function
 
         completions = decode_responses(self.tokenizer, responses, mask)
@@ -552,6 +557,8 @@ class RewardModelScorer:
         return self
 
     def __call__(self, query_ids, query_mask, responses, mask, rows) -> torch.Tensor:
+        """(B, P) left-padded prompts + mask, (B, N) right-padded responses + mask, B prompt rows -> (B,) fp32
+        scores read at each row's last real token."""
         if self.same_tokens:
             return self.rm.score_ids(torch.cat([query_ids, responses], 1), torch.cat([query_mask, mask], 1))
         texts = decode_responses(self.tokenizer, responses, mask)
