@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 
 from llmtune.core import rundir as rd
+from llmtune.errors import LlmtuneError
 
 
-class ChatError(RuntimeError):
+class ChatError(LlmtuneError, RuntimeError):
     """The directory holds no chat model (a reward model, or neither a run nor a model directory)."""
 
 

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     # transformers 5 renamed gradient checkpointing; peft still calls the old names on every step.
     warnings.filterwarnings("ignore", message=".*is deprecated and will be removed in v6.*", category=FutureWarning)
     args = build_parser().parse_args(argv)
-    from llmtune.config import RecipeError
+    from llmtune.errors import EXIT_ERROR, EXIT_INTERRUPTED, LlmtuneError
 
     try:
         if args.command == "validate":
@@ -178,16 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted. Checkpoints written so far are kept: continue with the same command plus "
               "train.resume_from=latest (needs train.save_steps).", file=sys.stderr)
-        return 130
-    except (RecipeError, FileNotFoundError) as exc:
+        return EXIT_INTERRUPTED
+    except LlmtuneError as exc:  # user-facing errors carry their own message (and exit code, llmtune.errors)
         print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except Exception as exc:  # known user-facing errors carry their own message
-        if type(exc).__name__ in ("DataError", "ModelLoadError", "AdapterSaveError", "ExportError", "ChatError",
-                                   "RewardFunctionError"):
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        raise
+        return exc.exit_code
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
 
 
 def run_stage_command(command: str, recipe_path: str, overrides: list[str], launch: list[str] = ()) -> int:

@@ -36,6 +36,7 @@ from llmtune.config import Recipe, load_recipe
 from llmtune.core import rundir as rd
 from llmtune.data.templates import template_eos_ids  # noqa: F401  (re-exported: export/chat users)
 from llmtune.utils import get_logger, setup_logging, write_json
+from llmtune.errors import LlmtuneError
 
 log = get_logger("export")
 
@@ -58,7 +59,7 @@ GENERATION_TOKENS = 16  # new tokens per sample prompt in the greedy-generation 
 _RUNTIME_METRICS = ("runtime", "per_second", "time", "epoch")  # eval_* keys that are timings, not model quality
 
 
-class ExportError(RuntimeError):
+class ExportError(LlmtuneError, RuntimeError):
     """The run cannot be exported (not finished, unsupported adapter, quantized merge) or verification failed."""
 
 

@@ -33,13 +33,14 @@ from llmtune.config import DataConfig, load_recipe
 from llmtune.config.schema import RewardConfig
 from llmtune.core import rundir as rd
 from llmtune.utils import get_logger, write_json
+from llmtune.errors import LlmtuneError
 
 log = get_logger("pairs")
 
 PAIRS_FILE, PAIRS_REPORT, SAMPLES = "pairs.jsonl", "pairs_report.json", "samples.jsonl"
 
 
-class PairsError(RuntimeError):
+class PairsError(LlmtuneError, RuntimeError):
     """No prompt gave a pair, or ``reward.from_run`` is not a reward model."""
 
 

@@ -68,6 +68,7 @@ from llmtune.config.load import apply_override, deep_merge, parse_override, read
 from llmtune.core import rundir as rd
 from llmtune.pairs import PAIRS_FILE, PAIRS_REPORT, SAMPLES, PairsConfig, PairsError, build_pairs, read_samples
 from llmtune.utils import get_logger, read_jsonl, setup_logging, write_json
+from llmtune.errors import LlmtuneError
 
 log = get_logger("pipeline")
 
@@ -77,7 +78,7 @@ _NAME = re.compile(r"^[A-Za-z_][\w-]*$")
 RESERVED = {"pipeline", MERGED}
 
 
-class PipelineError(RuntimeError):
+class PipelineError(LlmtuneError, RuntimeError):
     """A step's directory conflicts with what would run (changed recipe), or a step produced nothing usable."""
 
 

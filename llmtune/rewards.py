@@ -22,12 +22,13 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 import torch
+from llmtune.errors import LlmtuneError
 
 # After the last '####': optional sign and '$' (either order), then digits with thousands commas and decimals.
 _ANSWER = re.compile(r"\s*([-+]?)\s*\$?\s*([-+]?)\s*(\d[\d,]*(?:\.\d*)?|\.\d+)")
 
 
-class RewardFunctionError(RuntimeError):
+class RewardFunctionError(LlmtuneError, RuntimeError):
     """A reward function cannot be loaded, fails, or returns something other than B finite numbers."""
 
 

@@ -13,9 +13,10 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from llmtune.config.schema import Recipe
+from llmtune.errors import LlmtuneError
 
 
-class RecipeError(ValueError):
+class RecipeError(LlmtuneError, ValueError):
     """A recipe has one or more problems.
 
     Attributes:

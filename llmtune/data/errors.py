@@ -9,9 +9,10 @@ count drop reasons in the report) and a full ``reason`` (shown to the user with 
 """
 
 from __future__ import annotations
+from llmtune.errors import LlmtuneError
 
 
-class DataError(ValueError):
+class DataError(LlmtuneError, ValueError):
     """A data source or its rows cannot be used as configured; the message says where and how to fix it."""
 
 

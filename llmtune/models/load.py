@@ -31,6 +31,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
+from llmtune.errors import LlmtuneError
 
 if TYPE_CHECKING:  # heavy imports stay lazy: the CLI imports this module for --help and validation
     import torch
@@ -52,7 +53,7 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.ti
 _TRUE = {"1", "on", "yes", "true"}
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(LlmtuneError, RuntimeError):
     """A base model, tokenizer or adapter could not be found, converted or loaded; the message says how to fix it."""
 
 

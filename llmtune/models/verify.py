@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from llmtune.errors import LlmtuneError
 
 
-class AdapterSaveError(RuntimeError):
+class AdapterSaveError(LlmtuneError, RuntimeError):
     """A saved adapter is missing tensors or holds empty / wrongly shaped ones."""
 
 
