@@ -190,9 +190,6 @@ def main(argv: list[str] | None = None) -> int:
 def run_stage_command(command: str, recipe_path: str, overrides: list[str], launch: list[str] = ()) -> int:
     """Train one stage; ``launch`` = the launch flags as ``distributed.*`` overrides. Re-runs itself through torchrun
     when more processes or DeepSpeed are asked for and no launcher started it (:mod:`llmtune.launch`)."""
-    from rich.console import Console
-    from rich.table import Table
-
     from llmtune import launch as launcher
     from llmtune.config import load_recipe
     from llmtune.stages import STAGES
@@ -205,10 +202,20 @@ def run_stage_command(command: str, recipe_path: str, overrides: list[str], laun
     from llmtune.core.runner import run_stage
 
     summary = run_stage(STAGES[command](recipe), base_dir=Path.cwd())
+    if is_main_process():
+        print_summary(command, summary)
     if launcher.under_launcher():
-        launcher.finish()  # every rank leaves together, after rank 0 has written the run directory
-    if not is_main_process():
-        return 0
+        launcher.finish(0)  # every rank leaves together, after rank 0 has written the run directory
+    return 0
+
+
+def print_summary(command: str, summary: dict) -> None:
+    """The end-of-run table of one stage (stderr)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from llmtune.stages import STAGES
+
     table = Table(title=f"llmtune {command}: done")
     trained = next(k for k in summary if k.startswith("trained_"))  # trained_tokens (SFT), trained_pairs (RM, DPO)
     for key in ("run_dir", "steps", "train_loss", trained, "wall_s", "adapter"):
@@ -219,8 +226,9 @@ def run_stage_command(command: str, recipe_path: str, overrides: list[str], laun
             table.add_row(f"{when} {key_metric.removeprefix('eval_')}",
                           f"{summary[when].get(key_metric, float('nan')):.4f}")
     Console(stderr=True).print(table)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from llmtune.launch import exit_process
+
+    exit_process(main())
