@@ -175,7 +175,9 @@ class TrainConfig(Section):
         "cosine", description="Decay after warmup (constant keeps the warmup then a flat rate)."
     )
     warmup_steps: int = Field(0, ge=0, description="Linear warmup length in optimizer steps.")
-    warmup_ratio: float = Field(0.0, ge=0, le=1, description="Warmup as a fraction of all steps (used if warmup_steps=0).")
+    warmup_ratio: float = Field(
+        0.0, ge=0, le=1, description="Warmup as a fraction of all optimizer steps, ceil(ratio x steps) steps (used if "
+        "warmup_steps=0; 1.0 = warm up over the whole run).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay; never applied to biases and norm weights.")
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
