@@ -111,7 +111,10 @@ class DataConfig(Section):
     )
     max_length: int = Field(1024, ge=8, description="Maximum tokens per training sequence.")
     truncation: Literal["truncate", "drop"] = Field(
-        "truncate", description="Rows longer than max_length: truncate them (keep the start) or drop them."
+        "truncate", description="Rows longer than max_length: truncate them or drop them (counted). SFT truncate: "
+        "the context (everything before the last assistant turn) is cut to max_prompt_length as truncation_mode "
+        "says, then the response is cut at its end; text rows keep their first max_length tokens. Pairs and PPO "
+        "prompts: see max_prompt_length."
     )
     bad_rows: Literal["error", "skip"] = Field(
         "error", description="Malformed rows: stop with an error naming them, or skip and count them."
@@ -134,13 +137,23 @@ class DataConfig(Section):
         description="Preference pairs (rm, dpo): cut prompts to at most this many tokens (truncation_mode picks the "
         "end kept); must be < max_length. null = prompts are not cut, and a pair whose prompt leaves no completion "
         "token within max_length is dropped and counted. PPO prompts: the same limit (default max_length); the "
-        "generation prompt is always kept.",
+        "generation prompt is always kept. SFT: a row longer than max_length keeps at most this many context tokens "
+        "(system, earlier turns, last user turn, generation prompt; a prompt_completion prompt), the rest is the last "
+        "assistant turn; null = max_length - min(response tokens, max_length // 2), so the response keeps all its "
+        "tokens or at least half of max_length; must be < max_length.",
     )
     truncation_mode: Literal["keep_end", "keep_start"] = Field(
         "keep_end",
-        description="Preference pairs and PPO prompts: which end of a prompt longer than max_prompt_length is kept: keep_end (the "
-        "last turns and the generation prompt, as TRL; the BOS stays first) or keep_start. Completions are always "
-        "cut at their end.",
+        description="Preference pairs, PPO prompts and the context of SFT rows: which end of a prompt longer than "
+        "max_prompt_length is kept: keep_end (the last turns and the generation prompt, as TRL; the oldest turns go "
+        "first, the BOS stays first) or keep_start (SFT and PPO: the generation prompt stays at the end). "
+        "Completions/responses are always cut at their end.",
+    )
+    truncation_keep_system: bool = Field(
+        False,
+        description="truncation_mode keep_end: keep the system message in front of a cut prompt/context (SFT, pairs, "
+        "PPO); a row whose system message alone does not fit, or whose template cannot render it on its own, is "
+        "dropped and counted.",
     )
 
 
