@@ -195,7 +195,8 @@ class CoreTrainer(Trainer):
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         """transformers' schedule over ``num_training_steps`` optimizer steps, with the exact warm-up length."""
         if self.lr_scheduler is None:
-            self.lr_scheduler = build_scheduler(self.stage.recipe.train, optimizer or self.optimizer, num_training_steps)
+            optimizer = optimizer if optimizer is not None else self.optimizer
+            self.lr_scheduler = build_scheduler(self.stage.recipe.train, optimizer, num_training_steps)
             self._created_lr_scheduler = True
         return self.lr_scheduler
 

@@ -303,7 +303,8 @@ class SFTTokenizer:
             labels += ids if trained or self.train_on == "all" else [IGNORE_INDEX] * len(ids)
         return input_ids, labels, split
 
-    def _cut(self, input_ids: list[int], labels: list[int], split: int | None, messages: list[dict] | None) -> Tokenized:
+    def _cut(self, input_ids: list[int], labels: list[int], split: int | None,
+             messages: list[dict] | None) -> Tokenized:
         """Cut a row longer than max_length: its context before ``split`` (the last trained piece), then its response
         (see the class docstring)."""
         L = self.max_length
@@ -313,10 +314,10 @@ class SFTTokenizer:
         P = self.max_prompt_length or L - min(response, L // 2)
         a, b = split, 0
         if split > P:
-            context = input_ids[:split]
-            head = prompt_head(self.tokenizer, context, messages, self.keep_system)
-            tail = 0
-            if self.truncation_mode == "keep_start" and messages is not None:
+            head = tail = 0
+            if self.truncation_mode == "keep_end":
+                head = prompt_head(self.tokenizer, input_ids[:split], messages, self.keep_system)
+            elif messages is not None:  # keep_start: the assistant header in front of the response stays
                 last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
                 tail = generation_prompt_length(self.tokenizer, messages[:last])
             a, b = prompt_cut(split, P, self.truncation_mode, head, tail)
