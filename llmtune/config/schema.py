@@ -134,13 +134,12 @@ class DataConfig(Section):
     max_prompt_length: int | None = Field(
         None,
         ge=1,
-        description="Preference pairs (rm, dpo): cut prompts to at most this many tokens (truncation_mode picks the "
-        "end kept); must be < max_length. null = prompts are not cut, and a pair whose prompt leaves no completion "
-        "token within max_length is dropped and counted. PPO prompts: the same limit (default max_length); the "
-        "generation prompt is always kept. SFT: a row longer than max_length keeps at most this many context tokens "
-        "(system, earlier turns, last user turn, generation prompt; a prompt_completion prompt), the rest is the last "
-        "assistant turn; null = max_length - min(response tokens, max_length // 2), so the response keeps all its "
-        "tokens or at least half of max_length; must be < max_length.",
+        description="SFT rows and preference pairs (rm, dpo) longer than max_length keep at most this many prompt "
+        "tokens (SFT: the context before the last assistant turn: system, earlier turns, last user turn, generation "
+        "prompt), cut as truncation_mode says, then the response/completions are cut at their end; must be < "
+        "max_length. null = max_length - min(response tokens (pairs: the longer completion), max_length // 2): the "
+        "response keeps all its tokens or at least half of max_length, and a prompt that fits in the rest is never "
+        "cut. PPO prompts: the prompt limit (default max_length); the generation prompt is always kept.",
     )
     truncation_mode: Literal["keep_end", "keep_start"] = Field(
         "keep_end",

@@ -20,13 +20,15 @@ and shift it: trl #2054).
 
 Truncation, with ``L = data.max_length`` and ``P = data.max_prompt_length``:
 
-1. a prompt longer than ``P`` is cut to ``P`` tokens, keeping its end (``truncation_mode: keep_end``; the
-   BOS, if any, stays first, and with ``data.truncation_keep_system`` the system message) or its start
-   (``keep_start``) (:func:`~llmtune.data.tokenize.prompt_cut`, shared with SFT rows and PPO prompts);
+1. a prompt longer than ``P`` is cut to ``P`` tokens (``P`` null: ``L - min(longest completion, L // 2)`` for a
+   pair longer than ``L``, as SFT rows, so a long prompt never costs the pair), keeping its end
+   (``truncation_mode: keep_end``; the BOS, if any, stays first, and with ``data.truncation_keep_system`` the
+   system message) or its start (``keep_start``) (:func:`~llmtune.data.tokenize.prompt_cut`, shared with SFT
+   rows and PPO prompts);
 2. a completion longer than ``L - prompt`` is cut at its end, so prompt+chosen and prompt+rejected are
    both <= ``L`` and share the identical prompt;
-3. a pair whose prompt leaves no completion token (prompt >= ``L``) is dropped and counted: no kept pair
-   has zero completion tokens (a pair reduced to padding gave NaN metrics: LLaMA-Factory #4402, trl #3382).
+3. so every kept pair has completion tokens (a pair reduced to padding gave NaN metrics: LLaMA-Factory #4402,
+   trl #3382); a pair whose prompt cannot be cut (a kept system message that fills ``P``) is dropped and counted.
 
 With ``data.truncation: drop`` every pair that would need a cut is dropped instead (counted).
 """
@@ -201,12 +203,15 @@ class PairTokenizer:
             which = "chosen" if not chosen else "rejected"
             raise RowError("no completion tokens", f"the {which} completion renders no tokens")
         L, P = self.max_length, self.max_prompt_length
+        longest = max(len(chosen), len(rejected))
+        if P is None and len(prompt) + longest > L:  # as SFT rows: completions keep all their tokens or L // 2
+            P = L - min(longest, L // 2)
         cut_prompt = P is not None and len(prompt) > P
-        if self.truncation == "drop" and (cut_prompt or len(prompt) + max(len(chosen), len(rejected)) > L):
+        if self.truncation == "drop" and (cut_prompt or len(prompt) + longest > L):
             raise RowError(
                 "longer than max_length",
                 f"prompt + completion longer than data.max_length={L} tokens"
-                + (f" or prompt longer than data.max_prompt_length={P}" if P is not None else "")
+                + (f" or prompt longer than data.max_prompt_length={P}" if self.max_prompt_length else "")
                 + " (data.truncation: drop)",
                 bad=False,
             )

@@ -210,20 +210,24 @@ def test_keep_end_keeps_the_bos_first():
     assert PairTokenizer(tok, 64, 5, "keep_start")(PAIR).prompt_ids == full[:5]
 
 
-def test_pairs_without_room_for_a_completion_token_are_dropped_and_counted(write, cfg):
+def test_pairs_whose_prompt_fills_max_length_keep_their_completions_and_are_counted(write, cfg):
     tok = _raw_tok()
     long = {"prompt": "The sea is wide. " * 3, "chosen": "Yes.", "rejected": "No."}
     short = {"prompt": "The sea is ", "chosen": "wide.", "rejected": "It is 5."}
     path = write("t.jsonl", [long, short])
     assert len(tok(long["prompt"]).input_ids) == 19
-    data = build_preference_data(cfg(path, max_length=10), tok)  # bad_rows: error does not apply: a policy drop
+    data = build_preference_data(cfg(path, max_length=10), tok)
     r = data.report
-    assert [(d["row"], d["kind"]) for d in r.dropped] == [(0, "prompt fills max_length")]
-    assert "the prompt has 19 tokens, leaving no completion token within data.max_length=10" in r.dropped[0]["reason"]
+    # old code: the long pair was dropped ("prompt fills max_length"). Now max_prompt_length null cuts its prompt to
+    # 10 - min(4, 10 // 2) = 6 tokens (its end) and keeps both 4-token completions whole.
+    assert r.dropped == [] and r.train_rows == 2
+    long_row = next(row for row in data.train if row["prompt_length"] == 6)
+    assert long_row["chosen_input_ids"] == [350, 286, 336, 387, 19, 226, 62, 268, 19, 1]
     # short pair: 4 prompt tokens + "It is 5." (6 ids + EOS) cut to 6: 1 completion token cut (EOS), "wide." fits
-    assert r.train_rows == 1 and r.truncated_rows == [{"source": str(path), "row": 1, "prompt_tokens_cut": 0,
-                                                       "response_tokens_cut": 1}]
-    assert data.train[0]["rejected_input_ids"] == [287, 350, 286, 226, 46, 89, 286, 226, 26, 19]  # cut at the end, no EOS
+    assert r.truncated_rows == [{"source": str(path), "row": 0, "prompt_tokens_cut": 13, "response_tokens_cut": 0},
+                                {"source": str(path), "row": 1, "prompt_tokens_cut": 0, "response_tokens_cut": 1}]
+    short_row = next(row for row in data.train if row["prompt_length"] == 4)
+    assert short_row["rejected_input_ids"] == [287, 350, 286, 226, 46, 89, 286, 226, 26, 19]  # cut at the end, no EOS
     kept = build_preference_data(cfg(path, max_length=10, max_prompt_length=6), tok)
     assert kept.report.dropped == [] and kept.report.truncated == 2
     assert all(X not in row["chosen_labels"][row["prompt_length"]:] and len(row["chosen_input_ids"]) <= 10 for row in kept.train)
