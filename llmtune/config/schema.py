@@ -111,7 +111,10 @@ class DataConfig(Section):
     )
     max_length: int = Field(1024, ge=8, description="Maximum tokens per training sequence.")
     truncation: Literal["truncate", "drop"] = Field(
-        "truncate", description="Rows longer than max_length: truncate them (keep the start) or drop them."
+        "truncate", description="Rows longer than max_length: truncate them or drop them (counted). SFT truncate: "
+        "the context (everything before the last assistant turn) is cut to max_prompt_length as truncation_mode "
+        "says, then the response is cut at its end; text rows keep their first max_length tokens. Pairs and PPO "
+        "prompts: see max_prompt_length."
     )
     bad_rows: Literal["error", "skip"] = Field(
         "error", description="Malformed rows: stop with an error naming them, or skip and count them."
@@ -131,16 +134,25 @@ class DataConfig(Section):
     max_prompt_length: int | None = Field(
         None,
         ge=1,
-        description="Preference pairs (rm, dpo): cut prompts to at most this many tokens (truncation_mode picks the "
-        "end kept); must be < max_length. null = prompts are not cut, and a pair whose prompt leaves no completion "
-        "token within max_length is dropped and counted. PPO prompts: the same limit (default max_length); the "
-        "generation prompt is always kept.",
+        description="SFT rows and preference pairs (rm, dpo) longer than max_length keep at most this many prompt "
+        "tokens (SFT: the context before the last assistant turn: system, earlier turns, last user turn, generation "
+        "prompt), cut as truncation_mode says, then the response/completions are cut at their end; must be < "
+        "max_length. null = max_length - min(response tokens (pairs: the longer completion), max_length // 2): the "
+        "response keeps all its tokens or at least half of max_length, and a prompt that fits in the rest is never "
+        "cut. PPO prompts: the prompt limit (default max_length); the generation prompt is always kept.",
     )
     truncation_mode: Literal["keep_end", "keep_start"] = Field(
         "keep_end",
-        description="Preference pairs and PPO prompts: which end of a prompt longer than max_prompt_length is kept: keep_end (the "
-        "last turns and the generation prompt, as TRL; the BOS stays first) or keep_start. Completions are always "
-        "cut at their end.",
+        description="Preference pairs, PPO prompts and the context of SFT rows: which end of a prompt longer than "
+        "max_prompt_length is kept: keep_end (the last turns and the generation prompt, as TRL; the oldest turns go "
+        "first, the BOS stays first) or keep_start (SFT and PPO: the generation prompt stays at the end). "
+        "Completions/responses are always cut at their end.",
+    )
+    truncation_keep_system: bool = Field(
+        False,
+        description="truncation_mode keep_end: keep the system message in front of a cut prompt/context (SFT, pairs, "
+        "PPO); a row whose system message alone does not fit, or whose template cannot render it on its own, is "
+        "dropped and counted.",
     )
 
 
@@ -175,7 +187,9 @@ class TrainConfig(Section):
         "cosine", description="Decay after warmup (constant keeps the warmup then a flat rate)."
     )
     warmup_steps: int = Field(0, ge=0, description="Linear warmup length in optimizer steps.")
-    warmup_ratio: float = Field(0.0, ge=0, le=1, description="Warmup as a fraction of all steps (used if warmup_steps=0).")
+    warmup_ratio: float = Field(
+        0.0, ge=0, le=1, description="Warmup as a fraction of all optimizer steps, ceil(ratio x steps) steps (used if "
+        "warmup_steps=0; 1.0 = warm up over the whole run).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay; never applied to biases and norm weights.")
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")

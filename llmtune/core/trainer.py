@@ -30,9 +30,8 @@ from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from llmtune.config import Recipe, RecipeError
+from llmtune.core.schedule import SCHEDULERS, apply_schedule_lr, build_scheduler
 from llmtune.core.stage import Stage
-
-SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
 
 
 def world_size() -> int:
@@ -191,6 +190,22 @@ class CoreTrainer(Trainer):
             return super().evaluate(*args, **kwargs)
         finally:  # evaluations inside train() (eval_steps, eval_on_start) do not count as training time
             self._last_log_time += time.perf_counter() - start
+
+    # ---- schedule (llmtune.core.schedule) ----------------------------------------------------------
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """transformers' schedule over ``num_training_steps`` optimizer steps, with the exact warm-up length."""
+        if self.lr_scheduler is None:
+            optimizer = optimizer if optimizer is not None else self.optimizer
+            self.lr_scheduler = build_scheduler(self.stage.recipe.train, optimizer, num_training_steps)
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """Load the checkpoint's optimizer and scheduler state, then put the optimizer at the LR the (possibly
+        longer) schedule of this run has at the resumed step: the checkpoint holds the interrupted schedule's."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None:
+            apply_schedule_lr(self.lr_scheduler)
 
     # ---- training -------------------------------------------------------------------------------
     def _get_train_sampler(self, train_dataset=None):

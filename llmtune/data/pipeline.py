@@ -160,12 +160,17 @@ def tokenize_and_split(cfg: DataConfig, pools, fn, report: DataReport) -> tuple[
         src.eval_rows = sum(1 for e in eval_entries if e[0] == s)
         src.rows_kept = len({e for e in distinct if e[0] == s})
     report.truncated_rows = [
-        {"source": cfg.datasets[s].path, "row": pools[s][j][0]}
+        {"source": cfg.datasets[s].path, "row": pools[s][j][0], **_cut_counts(results[(s, j)])}
         for s, j in sorted(distinct)
         if results[(s, j)].truncated
     ]
     report.train_rows, report.eval_rows = len(train_entries), len(eval_entries)
     return [results[e] for e in train_entries], [results[e] for e in eval_entries]
+
+
+def _cut_counts(result) -> dict[str, int]:
+    """``{prompt_tokens_cut, response_tokens_cut}`` of a truncated result (the counts its kind has)."""
+    return {k: getattr(result, k) for k in ("prompt_tokens_cut", "response_tokens_cut") if hasattr(result, k)}
 
 
 def to_dataset(rows: list[dict], columns: list[str], scalar: tuple[str, ...] = ()):

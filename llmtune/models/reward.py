@@ -48,7 +48,7 @@ class RewardModel:
         self.model.requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(self.run_dir / "adapter")
         self.pairs = PairTokenizer(self.tokenizer, recipe.data.max_length, recipe.data.max_prompt_length,
-                                   recipe.data.truncation_mode)
+                                   recipe.data.truncation_mode, keep_system=recipe.data.truncation_keep_system)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
             else self.tokenizer.eos_token_id
         self.batch_size = batch_size
