@@ -200,6 +200,10 @@ class TrainConfig(Section):
         None, description="Resume: a checkpoint directory, or 'latest' for the newest one in the run dir."
     )
     logging_steps: int = Field(1, ge=1, description="Log metrics every N optimizer steps.")
+    max_nonfinite_steps: int = Field(
+        3, ge=1, description="Stop the run after this many optimizer steps in a row whose loss or gradient norm is "
+        "NaN/inf (such steps are never applied: skipped, counted and logged in metrics.jsonl).",
+    )
     dataloader_num_workers: int = Field(0, ge=0, description="Data loader worker processes.")
 
 

@@ -18,6 +18,7 @@ from llmtune.config import Recipe, dump_recipe
 from llmtune.core import rundir as rd
 from llmtune.core.callbacks import MetricsJsonlCallback, plot_losses
 from llmtune.core.distributed import batch_layout, no_zero3_init, zero_stage
+from llmtune.core.guard import check_trainable_weights
 from llmtune.core.stage import Stage
 from llmtune.core.trainer import (
     CoreTrainer,
@@ -49,6 +50,20 @@ def prepare_tokenizer(recipe: Recipe):
 
 
 def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
+    """Train ``stage`` as its recipe says and write the run directory (see :func:`_run_stage`).
+
+    Raises:
+        OutOfMemoryError: the GPU ran out of memory anywhere in loading, training or evaluation (exit code 4;
+            the message has the memory figures and what to change in the recipe).
+        NonFiniteError: too many non-finite optimizer steps in a row, or non-finite trained weights (exit code 3).
+    """
+    from llmtune.core.guard import oom_guard
+
+    with oom_guard(stage.recipe):
+        return _run_stage(stage, base_dir)
+
+
+def _run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
     """Train ``stage`` as its recipe says and write the run directory.
 
     Args:
@@ -137,6 +152,7 @@ def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
         eval_before = next((r for r in trainer.state.log_history if any(k.startswith("eval_") for k in r)), None)
     eval_after = trainer.evaluate() if has_eval else None
 
+    check_trainable_weights(trainer)  # a run never ends "done" with NaN/inf weights (no adapter, no lineage)
     adapter_dir = run / rd.ADAPTER
     trainer.save_model(str(adapter_dir))
     summary = {
@@ -145,6 +161,7 @@ def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
         "steps": trainer.state.global_step,
         "train_loss": result.training_loss,
         f"trained_{stage.item_unit}": trainer.trained_tokens,
+        "nonfinite_steps": trainer.nonfinite_steps,  # optimizer steps skipped for a NaN/inf loss or gradient norm
         "eval_before": eval_before,
         "eval_after": eval_after,
         "wall_s": round(time.perf_counter() - t0, 1),
