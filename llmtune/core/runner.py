@@ -18,6 +18,7 @@ from llmtune.config import Recipe, dump_recipe
 from llmtune.core import rundir as rd
 from llmtune.core.callbacks import MetricsJsonlCallback, plot_losses
 from llmtune.core.distributed import batch_layout, no_zero3_init, zero_stage
+from llmtune.config.validate import data_size_problems
 from llmtune.core.guard import check_trainable_weights
 from llmtune.core.stage import Stage
 from llmtune.core.trainer import (
@@ -34,6 +35,7 @@ from llmtune.models import (
     load_tokenizer,
     resolve_model_source,
 )
+from llmtune.models.checks import model_fit_problems
 from llmtune.utils import get_logger, is_main_process, setup_logging, write_json
 
 log = get_logger("runner")
@@ -101,10 +103,20 @@ def _run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
         dump_recipe(recipe, run / rd.RECIPE)
 
     tokenizer = prepare_tokenizer(recipe)
+    fit = model_fit_problems(recipe, tokenizer, stage.model_head, stage.name, check_vocab=not chain)
+    if fit:  # max_length vs positions, tokenizer vs embedding rows, adapter module names (config only)
+        from llmtune.config import RecipeError
+
+        raise RecipeError(fit)
     data = stage.build_data(tokenizer, str(base_dir))
     if is_main_process():
         data.report.save(run / rd.DATA_REPORT)
     log.info("data:\n%s", data.report.summary())
+    sizes = data_size_problems(recipe, len(data.train))
+    if sizes:
+        from llmtune.config import RecipeError
+
+        raise RecipeError(sizes)
 
     has_eval = data.eval is not None and len(data.eval) > 0
     # Before the model: a ZeRO-3 TrainingArguments makes from_pretrained load each rank's partition only, and it

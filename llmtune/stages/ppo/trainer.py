@@ -211,7 +211,8 @@ class PPOTrainer(CoreTrainer):
     def _seed(self, iteration: int, salt: int = 0) -> None:
         from transformers import set_seed
 
-        set_seed(self.args.seed + 1_000_003 * iteration + 7919 * self.args.process_index + salt)
+        # modulo numpy's seed range: seed + 1_000_003 x iteration passes 2**32 after ~4,300 iterations
+        set_seed((self.args.seed + 1_000_003 * iteration + 7919 * self.args.process_index + salt) % 2**32)
 
     @torch.no_grad()
     def generate(self, batch: dict[str, torch.Tensor], greedy: bool, max_new_tokens: int) -> torch.Tensor:
