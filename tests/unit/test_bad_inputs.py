@@ -264,3 +264,14 @@ def test_a_pickle_only_checkpoint_says_what_to_do(tmp_path):
     msg = str(err.value)
     assert "pytorch_model.bin" in msg and "safetensors" in msg and "save_pretrained" in msg
     assert "weights_only=False" not in msg  # torch's suggestion to run the pickle is not passed on
+
+
+def test_a_deepspeed_config_with_a_duplicate_key_is_an_error(tmp_path):
+    from llmtune.config import RecipeError, load_recipe
+    from llmtune.core.distributed import deepspeed_config
+
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 2, "stage": 3}}')
+    recipe = load_recipe(raw={"distributed": {"deepspeed": str(path)}})
+    with pytest.raises(RecipeError, match="distributed.deepspeed.*duplicate key 'stage'"):
+        deepspeed_config(recipe)
