@@ -131,10 +131,19 @@ class NonFiniteGuard:
         self._guard_state()
         loss = self._step_loss if self._step_loss is not None else torch.zeros((), device=self.args.device)
         norm = torch.as_tensor(0.0 if grad_norm is None else grad_norm, dtype=torch.float32).to(loss.device)
-        bad = (~torch.isfinite(loss.float()) | ~torch.isfinite(norm)).float().reshape(1)
+        bad = torch.stack([~torch.isfinite(loss.float()).all(), ~torch.isfinite(norm)]).float()  # (loss, grad)
         if self.args.world_size > 1:
             bad = self.accelerator.reduce(bad, reduction="sum")
-        if float(bad) == 0:
+        bad_loss, bad_grad = float(bad[0]) > 0, float(bad[1]) > 0
+        scaler = getattr(self.accelerator, "scaler", None)
+        if not bad_loss and bad_grad and scaler is not None and scaler.get_scale() > 1:
+            # fp16 loss scaling: overflowing scaled gradients with a finite loss are routine; the GradScaler skips
+            # the update and halves the scale itself (and the LR schedule waits). Counted, never a reason to stop.
+            self.fp16_overflow_steps = getattr(self, "fp16_overflow_steps", 0) + 1
+            log.info("fp16 loss scale %g overflowed at optimizer step %d: the scaler skips this update",
+                     scaler.get_scale(), self.state.global_step + 1)
+            bad_grad, grad_norm = False, None
+        if not (bad_loss or bad_grad):
             self._tr_loss += loss.to(self._tr_loss.device)
             self.nonfinite_in_a_row = 0
             self._set_skipped(False)
@@ -170,7 +179,7 @@ class NonFiniteGuard:
     def _set_skipped(self, skipped: bool) -> None:
         """Make ``accelerator.optimizer_step_was_skipped`` say so, so the loop does not step the LR schedule.
         With fp16 loss scaling accelerate sets the flag itself at ``optimizer.step()`` (the scaler also skips)."""
-        if hasattr(self.optimizer, "_is_overflow"):
+        if hasattr(self.optimizer, "_is_overflow") and getattr(self.accelerator, "scaler", None) is None:
             self.optimizer._is_overflow = skipped
 
     def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, *args, **kwargs):
@@ -184,6 +193,8 @@ class NonFiniteGuard:
     def log(self, logs: dict, *args, **kwargs) -> None:
         if "loss" in logs:
             logs["nonfinite_steps"] = getattr(self, "nonfinite_steps", 0)
+            if getattr(self, "fp16_overflow_steps", 0):
+                logs["fp16_overflow_steps"] = self.fp16_overflow_steps
         super().log(logs, *args, **kwargs)
 
     def _stop_message(self, record: dict | None = None, deepspeed: bool = False) -> str:

@@ -193,3 +193,20 @@ def test_cli_out_of_memory_exits_4_with_figures_and_advice(cli_workspace, monkey
         assert advice in err
     assert "Memory:" in err
     assert not (run / "lineage.json").exists()
+
+
+def test_fp16_loss_scale_overflows_are_left_to_the_scaler_not_counted(tmp_path):
+    """With a GradScaler (fp16 on CUDA) overflowing gradients under a finite loss are routine: the scaler skips the
+    update and halves its scale. The guard must not count them toward the stop. CPU cannot run fp16 mixed
+    precision, so a real CPU GradScaler is put in the accelerator's place and the gradients are made inf by a hook."""
+    trainer, snaps = make_trainer(tmp_path, {"max_steps": 4})
+
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # the optimizer is built in train()
+    first = next(p for p in trainer.model.parameters() if p.requires_grad)
+    first.register_hook(lambda grad: grad * float("inf"))
+    trainer.train()
+    assert trainer.nonfinite_steps == 0 and trainer.fp16_overflow_steps == 4 and trainer.state.global_step == 4
+    losses = [r for r in trainer.state.log_history if "loss" in r]
+    assert losses[-1]["fp16_overflow_steps"] == 4 and "grad_norm" not in losses[-1]
+    assert trainer.accelerator.scaler.get_scale() == 1024.0 / 2**4  # the scaler skipped and halved every time
+    assert all(torch.equal(snaps.weights[4][n], snaps.weights[1][n]) for n in snaps.weights[1])
