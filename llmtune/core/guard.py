@@ -136,12 +136,14 @@ class NonFiniteGuard:
             bad = self.accelerator.reduce(bad, reduction="sum")
         bad_loss, bad_grad = float(bad[0]) > 0, float(bad[1]) > 0
         scaler = getattr(self.accelerator, "scaler", None)
-        if not bad_loss and bad_grad and scaler is not None and scaler.get_scale() > 1:
-            # fp16 loss scaling: overflowing scaled gradients with a finite loss are routine; the GradScaler skips
-            # the update and halves the scale itself (and the LR schedule waits). Counted, never a reason to stop.
+        scaling = (scaler is not None and scaler.get_scale() > 1) or (self.is_deepspeed_enabled and self.args.fp16)
+        if not bad_loss and bad_grad and scaling:
+            # fp16 loss scaling: overflowing scaled gradients with a finite loss are routine; the GradScaler (or
+            # DeepSpeed's loss scaler) skips the update and halves the scale itself, and the LR schedule waits.
+            # Counted as fp16_overflow_steps, never a reason to stop; once a GradScaler's scale is down to 1 it is not exempt.
             self.fp16_overflow_steps = getattr(self, "fp16_overflow_steps", 0) + 1
-            log.info("fp16 loss scale %g overflowed at optimizer step %d: the scaler skips this update",
-                     scaler.get_scale(), self.state.global_step + 1)
+            log.info("fp16 loss scale overflowed at optimizer step %d: the loss scaler skips this update",
+                     self.state.global_step + 1)
             bad_grad, grad_norm = False, None
         if not (bad_loss or bad_grad):
             self._tr_loss += loss.to(self._tr_loss.device)
