@@ -210,3 +210,38 @@ def test_fp16_loss_scale_overflows_are_left_to_the_scaler_not_counted(tmp_path):
     assert losses[-1]["fp16_overflow_steps"] == 4 and "grad_norm" not in losses[-1]
     assert trainer.accelerator.scaler.get_scale() == 1024.0 / 2**4  # the scaler skipped and halved every time
     assert all(torch.equal(snaps.weights[4][n], snaps.weights[1][n]) for n in snaps.weights[1])
+
+
+@pytest.mark.slow  # ~50 s on 2 shared cores: PPO rollouts
+def test_cli_ppo_skips_a_nonfinite_optimizer_step(cli_workspace, monkeypatch):
+    """PPO's optimizer steps run in the same trainer loop: NaN in one training forward (not in the rollouts, which
+    run in eval mode) skips that step; the record lists the step's prompt rows; the run finishes."""
+    from llmtune.cli import main
+
+    prompts = [{"prompt": f"What is {i} + 1?", "completion": f"{i + 1}"} for i in range(12)]
+    (cli_workspace / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    recipe = {"stage": "ppo", "model": {"name_or_path": str(cli_workspace / "model")},
+              "data": {"datasets": [{"path": str(cli_workspace / "prompts.jsonl")}], "max_length": 64},
+              "adapter": {"lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0},
+              "ppo": {"rollout_batch_size": 4, "ppo_epochs": 1, "max_new_tokens": 4},
+              "reward": {"function": "llmtune.rewards:gsm8k_reward"},
+              "train": {"micro_batch_size": 2, "global_batch_size": 4, "max_steps": 3, "learning_rate": 1e-3},
+              "output": {"dir": str(cli_workspace / "ppo")}}
+    (cli_workspace / "ppo.yaml").write_text(yaml.safe_dump(recipe))
+    count = {"n": 0}
+
+    def hook(module, args, output):
+        if not module.training:  # rollouts and evaluation
+            return output
+        count["n"] += 1
+        # 2 embedding calls per micro-batch (policy pass + value pass), 2 micro-batches per step: the 5th call is
+        # the first micro-batch of optimizer step 2
+        return output * float("nan") if count["n"] == 5 else output
+
+    hooked_attach(monkeypatch, hook)
+    assert main(["ppo", str(cli_workspace / "ppo.yaml")]) == 0
+    records = [json.loads(line) for line in (cli_workspace / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r for r in records if "nonfinite_step" in r]
+    assert [r["nonfinite_step"] for r in skipped] == [2] and len(skipped[0]["nonfinite_rows"]) == 4
+    assert all(0 <= r < 12 for r in skipped[0]["nonfinite_rows"])
+    assert json.loads((cli_workspace / "ppo" / "lineage.json").read_text())["summary"]["nonfinite_steps"] == 1
