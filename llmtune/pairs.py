@@ -53,7 +53,7 @@ class PairsConfig(BaseModel):
     counted with their reason in ``pairs_report.json``.
     """
 
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), strict=True, allow_inf_nan=False)
 
     data: DataConfig = Field(default_factory=DataConfig, description="Prompts (any prompt-giving format; the "
                              "reference answer comes with them, e.g. builtin:gsm8k answers).")

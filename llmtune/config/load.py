@@ -94,7 +94,7 @@ def read_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
         where = f" (named by base: in {_chain[-1]})" if _chain else ""
         raise RecipeError([("", f"recipe file not found: {path}{where}")], source=str(path))
     try:
-        with open(path, encoding="utf-8") as fh:  # a file object: YAML errors then name the file, not "<unicode string>"
+        with open(path, encoding="utf-8") as fh:  # a file object: YAML errors name the file, not "<unicode string>"
             doc = load_yaml_text(fh)
     except DuplicateKeyError as exc:
         raise RecipeError([("", str(exc))], source=str(path)) from None

@@ -140,7 +140,8 @@ class NonFiniteGuard:
         if not bad_loss and bad_grad and scaling:
             # fp16 loss scaling: overflowing scaled gradients with a finite loss are routine; the GradScaler (or
             # DeepSpeed's loss scaler) skips the update and halves the scale itself, and the LR schedule waits.
-            # Counted as fp16_overflow_steps, never a reason to stop; once a GradScaler's scale is down to 1 it is not exempt.
+            # Counted as fp16_overflow_steps, never a reason to stop; a GradScaler whose scale is down to 1 is not
+            # exempt.
             self.fp16_overflow_steps = getattr(self, "fp16_overflow_steps", 0) + 1
             log.info("fp16 loss scale overflowed at optimizer step %d: the loss scaler skips this update",
                      self.state.global_step + 1)
@@ -272,8 +273,8 @@ def memory_figures() -> str:
     dev = torch.cuda.current_device()
     total = torch.cuda.get_device_properties(dev).total_memory
     return (f"GPU {dev}: {torch.cuda.memory_allocated(dev) / gib:.2f} GiB allocated, "
-            f"{torch.cuda.memory_reserved(dev) / gib:.2f} GiB reserved, peak {torch.cuda.max_memory_allocated(dev) / gib:.2f}"
-            f" GiB, total {total / gib:.2f} GiB")
+            f"{torch.cuda.memory_reserved(dev) / gib:.2f} GiB reserved, "
+            f"peak {torch.cuda.max_memory_allocated(dev) / gib:.2f} GiB, total {total / gib:.2f} GiB")
 
 
 def oom_advice(recipe=None) -> str:

@@ -182,12 +182,17 @@ def _read_local(src: RawSource, path: Path, ds: DatasetConfig, key: str, limit: 
         src.row_ids = list(range(len(src.rows)))
     elif name.endswith(".csv"):
         text = _read_text(path)
-        for i, row in enumerate(csv.DictReader(io.StringIO(text, newline=""))):
-            if i >= limit:
-                src.stopped_early = True
-                break
-            src.rows.append({k: v for k, v in row.items() if k is not None})
-            src.row_ids.append(i)
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        try:
+            for i, row in enumerate(reader):
+                if i >= limit:
+                    src.stopped_early = True
+                    break
+                src.rows.append({k: v for k, v in row.items() if k is not None})
+                src.row_ids.append(i)
+        except csv.Error as exc:  # e.g. a field over csv.field_size_limit(), an unterminated quote at the end
+            raise DataError(f"{path}: CSV error near line {reader.line_num + 1}: {exc}. Fix the file there, or convert it "
+                            "to JSON lines (.jsonl), which has no field size limit.") from None
     else:
         raise DataError(
             f"{key}.path: {path}: unsupported file type; use .json, .jsonl, .parquet, .csv "

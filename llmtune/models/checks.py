@@ -151,6 +151,19 @@ def check_weight_files(path: str | Path, original: str | None = None) -> None:
     if not path.is_dir():
         return
     files = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        import json
+
+        try:
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ModelLoadError(f"{index} is not a valid safetensors index ({type(err).__name__}: {err}); copy or "
+                                 "download the model again.") from None
+        missing = [name for name in shards if not (path / name).is_file()]
+        if missing:
+            raise ModelLoadError(f"{index} lists weight shards that are missing from {path}: {', '.join(missing)}; "
+                                 "the copy or download is incomplete, copy or download them again.")
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as fh:

@@ -202,6 +202,8 @@ def _write(ws: Path, name: str) -> Path:
     elif name == "latin1.csv":
         path.write_bytes("instruction,output\n".encode() + b"".join(
             f"caf\xe9 {i},ok {i}\n".encode("latin-1") for i in range(20)))
+    elif name == "huge_field.csv":
+        path.write_text("instruction,output\n" + "".join(f"q{i},a{i}\n" for i in range(19)) + "q," + "x" * 200_000 + "\n")
     elif name == "latin1.jsonl":
         path.write_bytes(b"".join((json.dumps({"text": f"row {i}"})[:-2] + "\xe9\"}\n").encode("latin-1")
                                   for i in range(20)))
@@ -215,6 +217,7 @@ FILE_CASES = {
     "corrupt.parquet": ["corrupt.parquet", "not a readable parquet file"],
     "latin1.csv": ["latin1.csv", "not UTF-8", "line 2", "iconv"],
     "latin1.jsonl": ["latin1.jsonl", "not UTF-8", "line 1"],
+    "huge_field.csv": ["huge_field.csv", "CSV error near line 21", "field larger than field limit"],
 }
 
 
@@ -242,6 +245,16 @@ def test_corrupt_safetensors_are_named(ws, capsys, tmp_path, damage):
     weights.write_bytes(blob[: len(blob) // 2] if damage == "truncated" else b"not safetensors at all" * 8)
     code, err = validate(ws, capsys, with_changes(ws, ("model.name_or_path", str(model))))
     assert code == 1 and str(weights) in err and "truncated or corrupt" in err
+
+
+def test_a_missing_weight_shard_is_named(ws, capsys, tmp_path):
+    model = save_tiny_model(tmp_path / "m")
+    (model / "model.safetensors").rename(model / "model-00001-of-00002.safetensors")
+    index = {"metadata": {}, "weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors",
+                                            "model.norm.weight": "model-00001-of-00002.safetensors"}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, err = validate(ws, capsys, with_changes(ws, ("model.name_or_path", str(model))))
+    assert code == 1 and "model-00002-of-00002.safetensors" in err and "missing" in err
 
 
 def test_a_pickle_only_checkpoint_says_what_to_do(tmp_path):
