@@ -112,7 +112,7 @@ def deepspeed_config(recipe: Recipe) -> dict[str, Any] | None:
     try:
         config = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=no_duplicates)
     except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
-        raise RecipeError([("distributed.deepspeed", f"{path} is not valid UTF-8 JSON: {exc}")]) from None
+        raise RecipeError([("distributed.deepspeed", f"{path} is not valid JSON (UTF-8): {exc}")]) from None
     if not isinstance(config, dict):
         raise RecipeError([("distributed.deepspeed", f"{path} must hold a JSON object, got {type(config).__name__}")])
     return config
