@@ -245,3 +245,22 @@ def test_cli_ppo_skips_a_nonfinite_optimizer_step(cli_workspace, monkeypatch):
     assert [r["nonfinite_step"] for r in skipped] == [2] and len(skipped[0]["nonfinite_rows"]) == 4
     assert all(0 <= r < 12 for r in skipped[0]["nonfinite_rows"])
     assert json.loads((cli_workspace / "ppo" / "lineage.json").read_text())["summary"]["nonfinite_steps"] == 1
+
+
+def test_export_names_nonfinite_adapter_weights(cli_workspace, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from llmtune.cli import main
+
+    run = cli_workspace / "run_export"
+    assert main(["sft", str(cli_workspace / "recipe.yaml"), f"output.dir={run}", "train.max_steps=1"]) == 0
+    weights = run / "adapter" / "adapter_model.safetensors"
+    state = load_file(str(weights))
+    name = sorted(k for k in state if "lora_B" in k)[0]
+    state[name][0, 0] = float("nan")
+    save_file(state, str(weights))
+    capsys.readouterr()
+    assert main(["export", str(run)]) == 1
+    err = capsys.readouterr().err
+    assert "NaN/inf values in 1 tensor(s)" in err and name.replace(".weight", "") in err and "Traceback" not in err
+    assert not (run / "merged" / "model.safetensors").exists()
