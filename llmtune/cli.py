@@ -185,6 +185,15 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except RuntimeError as exc:  # out of GPU memory outside a stage (export, pairs, chat): figures and advice
+        import torch
+
+        if not isinstance(exc, torch.cuda.OutOfMemoryError):
+            raise
+        from llmtune.core.guard import OutOfMemoryError, oom_message
+
+        print(f"error: {oom_message(exc)}", file=sys.stderr)
+        return OutOfMemoryError.exit_code
 
 
 def run_stage_command(command: str, recipe_path: str, overrides: list[str], launch: list[str] = ()) -> int:

@@ -231,6 +231,9 @@ def load_adapter_model(run_dir: Path, recipe: Recipe, lineage: dict | None = Non
         lineage = json.loads((run_dir / rd.LINEAGE).read_text())
     head = lineage.get("model_head", "causal_lm")
     adapter_dir = run_dir / rd.ADAPTER
+    from llmtune.models.checks import check_weight_files
+
+    check_weight_files(adapter_dir)  # a truncated/corrupt adapter file is named
     tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
     info = {"name_or_path": recipe.model.name_or_path, "path": lineage.get("base_model", {}).get("path")}
     if recipe.adapter.type == "none":  # full fine-tuning: the adapter dir is the whole model
@@ -258,6 +261,24 @@ def load_adapter_model(run_dir: Path, recipe: Recipe, lineage: dict | None = Non
         base.config.pad_token_id = tokenizer.pad_token_id
     fit_vocab_to_adapter(base, adapter_dir)
     return PeftModel.from_pretrained(base, adapter_dir, is_trainable=False), tokenizer, info
+
+
+def refuse_nonfinite_weights(model, run_dir: Path) -> None:
+    """Refuse to export a model holding NaN/inf weights, naming the tensors.
+
+    Raises:
+        ExportError: some (adapter or base) tensors are not finite.
+    """
+    from llmtune.core.guard import nonfinite_tensors
+
+    bad = nonfinite_tensors(model.named_parameters())
+    if bad:
+        shown = ", ".join(bad[:8]) + (f", ... ({len(bad)} tensors)" if len(bad) > 8 else "")
+        raise ExportError(
+            f"cannot export {run_dir}: its weights hold NaN/inf values in {len(bad)} tensor(s): {shown}. The run "
+            "trained on non-finite numbers (see the nonfinite_step records in its metrics.jsonl); train it again "
+            "with a lower train.learning_rate (or precision.bf16 instead of fp16)."
+        )
 
 
 def merge_in_fp32(model, adapter_dir: Path):
@@ -375,6 +396,7 @@ def export_run(run_dir: str | Path, dtype: str = "auto", out_dir: str | Path | N
         dtype = "bf16" if recipe.precision.bf16 else "fp16" if recipe.precision.fp16 else "fp32"
     out = Path(out_dir) if out_dir else run_dir / "merged"
     model, tokenizer, base_info = load_adapter_model(run_dir, recipe, lineage)
+    refuse_nonfinite_weights(model, run_dir)
     quantized = is_quantized(model)
     inputs = sample_inputs(tokenizer)
     eos_ids = template_eos_ids(tokenizer)

@@ -83,7 +83,8 @@ class PipelineError(LlmtuneError, RuntimeError):
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=(), strict=True,
+                              allow_inf_nan=False)
 
 
 class StageStep(_Spec):
@@ -101,7 +102,8 @@ class StageStep(_Spec):
 class PairsStep(PairsConfig):
     """A pairs step: on-policy preference pairs from an earlier policy step (see :class:`PairsConfig`)."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=(), strict=True,
+                              allow_inf_nan=False)
 
     name: str = Field(..., description="Step name; {name} refers to its pairs.jsonl.")
     kind: Literal["pairs"] = Field("pairs", description="pairs: build on-policy preference pairs.")

@@ -17,10 +17,17 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
-class Section(BaseModel):
-    """Base of every recipe section: unknown keys are errors (``extra='forbid'``)."""
+SEED_MAX = 2**32 - 1  # numpy.random.seed accepts 0 .. 2**32-1
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+class Section(BaseModel):
+    """Base of every recipe section: unknown keys are errors (``extra='forbid'``), types are strict and numbers
+    finite."""
+
+    # strict: no bool -> number and no str -> number coercion (`learning_rate: yes` is an error, not 1.0);
+    # allow_inf_nan=False: `1.0e+400` (read as inf) and `.nan` are errors. YAML ints still fill float fields.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), strict=True,
+                              allow_inf_nan=False)
 
 
 class ModelConfig(Section):
@@ -129,7 +136,8 @@ class DataConfig(Section):
     val_size: float = Field(
         0.0, ge=0, description="Held-out validation rows: a fraction in (0, 1) or an absolute count >= 1."
     )
-    seed: int = Field(42, description="Seed for mixing, shuffling and the validation split.")
+    seed: int = Field(42, ge=0, le=SEED_MAX, description="Seed for mixing, shuffling and the validation split "
+                      "(0 .. 2**32-1, numpy's range).")
     num_proc: int | None = Field(None, ge=1, description="Processes for tokenization (default: one).")
     max_prompt_length: int | None = Field(
         None,
@@ -201,7 +209,8 @@ class TrainConfig(Section):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward (non-reentrant; saves memory, ~30% slower)."
     )
-    seed: int = Field(42, description="Seed for initialisation, dropout and data order.")
+    seed: int = Field(42, ge=0, le=SEED_MAX, description="Seed for initialisation, dropout and data order "
+                      "(0 .. 2**32-1, numpy's range).")
     eval_steps: int | None = Field(None, ge=1, description="Evaluate every N optimizer steps (null: only at start/end).")
     eval_at_start: bool = Field(True, description="Evaluate once before the first step (baseline for comparison).")
     eval_batch_size: int | None = Field(None, ge=1, description="Samples per device per eval forward (default micro_batch_size).")
@@ -214,6 +223,10 @@ class TrainConfig(Section):
         None, description="Resume: a checkpoint directory, or 'latest' for the newest one in the run dir."
     )
     logging_steps: int = Field(1, ge=1, description="Log metrics every N optimizer steps.")
+    max_nonfinite_steps: int = Field(
+        3, ge=1, description="Stop the run after this many optimizer steps in a row whose loss or gradient norm is "
+        "NaN/inf (such steps are never applied: skipped, counted and logged in metrics.jsonl).",
+    )
     dataloader_num_workers: int = Field(0, ge=0, description="Data loader worker processes.")
 
 

@@ -30,6 +30,7 @@ from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from llmtune.config import Recipe, RecipeError
+from llmtune.core.guard import NonFiniteGuard
 from llmtune.core.schedule import SCHEDULERS, apply_schedule_lr, build_scheduler
 from llmtune.core.stage import Stage
 
@@ -119,6 +120,7 @@ def build_training_args(recipe: Recipe, run_dir: Path, has_eval: bool) -> Traini
         save_steps=t.save_steps or 500,
         save_total_limit=t.save_total_limit,
         logging_steps=t.logging_steps,
+        logging_nan_inf_filter=False,  # never hide a NaN loss; llmtune.core.guard skips and reports such steps
         report_to=list(recipe.output.report_to) or "none",
         remove_unused_columns=False,
         dataloader_num_workers=t.dataloader_num_workers,
@@ -132,8 +134,11 @@ def build_training_args(recipe: Recipe, run_dir: Path, has_eval: bool) -> Traini
     )
 
 
-class CoreTrainer(Trainer):
+class CoreTrainer(NonFiniteGuard, Trainer):
     """``transformers.Trainer`` driven by a :class:`~llmtune.core.stage.Stage`.
+
+    Optimizer steps with a non-finite loss or gradient norm are skipped and counted
+    (:class:`~llmtune.core.guard.NonFiniteGuard`; ``train.max_nonfinite_steps`` in a row stop the run).
 
     Args:
         stage: supplies ``count_items``, ``loss``, ``eval_stats`` and ``eval_metrics``.
@@ -151,6 +156,8 @@ class CoreTrainer(Trainer):
         self.seen_tokens = 0  # all non-pad tokens on this rank
         self._last_log_time = time.perf_counter()
         self._last_log_tokens = 0
+        self.max_nonfinite_steps = stage.recipe.train.max_nonfinite_steps
+        self._guard_state()
         super().__init__(*args, compute_metrics=self._compute_metrics, **kwargs)
         # Older transformers decide "already scaled" from this flag instead of `loss_is_scaled_for_ga`.
         self.model_accepts_loss_kwargs = True
@@ -164,7 +171,8 @@ class CoreTrainer(Trainer):
             import json
 
             ckpt = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
-            (ckpt / self.COUNTERS).write_text(json.dumps({"trained": self.trained_tokens, "seen": self.seen_tokens}))
+            (ckpt / self.COUNTERS).write_text(json.dumps({"trained": self.trained_tokens, "seen": self.seen_tokens,
+                                                        "nonfinite": self.nonfinite_steps}))
             if (ckpt / "adapter_config.json").is_file():  # every saved adapter is checked (ZeRO-3: DeepSpeed #4295)
                 from llmtune.models.verify import verify_saved_adapter
 
@@ -178,11 +186,18 @@ class CoreTrainer(Trainer):
         counters = json.loads(path.read_text()) if path.is_file() else {}
         self.trained_tokens = int(counters.get("trained", 0))
         self.seen_tokens = int(counters.get("seen", 0))
+        self.nonfinite_steps = int(counters.get("nonfinite", 0))
         self._last_log_tokens = self.seen_tokens * self.args.world_size
 
     def train(self, *args, **kwargs):
         self._last_log_time = time.perf_counter()  # throughput counts training time, not loading or eval
-        return super().train(*args, **kwargs)
+        skipped_before = self.nonfinite_steps
+        result = super().train(*args, **kwargs)
+        skipped = self.nonfinite_steps - skipped_before
+        steps = self.state.global_step - getattr(self, "_initial_global_step", 0)
+        if skipped and steps > skipped:  # transformers averages over all steps; skipped ones added no loss
+            result = result._replace(training_loss=result.training_loss * steps / (steps - skipped))
+        return result
 
     def evaluate(self, *args, **kwargs):
         start = time.perf_counter()

@@ -111,6 +111,46 @@ def resolve_columns(fmt: str, ds: DatasetConfig, key: str, builtin: dict[str, st
     return {**fields, **(builtin or {}), **ds.columns}
 
 
+TURN_FIELDS = ("role", "content")  # mapped to keys inside each turn of a message list, not to row columns
+
+
+def check_column_mapping(raw: RawSource, ds: DatasetConfig, key: str) -> None:
+    """Every column that ``ds.columns`` names must exist: in some row of the file for row fields, in the turns of
+    the first conversation for ``role``/``content``.
+
+    Raises:
+        DataError: naming the file, the mapping key, the missing column and the columns that exist.
+    """
+    import difflib
+
+    if not ds.columns:
+        return
+    present: set[str] = set()
+    for row in raw.rows:
+        if isinstance(row, dict):
+            present.update(row)
+    if not present:
+        return
+    turn_keys: set[str] = set()
+    for value in next((r for r in raw.rows if isinstance(r, dict)), {}).values():
+        if isinstance(value, list) and value and all(isinstance(t, dict) for t in value):
+            turn_keys.update(k for t in value for k in t)
+    canonical = {f for fields in FORMAT_FIELDS.values() for f in fields}
+    for field_name, column in ds.columns.items():
+        if field_name not in canonical:  # not a field of any format: resolve_columns explains (reversed mapping...)
+            continue
+        have = turn_keys if field_name in TURN_FIELDS else present
+        if not have or column in have:
+            continue
+        close = difflib.get_close_matches(column, sorted(have), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        where = "the turns of its conversations have the keys" if field_name in TURN_FIELDS else "its columns are"
+        raise DataError(
+            f"{key}.columns.{field_name}: column {column!r} is not in {raw.path} ({where}: "
+            f"{', '.join(sorted(have))}){hint or '.'} Fix the mapping (canonical field -> your column)."
+        )
+
+
 def detect_format(raw: RawSource, ds: DatasetConfig, key: str, kind: str = "sft") -> str:
     """Pick the format of ``kind`` (``sft`` or ``preference``) from the first row's columns (after the
     recipe's column mapping).
@@ -543,6 +583,7 @@ def to_canonical(
             a non-chat format, or no valid row at all (the message names the schema problem and the columns found).
     """
     key = f"data.datasets[{raw.index}]"
+    check_column_mapping(raw, ds, key)
     fmt = ds.format if ds.format != "auto" else (raw.format or detect_format(raw, ds, key, kind))
     if fmt not in KIND_FORMATS[kind]:
         other = next(k for k, formats in KIND_FORMATS.items() if fmt in formats)

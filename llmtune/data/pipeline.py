@@ -79,6 +79,12 @@ def mix(cfg: DataConfig, sizes: list[int]) -> list[Entry]:
     for s, (ds, n) in enumerate(zip(cfg.datasets, sizes)):
         copies = int(ds.weight)
         rest = round((ds.weight - copies) * n)
+        if n and not copies and not rest:  # the source would silently contribute nothing
+            raise DataError(
+                f"data.datasets[{s}].weight: {ds.weight:g} x {n} valid rows of {ds.path} rounds to 0 rows, so this "
+                f"source would not be trained on at all; raise the weight to at least {1 / n:.3g} (one row) or "
+                "remove the source."
+            )
         entries += [(s, j) for _ in range(copies) for j in range(n)]
         entries += [(s, j) for j in sorted(rng.sample(range(n), rest))]
     rng.shuffle(entries)

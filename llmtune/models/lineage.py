@@ -180,6 +180,9 @@ def merge_adapter(model: PreTrainedModel, adapter_dir: str | Path) -> PreTrained
     """
     from peft import PeftConfig, PeftModel
 
+    from llmtune.models.checks import check_weight_files
+
+    check_weight_files(adapter_dir)  # a truncated/corrupt adapter file is named
     fit_vocab_to_adapter(model, adapter_dir)
     try:
         config = PeftConfig.from_pretrained(str(adapter_dir))

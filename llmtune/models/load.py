@@ -649,10 +649,16 @@ def load_model(
     auto_class = AutoModelForCausalLM
     if head == "score":
         auto_class, kwargs["num_labels"] = AutoModelForSequenceClassification, 1
+    from llmtune.models.checks import check_weight_files, pickle_checkpoint_message
+
+    check_weight_files(source.path, source.original)  # truncated / corrupt safetensors: named before transformers
     start = time.perf_counter()
     try:
         model = auto_class.from_pretrained(source.path, **kwargs)
     except Exception as err:  # noqa: BLE001
+        pickled = pickle_checkpoint_message(source.path, err)
+        if pickled:
+            raise ModelLoadError(pickled) from None
         hint = ""
         if "attn" in str(err).lower() or "flash" in str(err).lower():
             hint = (

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmtune.core.guard import ROW_KEY, NonFiniteError
 from llmtune.core.trainer import CoreTrainer
 from llmtune.data.templates import template_eos_ids
 from llmtune.models.adapters import adapter_scope
@@ -210,7 +211,8 @@ class PPOTrainer(CoreTrainer):
     def _seed(self, iteration: int, salt: int = 0) -> None:
         from transformers import set_seed
 
-        set_seed(self.args.seed + 1_000_003 * iteration + 7919 * self.args.process_index + salt)
+        # modulo numpy's seed range: seed + 1_000_003 x iteration passes 2**32 after ~4,300 iterations
+        set_seed((self.args.seed + 1_000_003 * iteration + 7919 * self.args.process_index + salt) % 2**32)
 
     @torch.no_grad()
     def generate(self, batch: dict[str, torch.Tensor], greedy: bool, max_new_tokens: int) -> torch.Tensor:
@@ -224,11 +226,20 @@ class PPOTrainer(CoreTrainer):
             was_training = unwrapped.training
             unwrapped.eval()
             with adapter_scope(unwrapped.policy, POLICY), self.compute_loss_context_manager():
-                sequences = unwrapped.policy.generate(
-                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                    max_new_tokens=max_new_tokens, **sampling,
-                    eos_token_id=self.eos_ids, pad_token_id=self.pad_id, use_cache=True,
-                )
+                try:
+                    sequences = unwrapped.policy.generate(
+                        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        max_new_tokens=max_new_tokens, **sampling,
+                        eos_token_id=self.eos_ids, pad_token_id=self.pad_id, use_cache=True,
+                    )
+                except RuntimeError as exc:  # torch.multinomial: "probability tensor contains either inf, nan ..."
+                    if "nan" not in str(exc) or "inf" not in str(exc):
+                        raise
+                    raise NonFiniteError(
+                        f"after optimizer step {self.state.global_step}: sampling PPO responses met NaN/inf "
+                        f"probabilities ({str(exc).strip()}); the policy's logits are not finite. Likely causes: the "
+                        "learning rate is too high (lower train.learning_rate), fp16 overflow (use precision.bf16), "
+                        "or a bad prompt row. No adapter or lineage.json was written.") from None
             unwrapped.train(was_training)
         return sequences
 
@@ -265,7 +276,8 @@ class PPOTrainer(CoreTrainer):
         """Sample and score one rollout batch, compute advantages/returns, log its metrics and return the PPO
         minibatches (``ppo_epochs`` shuffled passes), each a list of micro-batch dicts."""
         self._seed(iteration)
-        rows = [self.prompts[i] for i in self.prompt_indices(iteration)]
+        indices = self.prompt_indices(iteration)
+        rows = [self.prompts[i] for i in indices]
         batch = {k: v.to(self.args.device) for k, v in self.prompt_collator(rows).items()
                  if k in ("input_ids", "attention_mask")}
         width = batch["input_ids"].shape[1]
@@ -304,6 +316,7 @@ class PPOTrainer(CoreTrainer):
         experience = {
             **inputs, "responses": responses, "response_mask": mask, "old_logps": logps, "old_values": values,
             "advantages": advantages, "returns": returns,
+            ROW_KEY: torch.tensor(indices, dtype=torch.long, device=responses.device),  # (B,) prompt rows (guard)
         }
         minibatches = []
         gen = torch.Generator().manual_seed(self.args.seed + 1_000_003 * iteration + self.args.process_index)
