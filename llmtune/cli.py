@@ -108,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the saved weights (auto: the training precision)")
     e.add_argument("--out", default=None, help="output directory (default RUN_DIR/merged)")
     e.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard (default 2GB)")
+    e.add_argument("--adapter", action="store_true",
+                   help="instead of a merged model, write ONE peft adapter equal to the whole adapter chain on the "
+                   "original base (LoRA updates concatenated along the rank; exact) into RUN_DIR/exported_adapter "
+                   "(or --out), verified with plain PeftModel.from_pretrained against llmtune's chain model")
     pl = sub.add_parser(
         "pipeline",
         help="run a list of stages (sft, rm, dpo, ppo, on-policy pairs) into one directory, then export",
@@ -159,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
             from llmtune.validate import validate_command
 
             return validate_command(args.recipe, args.overrides, stage=args.stage, example=args.example)
+        if args.command == "export" and args.adapter:
+            from llmtune.export_adapter import export_adapter
+
+            return 0 if export_adapter(args.run_dir, out_dir=args.out)["passed"] else 1
         if args.command == "export":
             from llmtune.export import export_run
 

@@ -341,6 +341,11 @@ class OutputConfig(Section):
         default_factory=list, description="Extra loggers (tensorboard); metrics.jsonl is always written."
     )
     plot: bool = Field(True, description="Draw loss.png at the end.")
+    push_to_hub: bool = Field(False, description="Upload adapter/ (with its model card) to the hub repo "
+                              "hub_model_id when the stage finishes (needs network and a hub login).")
+    hub_model_id: str | None = Field(None, description="Hub repo (org/name) for push_to_hub; created if missing.")
+    hub_private: bool = Field(True, description="Create the hub repo private (an existing repo keeps its "
+                              "visibility).")
 
 
 class Recipe(Section):
