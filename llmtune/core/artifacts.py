@@ -119,6 +119,14 @@ def usage_snippet(base: dict, adapter_ref: str, head: str, kind: str) -> list[st
     return ["## Usage", "", "```python", *imports, "", *body, *tail, "```", ""]
 
 
+def portable_of(base: dict) -> dict:
+    """The portable base of a lineage's ``base_model`` (recorded by this version, else derived from it)."""
+    from llmtune.models.portable import portable_base
+
+    return base.get("portable") or portable_base(base.get("name_or_path", ""), base.get("kind"), base.get("path"),
+                                                 base.get("revision"))
+
+
 def finalize_adapter_dir(adapter_dir: Path, lineage: dict) -> None:
     """Make a saved ``adapter/`` portable: ``adapter_config.json`` names the portable base (and revision), the
     tokenizer config loads elsewhere, and ``README.md`` is the adapter's model card with the lineage.
@@ -130,7 +138,7 @@ def finalize_adapter_dir(adapter_dir: Path, lineage: dict) -> None:
     from llmtune.models.portable import clean_tokenizer_config
 
     base = lineage["base_model"]
-    portable = base.get("portable") or {}
+    portable = portable_of(base)
     config_path = adapter_dir / "adapter_config.json"
     if config_path.is_file():
         config = json.loads(config_path.read_text())
@@ -145,7 +153,7 @@ def adapter_card(adapter_dir: Path, lineage: dict) -> str:
     """Model card of a stage's adapter: hub front matter (real ``base_model``, license, datasets), the chain warning,
     what the base weights are, usage, data and metrics, versions."""
     base = lineage["base_model"]
-    portable = base.get("portable") or {}
+    portable = portable_of(base)
     chain = lineage.get("previous_adapters", [])
     head = lineage.get("model_head", "causal_lm")
     stage = lineage.get("stage")
@@ -179,11 +187,14 @@ def lineage_lines(lineage: dict) -> list[str]:
                   and not any(t in k for t in ("runtime", "per_second", "epoch"))}
         if values:
             lines.append(f"- {when}: " + ", ".join(f"{k} {v:.4g}" for k, v in values.items()))
+    return lines + versions_lines(lineage) + [""]
+
+
+def versions_lines(lineage: dict) -> list[str]:
+    """Card lines: the library versions and the llmtune version/commit a run was trained with."""
     versions = lineage.get("versions") or {}
-    if versions:
-        lines.append("- Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v))
-    lines += [f"- llmtune {lineage.get('llmtune_version')} (commit `{lineage.get('llmtune_commit')}`)", ""]
-    return lines
+    lines = ["- Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v)] if versions else []
+    return lines + [f"- llmtune {lineage.get('llmtune_version')} (commit `{lineage.get('llmtune_commit')}`)"]
 
 
 def push_to_hub(folder: Path, repo_id: str, *, private: bool = True, message: str = "llmtune upload") -> str:
