@@ -32,7 +32,9 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 from llmtune.config import Recipe, RecipeError
 from llmtune.core.stage import Stage
 
-SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
+SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup",
+              "cosine_with_min_lr": "cosine_with_min_lr", "warmup_stable_decay": "warmup_stable_decay",
+              "cosine_with_restarts": "cosine_with_restarts", "polynomial": "polynomial", "inverse_sqrt": "inverse_sqrt"}
 
 
 def world_size() -> int:
@@ -98,13 +100,14 @@ def build_training_args(recipe: Recipe, run_dir: Path, has_eval: bool) -> Traini
         max_steps=t.max_steps or -1,
         learning_rate=t.learning_rate,
         lr_scheduler_type=SCHEDULERS[t.lr_scheduler],
+        lr_scheduler_kwargs=dict(t.lr_scheduler_kwargs),
         warmup_steps=warmup,
         weight_decay=t.weight_decay,
         adam_beta1=t.adam_beta1,
         adam_beta2=t.adam_beta2,
         adam_epsilon=t.adam_epsilon,
         max_grad_norm=t.max_grad_norm,
-        optim="adamw_torch",
+        optim=t.optim,
         seed=t.seed,
         data_seed=t.seed,
         bf16=p.bf16,
@@ -130,6 +133,7 @@ def build_training_args(recipe: Recipe, run_dir: Path, has_eval: bool) -> Traini
         gradient_checkpointing=False,  # enabled (non-reentrant) by the model helpers, never here
         disable_tqdm=False,
         label_names=["labels"],
+        **dict(t.extra_args),  # validated: only fields llmtune does not set (llmtune.config.surface)
     )
 
 
