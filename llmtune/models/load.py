@@ -675,6 +675,50 @@ HEADS = ("causal_lm", "score")
 when the checkpoint is a causal LM)."""
 
 
+class _LoadReportFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in str(record.msg)
+
+
+class _load_report_silenced:
+    """Hold back transformers' ``LOAD REPORT`` table (raw ANSI colour codes in logs) while :func:`load_model` loads;
+    :func:`_log_loading_info` says in plain words what was missing instead."""
+
+    _filter = _LoadReportFilter()
+
+    def __enter__(self):
+        logging.getLogger("transformers.modeling_utils").addFilter(self._filter)
+
+    def __exit__(self, *exc):
+        logging.getLogger("transformers.modeling_utils").removeFilter(self._filter)
+        return False
+
+
+_HEAD_KEYS = ("score.", "lm_head.")  # heads a one-score model has and a causal LM checkpoint lacks (and vice versa)
+
+
+def _log_loading_info(info: dict, head: str, name: str) -> None:
+    """Log what ``from_pretrained`` did not find or did not use, in plain words.
+
+    A ``score`` model loaded from a causal LM checkpoint always lacks ``score.weight`` (initialised here; a trained
+    reward model's head is restored from its adapter's ``modules_to_save``) and does not use ``lm_head``: that is
+    expected and logged at debug level. Any other missing weight is a warning: it is random.
+    """
+    missing, unexpected = sorted(info.get("missing_keys") or []), sorted(info.get("unexpected_keys") or [])
+    expected_missing = [k for k in missing if head == "score" and k.startswith("score.")]
+    other = [k for k in missing if k not in expected_missing]
+    if expected_missing:
+        logger.debug("%s: one-score head %s initialised (a trained head is loaded from the adapter)", name,
+                     ", ".join(expected_missing))
+    if other:
+        logger.warning("%s: %d weight(s) not in the checkpoint were initialised at random: %s", name, len(other),
+                       ", ".join(other[:8]) + (" ..." if len(other) > 8 else ""))
+    unused = [k for k in unexpected if not (head == "score" and k.startswith(_HEAD_KEYS))]
+    if unused:
+        logger.info("%s: %d checkpoint weight(s) not used by this model: %s", name, len(unused),
+                    ", ".join(unused[:8]) + (" ..." if len(unused) > 8 else ""))
+
+
 def load_model(
     cfg: ModelConfig, precision: PrecisionConfig, *, device_map: str | dict[str, Any] | None = None,
     head: str = "causal_lm",
@@ -718,7 +762,8 @@ def load_model(
         auto_class, kwargs["num_labels"] = AutoModelForSequenceClassification, 1
     start = time.perf_counter()
     try:
-        model = auto_class.from_pretrained(source.path, **kwargs)
+        with _load_report_silenced():
+            model, info = auto_class.from_pretrained(source.path, output_loading_info=True, **kwargs)
     except Exception as err:  # noqa: BLE001
         hint = ""
         if "attn" in str(err).lower() or "flash" in str(err).lower():
@@ -730,6 +775,7 @@ def load_model(
             f"could not load model {source.original!r} from {source.path}: {type(err).__name__}: "
             f"{str(err).rstrip('.')}.{hint}"
         ) from err
+    _log_loading_info(info, head, source.original)
     quant = "4-bit " + cfg.bnb_4bit_quant_type if cfg.load_in_4bit else "8-bit" if cfg.load_in_8bit else "unquantized"
     logger.info(
         "loaded %s (%s source%s) in %.1f s: dtype %s, %s, attention %s",
