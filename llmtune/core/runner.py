@@ -159,7 +159,7 @@ def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
 
             verify_saved_adapter(adapter_dir, model)
         if recipe.output.plot:
-            plot_losses(run / rd.METRICS, run / rd.LOSS_PLOT)
+            plot_losses(run / rd.METRICS, run / rd.LOSS_PLOT, title=f"llmtune {stage.name}: {run.root}")
         record = lineage(recipe, stage, data.sources, summary, chain)
         from llmtune.core.artifacts import finalize_adapter_dir
 
