@@ -199,7 +199,10 @@ def export_adapter(run_dir: str | Path, out_dir: str | Path | None = None) -> di
 
     source = resolve_model_source(recipe.model)
     extra = {"num_labels": 1} if head == "score" else {}
-    base = auto_class(head).from_pretrained(source.path, dtype=torch.float32, **extra)
+    from llmtune.models.load import quiet_load_report
+
+    with quiet_load_report():  # a one-score head is always new here (the trained one is in the adapter)
+        base = auto_class(head).from_pretrained(source.path, dtype=torch.float32, **extra)
     if head == "score" and base.config.pad_token_id is None:
         base.config.pad_token_id = tokenizer.pad_token_id
     config, tensors, notes = concatenate_chain(links, {n for n, _ in base.named_modules()})

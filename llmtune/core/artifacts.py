@@ -139,8 +139,7 @@ def finalize_adapter_dir(adapter_dir: Path, lineage: dict) -> None:
 
     base = lineage["base_model"]
     portable = portable_of(base)
-    config_path = adapter_dir / "adapter_config.json"
-    if config_path.is_file():
+    for config_path in sorted(adapter_dir.glob("**/adapter_config.json")):  # PPO: adapter/value/ too
         config = json.loads(config_path.read_text())
         config["base_model_name_or_path"] = portable.get("name_or_path") or base.get("name_or_path")
         config["revision"] = portable.get("revision")

@@ -680,7 +680,7 @@ class _LoadReportFilter(logging.Filter):
         return "LOAD REPORT" not in str(record.msg)
 
 
-class _load_report_silenced:
+class quiet_load_report:
     """Hold back transformers' ``LOAD REPORT`` table (raw ANSI colour codes in logs) while :func:`load_model` loads;
     :func:`_log_loading_info` says in plain words what was missing instead."""
 
@@ -762,7 +762,7 @@ def load_model(
         auto_class, kwargs["num_labels"] = AutoModelForSequenceClassification, 1
     start = time.perf_counter()
     try:
-        with _load_report_silenced():
+        with quiet_load_report():
             model, info = auto_class.from_pretrained(source.path, output_loading_info=True, **kwargs)
     except Exception as err:  # noqa: BLE001
         hint = ""
