@@ -156,18 +156,21 @@ def adapter_card(adapter_dir: Path, lineage: dict) -> str:
     chain = lineage.get("previous_adapters", [])
     head = lineage.get("model_head", "causal_lm")
     stage = lineage.get("stage")
+    full = lineage.get("adapter_type") == "none"  # full fine-tuning: adapter/ holds the whole model
     front = front_matter({
-        "base_model": portable.get("name_or_path"), "library_name": "peft", "license": portable.get("license"),
+        "base_model": portable.get("name_or_path"), "library_name": "transformers" if full else "peft",
+        "license": portable.get("license"),
         "datasets": hub_datasets(lineage.get("data", [])),
         "pipeline_tag": "text-classification" if head == "score" else "text-generation",
-        "tags": ["llmtune", str(stage), "lora"]})
+        "tags": ["llmtune", str(stage), "full-fine-tune" if full else "lora"]})
     lines = [front, f"# {Path(lineage.get('summary', {}).get('run_dir', adapter_dir.parent)).name}: llmtune {stage} "
              "adapter", "", *chain_warning(chain), "## Base model", "",
              f"- `base_model_name_or_path`: `{portable.get('name_or_path')}`"
              + (f" (revision `{portable['revision']}`)" if portable.get("revision") else ""),
              f"- Trained against: {portable.get('weights', base.get('name_or_path'))}",
              f"- Recipe name: `{base.get('name_or_path')}` ({base.get('kind')})", ""]
-    lines += usage_snippet(portable, "path/to/this/adapter", head, "adapter")
+    lines += usage_snippet(portable, "path/to/this/model" if full else "path/to/this/adapter", head,
+                           "merged" if full else "adapter")
     lines += lineage_lines(lineage)
     return "\n".join(lines)
 

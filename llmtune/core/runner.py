@@ -164,12 +164,12 @@ def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
         from llmtune.core.artifacts import finalize_adapter_dir
 
         finalize_adapter_dir(adapter_dir, record)  # portable base in adapter_config.json, model card, tokenizer
-        if recipe.output.push_to_hub:
+        write_json(run / rd.LINEAGE, record)
+        if recipe.output.push_to_hub:  # after the lineage: a failed upload leaves a complete run
             from llmtune.core.artifacts import push_to_hub
 
             push_to_hub(adapter_dir, recipe.output.hub_model_id, private=recipe.output.hub_private,
                         message=f"llmtune {stage.name} adapter ({trainer.state.global_step} steps)")
-        write_json(run / rd.LINEAGE, record)
     return summary
 
 

@@ -131,3 +131,28 @@ def test_chained_run_via_the_single_exported_adapter_in_plain_peft(runs, stage):
     assert max(float((a - b).abs().max()) for a, b in zip(wrong, expected)) > 10 * TOL
     report = json.loads((out / "verification.json").read_text())
     assert report["passed"] and [link["stage"] for link in report["links"]] == ["sft", stage]
+
+
+def test_push_to_hub_uploads_the_finished_adapter_with_its_card(runs, tmp_path, monkeypatch):
+    """output.push_to_hub at the end of a stage, against a mock of huggingface_hub's HfApi (no network)."""
+    import huggingface_hub
+
+    calls = []
+
+    class FakeApi:
+        def create_repo(self, repo_id, **kwargs):
+            calls.append(("create_repo", repo_id, kwargs))
+            return f"https://huggingface.co/{repo_id}"
+
+        def upload_folder(self, folder_path, repo_id, **kwargs):
+            from pathlib import Path
+
+            calls.append(("upload_folder", repo_id, sorted(p.name for p in Path(folder_path).iterdir())))
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    out = tmp_path / "pushed"
+    assert main(["sft", str(runs / "sft.yaml"), f"output.dir={out}", "train.max_steps=1", "output.push_to_hub=true",
+                 "output.hub_model_id=me/tiny-sft"]) == 0
+    assert calls[0] == ("create_repo", "me/tiny-sft", {"repo_type": "model", "private": True, "exist_ok": True})
+    assert calls[1][:2] == ("upload_folder", "me/tiny-sft")
+    assert {"README.md", "adapter_config.json", "adapter_model.safetensors", "tokenizer_config.json"} <= set(calls[1][2])
