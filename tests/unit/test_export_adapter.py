@@ -142,3 +142,16 @@ def test_concatenation_is_the_scaled_sum_with_zero_padding():
     assert torch.allclose(delta_m, 4.0 * b1 @ a1 + 3.0 * b2 @ a2, atol=1e-6)  # alpha/r = 4, alpha/sqrt(r) = 3
     assert tensors[f"{p}n.lora_A.weight"].shape == (3, 5)
     assert torch.allclose(tensors[f"{p}n.lora_B.weight"] @ tensors[f"{p}n.lora_A.weight"], 3.0 * bn @ an, atol=1e-6)
+
+
+def test_out_dir_that_holds_something_else_is_refused(tmp_path):
+    links = [("sft", dict(r=2, lora_alpha=4, target_modules=["q_proj"])),
+             ("dpo", dict(r=2, lora_alpha=4, target_modules=["v_proj"]))]
+    _, run = build_chain(tmp_path, links)
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    with pytest.raises(ExportError, match="not an earlier exported adapter"):
+        export_adapter(run, out_dir=other)
+    assert (other / "notes.txt").read_text() == "keep me"
+    assert export_adapter(run)["passed"] and export_adapter(run)["passed"]  # a rerun replaces its own output
