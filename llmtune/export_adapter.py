@@ -188,6 +188,11 @@ def export_adapter(run_dir: str | Path, out_dir: str | Path | None = None) -> di
                           "already the whole chain (for the quantized base); use it directly, or llmtune export RUN "
                           "for a merged model")
     out = Path(out_dir) if out_dir else run_dir / "exported_adapter"
+    if out.exists() and any(out.iterdir()):
+        if not (out / "verification.json").is_file() or (out / "config.json").exists():
+            raise ExportError(f"--out {out} exists and is not an earlier exported adapter; give a new or empty "
+                              "directory (an earlier llmtune export --adapter output is replaced)")
+        shutil.rmtree(out)
     chain = adapter_chain(run_dir, lineage)
     links = [_read_link(e) for e in chain]
 
@@ -209,11 +214,6 @@ def export_adapter(run_dir: str | Path, out_dir: str | Path | None = None) -> di
     portable = portable_base(recipe.model.name_or_path, source.kind, str(source.path), source.revision)
     config["base_model_name_or_path"] = portable["name_or_path"]
     config["revision"] = portable["revision"]
-    if out.exists() and any(out.iterdir()):
-        if not (out / "verification.json").is_file() or (out / "config.json").exists():
-            raise ExportError(f"--out {out} exists and is not an earlier exported adapter; give a new or empty "
-                              "directory (an earlier llmtune export --adapter output is replaced)")
-        shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
