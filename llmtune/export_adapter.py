@@ -170,7 +170,7 @@ def export_adapter(run_dir: str | Path, out_dir: str | Path | None = None) -> di
     from peft import PeftModel
     from safetensors.torch import save_file
 
-    from llmtune.core.artifacts import chain_warning, front_matter, hub_datasets, lineage_lines, usage_snippet
+    from llmtune.core.artifacts import front_matter, hub_datasets, lineage_lines, usage_snippet
     from llmtune.models import resolve_model_source
     from llmtune.models.lineage import adapter_chain
     from llmtune.models.portable import clean_tokenizer_config, model_max_length, portable_base
@@ -257,7 +257,6 @@ def export_adapter(run_dir: str | Path, out_dir: str | Path | None = None) -> di
              "between plain peft with this adapter and llmtune's chain model; details in `verification.json`", ""]
     for i, (entry, lin) in enumerate(_link_lineages(chain), 1):
         lines += [f"## Link {i}: {entry.get('stage')} (`{entry.get('run_dir')}`)", "", *lineage_lines(lin)]
-    lines += chain_warning([])
     (out / "README.md").write_text("\n".join(lines))
     level = log.info if report["passed"] else log.error
     level("exported adapter %s (%d link(s), rank %d): max |diff| %.3g vs the chain model (tolerance %.3g) -> %s",
