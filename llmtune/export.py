@@ -409,6 +409,9 @@ def export_run(run_dir: str | Path, dtype: str = "auto", out_dir: str | Path | N
     out.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
     tokenizer.save_pretrained(out)
+    from llmtune.models.portable import clean_tokenizer_config, model_max_length
+
+    clean_tokenizer_config(out, model_max_length(out))  # loads elsewhere; the model's real context length
     if head == "causal_lm":
         _save_generation_config(merged, tokenizer, eos_ids, out)
     del merged
@@ -515,17 +518,27 @@ def _key_metrics(summary: dict) -> dict:
 def model_card(run_dir: Path, lineage: dict, report: dict) -> str:
     """Markdown model card (YAML front matter for the hub) with the lineage: base model, each merged stage with its
     run dir, adapter type, datasets with sha256 and key eval metrics, the export dtype and the verification."""
+    from llmtune.core.artifacts import hub_datasets, portable_of, usage_snippet, versions_lines
+
     base = lineage.get("base_model", {})
+    portable = portable_of(base)
     stages = _stage_lineages(run_dir, lineage)
-    front = {"library_name": "transformers", "base_model": base.get("name_or_path"),
+    front = {"library_name": "transformers", "base_model": portable["name_or_path"],
+             "license": portable.get("license"),
+             "datasets": hub_datasets([d for _, lin in stages for d in lin.get("data", [])]),
              "pipeline_tag": "text-classification" if report["model_head"] == "score" else "text-generation",
              "tags": ["llmtune", *dict.fromkeys(str(e.get("stage")) for e, _ in stages), "merged-adapter"]}
+    front = {k: v for k, v in front.items() if v not in (None, [])}
     kind = "Reward model (sequence classification, one score)" if report["model_head"] == "score" else "Causal LM"
     lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
              f"# {Path(report['out_dir']).name} — merged by llmtune", "",
              f"{kind} exported from `{run_dir}` in **{report['dtype']}** (merged in fp32, cast once).", "",
+             *usage_snippet(portable, "path/to/this/model", report["model_head"], "merged"),
              "## Lineage", "",
-             f"- Base model: `{base.get('name_or_path')}` ({base.get('kind', '?')}, `{base.get('path')}`)",
+             f"- Base model: `{portable['name_or_path']}`" + (f" (revision `{portable['revision']}`)"
+                                                              if portable.get("revision") else ""),
+             f"- Trained against: {portable.get('weights')}",
+             f"- Recipe name: `{base.get('name_or_path')}` ({base.get('kind', '?')})",
              f"- Merged into: {report['base'].get('weights')}", ""]
     for i, (entry, stage_lineage) in enumerate(stages, 1):
         lines += [f"### {i}. {entry.get('stage')} (`{entry.get('run_dir')}`)", "",
@@ -549,4 +562,5 @@ def model_card(run_dir: Path, lineage: dict, report: dict) -> str:
         lines.append(f"- Greedy generations ({report['generation_tokens']} tokens) identical: "
                      f"{report['generation_agreement']:.0%}; argmax agreement {report['argmax_agreement']:.4f}")
     lines += ["- Details: `verification.json`", ""]
+    lines += ["## Versions", "", *versions_lines(lineage), ""]
     return "\n".join(lines)

@@ -641,10 +641,10 @@ def run_pipeline(pipe: Pipeline, console=None) -> list[dict]:
         PipelineError: see :func:`plan_stage`; a pairs step without any pair; a failed export verification.
         RecipeError, DataError, ModelLoadError: from the stages.
     """
-    from rich.console import Console
+    from llmtune.utils import make_console
 
     setup_logging()
-    console = console or Console(stderr=True)
+    console = console or make_console(stderr=True)
     pipe.dir.mkdir(parents=True, exist_ok=True)
     _print_plan(pipe, console)
     rows, t_start = [], time.perf_counter()
@@ -836,9 +836,9 @@ def pipeline_command(recipe_path: str, overrides: list[str], dry_run: bool = Fal
     """
     import sys
 
-    from rich.console import Console
+    from llmtune.utils import make_console
 
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     pipe = load_pipeline(recipe_path, overrides, base_dir=Path("."))
     if dry_run:
         _print_plan(pipe, console)

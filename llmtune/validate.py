@@ -18,7 +18,7 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
     Raises:
         RecipeError, DataError, ModelLoadError: reported by the CLI as one error message each.
     """
-    from rich.console import Console
+    from llmtune.utils import make_console
 
     from llmtune.config.load import read_yaml
     from llmtune.core.runner import prepare_tokenizer
@@ -28,7 +28,7 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
     from llmtune.models import resolve_model_source
     from llmtune.stages import STAGES
 
-    console = Console(stderr=False, highlight=False)
+    console = make_console(stderr=False, highlight=False)
     doc = read_yaml(recipe_path)
     if "pipeline" in doc:  # a pipeline recipe: its dry run validates every step
         from llmtune.pipeline import pipeline_command

@@ -191,8 +191,23 @@ class TrainConfig(Section):
     num_epochs: float = Field(1.0, gt=0, description="Passes over the training rows (ignored when max_steps is set).")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
     learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate.")
-    lr_scheduler: Literal["linear", "cosine", "constant"] = Field(
-        "cosine", description="Decay after warmup (constant keeps the warmup then a flat rate)."
+    lr_scheduler: Literal["linear", "cosine", "constant", "cosine_with_min_lr", "warmup_stable_decay",
+                          "cosine_with_restarts", "polynomial", "inverse_sqrt"] = Field(
+        "cosine", description="transformers schedule after warmup (constant keeps the warmup then a flat rate; "
+        "cosine_with_min_lr needs lr_scheduler_kwargs {min_lr_rate: 0.1} or {min_lr}; warmup_stable_decay needs "
+        "{num_decay_steps: N})."
+    )
+    lr_scheduler_kwargs: dict[str, float | int | str] = Field(
+        default_factory=dict, description="Extra arguments of the schedule (transformers' lr_scheduler_kwargs), "
+        "checked against the schedule's signature, e.g. {min_lr_rate: 0.1}; steps are optimizer steps."
+    )
+    optim: str = Field(
+        "adamw_torch", description="transformers optimizer name: adamw_torch, adamw_torch_fused (fused kernel), "
+        "adamw_8bit / paged_adamw_8bit / paged_adamw_32bit (bitsandbytes; the usual QLoRA choice), adafactor, ..."
+    )
+    extra_args: dict[str, object] = Field(
+        default_factory=dict, description="Any other transformers TrainingArguments field, e.g. "
+        "{torch_compile: true}; fields llmtune sets from the recipe are refused with the key to use instead."
     )
     warmup_steps: int = Field(0, ge=0, description="Linear warmup length in optimizer steps.")
     warmup_ratio: float = Field(
@@ -364,10 +379,16 @@ class OutputConfig(Section):
 
     dir: str = Field("runs/sft", description="Run directory (recipe, data report, metrics, checkpoints, adapter).")
     overwrite: bool = Field(False, description="Allow writing into a non-empty run directory that holds another run.")
-    report_to: list[Literal["tensorboard"]] = Field(
-        default_factory=list, description="Extra loggers (tensorboard); metrics.jsonl is always written."
+    report_to: list[str] = Field(
+        default_factory=list, description="Extra loggers, any transformers integration that is installed "
+        "(tensorboard, wandb, mlflow, trackio, comet_ml, ...); metrics.jsonl is always written."
     )
     plot: bool = Field(True, description="Draw loss.png at the end.")
+    push_to_hub: bool = Field(False, description="Upload adapter/ (with its model card) to the hub repo "
+                              "hub_model_id when the stage finishes (needs network and a hub login).")
+    hub_model_id: str | None = Field(None, description="Hub repo (org/name) for push_to_hub; created if missing.")
+    hub_private: bool = Field(True, description="Create the hub repo private (an existing repo keeps its "
+                              "visibility).")
 
 
 class Recipe(Section):

@@ -145,6 +145,9 @@ def cross_field_problems(doc: dict) -> list[tuple[str, str]]:
     if _get(doc, "stage") == "ppo":
         problems += ppo_problems(doc)
     problems += distributed_problems(doc)
+    from llmtune.config.surface import surface_problems
+
+    problems += surface_problems(doc)  # report_to, optim, schedules, extra_args, push_to_hub
     datasets = _get(doc, "data.datasets")
     if isinstance(datasets, list) and not datasets:
         problems.append(("data.datasets", "at least one data source is needed"))

@@ -188,8 +188,17 @@ def _run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
 
             verify_saved_adapter(adapter_dir, model)
         if recipe.output.plot:
-            plot_losses(run / rd.METRICS, run / rd.LOSS_PLOT)
-        write_json(run / rd.LINEAGE, lineage(recipe, stage, data.sources, summary, chain))
+            plot_losses(run / rd.METRICS, run / rd.LOSS_PLOT, title=f"llmtune {stage.name}: {run.root}")
+        record = lineage(recipe, stage, data.sources, summary, chain)
+        from llmtune.core.artifacts import finalize_adapter_dir
+
+        finalize_adapter_dir(adapter_dir, record)  # portable base in adapter_config.json, model card, tokenizer
+        write_json(run / rd.LINEAGE, record)
+        if recipe.output.push_to_hub:  # after the lineage: a failed upload leaves a complete run
+            from llmtune.core.artifacts import push_to_hub
+
+            push_to_hub(adapter_dir, recipe.output.hub_model_id, private=recipe.output.hub_private,
+                        message=f"llmtune {stage.name} adapter ({trainer.state.global_step} steps)")
     return summary
 
 
@@ -206,12 +215,21 @@ def by_length(rows):
 def lineage(recipe: Recipe, stage: Stage, sources: list[dict], summary: dict, chain: list[dict] = ()) -> dict:
     """What this run was made from: base model, earlier adapters (``chain``, oldest first, merged into the base
     before this run's adapter), the model head, data with hashes, final metrics."""
+    from llmtune.core.artifacts import llmtune_commit, package_versions
+    from llmtune.models.portable import model_max_length, portable_base
+
     source = resolve_model_source(recipe.model)
     return {
         "llmtune_version": __version__,
+        "llmtune_commit": llmtune_commit(),
+        "versions": package_versions(),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "stage": stage.name,
-        "base_model": {"name_or_path": recipe.model.name_or_path, "kind": source.kind, "path": str(source.path)},
+        "base_model": {"name_or_path": recipe.model.name_or_path, "kind": source.kind, "path": str(source.path),
+                       "revision": source.revision, "fingerprint": source.fingerprint,
+                       "model_max_length": model_max_length(source.path),
+                       "portable": portable_base(recipe.model.name_or_path, source.kind, str(source.path),
+                                                 source.revision)},
         "from_run": recipe.model.from_run,
         "previous_adapters": list(chain),
         "model_head": stage.model_head,

@@ -22,7 +22,9 @@ from llmtune.utils import get_logger
 
 log = get_logger("schedule")
 
-SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
+SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup",
+              "cosine_with_min_lr": "cosine_with_min_lr", "warmup_stable_decay": "warmup_stable_decay",
+              "cosine_with_restarts": "cosine_with_restarts", "polynomial": "polynomial", "inverse_sqrt": "inverse_sqrt"}
 
 
 def warmup_steps(train, total_steps: int) -> int:
@@ -36,7 +38,8 @@ def warmup_steps(train, total_steps: int) -> int:
 
 
 def build_scheduler(train, optimizer: torch.optim.Optimizer, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
-    """transformers' scheduler ``train.lr_scheduler`` over ``total_steps`` optimizer steps with the exact warm-up.
+    """transformers' scheduler ``train.lr_scheduler`` over ``total_steps`` optimizer steps with the exact warm-up
+    and the schedule's own arguments (``train.lr_scheduler_kwargs``, validated in llmtune.config.surface).
 
     Args:
         train: the recipe's ``train`` section.
@@ -44,7 +47,8 @@ def build_scheduler(train, optimizer: torch.optim.Optimizer, total_steps: int) -
         total_steps: optimizer steps of the whole run.
     """
     return get_scheduler(SCHEDULERS[train.lr_scheduler], optimizer=optimizer,
-                         num_warmup_steps=warmup_steps(train, total_steps), num_training_steps=total_steps)
+                         num_warmup_steps=warmup_steps(train, total_steps), num_training_steps=total_steps,
+                         scheduler_specific_kwargs=dict(getattr(train, "lr_scheduler_kwargs", None) or {}))
 
 
 def apply_schedule_lr(scheduler) -> list[float] | None:

@@ -98,13 +98,14 @@ def build_training_args(recipe: Recipe, run_dir: Path, has_eval: bool) -> Traini
         max_steps=t.max_steps or -1,
         learning_rate=t.learning_rate,
         lr_scheduler_type=SCHEDULERS[t.lr_scheduler],
+        lr_scheduler_kwargs=dict(t.lr_scheduler_kwargs),
         warmup_steps=warmup,
         weight_decay=t.weight_decay,
         adam_beta1=t.adam_beta1,
         adam_beta2=t.adam_beta2,
         adam_epsilon=t.adam_epsilon,
         max_grad_norm=t.max_grad_norm,
-        optim="adamw_torch",
+        optim=t.optim,
         seed=t.seed,
         data_seed=t.seed,
         bf16=p.bf16,
@@ -131,6 +132,7 @@ def build_training_args(recipe: Recipe, run_dir: Path, has_eval: bool) -> Traini
         gradient_checkpointing=False,  # enabled (non-reentrant) by the model helpers, never here
         disable_tqdm=False,
         label_names=["labels"],
+        **dict(t.extra_args),  # validated: only fields llmtune does not set (llmtune.config.surface)
     )
 
 

@@ -35,7 +35,7 @@ def _raise_bad_rows(bad: list[tuple[str, int, RowError]]) -> None:
         lines.append(f"  ... and {len(bad) - MAX_LISTED_BAD_ROWS} more")
     raise DataError(
         f"{len(bad)} bad row(s) (data.bad_rows: error); row = 0-based index in the file:\n" + "\n".join(lines) + "\n"
-        "Fix these rows, map columns with data.datasets[i].columns, or set data.bad_rows: skip to drop them "
+        "Fix these rows, map columns with data.datasets.N.columns (N = the source's index), or set data.bad_rows: skip to drop them "
         "(they are counted with reasons in data_report.json)."
     )
 

@@ -387,6 +387,9 @@ def _map_batch(batch: dict, fn) -> dict:
     return out
 
 
+PROGRESS_MIN_ROWS = 2000  # a progress bar (stderr) while tokenizing at least this many rows
+
+
 def tokenize_rows(rows: list[dict], fn, num_proc: int | None = None) -> list:
     """Tokenize canonical rows; failures are returned (not raised) as :class:`RowError` in their place.
 
@@ -400,8 +403,13 @@ def tokenize_rows(rows: list[dict], fn, num_proc: int | None = None) -> list:
         One ``fn.result_type`` or :class:`RowError` per row, in order.
     """
     if not num_proc or num_proc <= 1 or len(rows) < 2 * num_proc:
+        from tqdm.auto import tqdm
+
+        from llmtune.utils import is_main_process
+
         out: list = []
-        for row in rows:
+        quiet = len(rows) < PROGRESS_MIN_ROWS or not is_main_process()
+        for row in tqdm(rows, desc="tokenizing", unit="row", leave=False, disable=quiet, mininterval=1.0):
             try:
                 out.append(fn(row))
             except RowError as err:
@@ -412,6 +420,7 @@ def tokenize_rows(rows: list[dict], fn, num_proc: int | None = None) -> list:
     table = datasets.Dataset.from_dict({"row": [json.dumps(r) for r in rows]})
     mapped = table.map(
         _map_batch, batched=True, num_proc=num_proc, fn_kwargs={"fn": fn}, remove_columns=["row"],
+        desc=f"tokenizing ({num_proc} processes)",
         keep_in_memory=True, load_from_cache_file=False, new_fingerprint=uuid.uuid4().hex,
     )
     return [
