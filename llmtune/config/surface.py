@@ -39,13 +39,14 @@ OWNED: dict[str, str] = {
     "label_names": "llmtune (labels)", "average_tokens_across_devices": "llmtune (exact accumulation)",
     "ddp_find_unused_parameters": "llmtune", "dataloader_pin_memory": "llmtune (on when CUDA is available)",
     "disable_tqdm": "llmtune", "ddp_backend": "llmtune (gloo on CPU, nccl on GPUs)",
-    "use_cpu": "llmtune (decided by the launcher)", "local_rank": "the launcher (--nproc-per-node)",
+    "use_cpu": "llmtune (decided by the launcher)",
+    "logging_nan_inf_filter": "llmtune (non-finite steps are skipped and logged: train.max_nonfinite_steps)", "local_rank": "the launcher (--nproc-per-node)",
 }
 # optimizers that need bitsandbytes (the usual QLoRA choice: 8-bit / paged AdamW)
 _BNB_PREFIXES = ("paged_", "lion_")
 _BNB = ("adamw_bnb_8bit", "adamw_8bit", "ademamix_8bit", "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit")
-# train.lr_scheduler -> transformers' name (llmtune.core.trainer.SCHEDULERS, which the trainer uses)
-_SCHEDULE_NAMES = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup",
+# train.lr_scheduler -> transformers' name (the one table: llmtune.core.schedule uses it)
+SCHEDULE_NAMES = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup",
                    "cosine_with_min_lr": "cosine_with_min_lr", "warmup_stable_decay": "warmup_stable_decay",
                    "cosine_with_restarts": "cosine_with_restarts", "polynomial": "polynomial",
                    "inverse_sqrt": "inverse_sqrt"}
@@ -109,7 +110,7 @@ def optim_problems(optim: Any) -> list[tuple[str, str]]:
 def scheduler_problems(name: Any, kwargs: Any) -> list[tuple[str, str]]:
     """``train.lr_scheduler_kwargs`` must be arguments of the chosen transformers schedule (the required ones of
     cosine_with_min_lr and warmup_stable_decay present)."""
-    if not isinstance(name, str) or name not in _SCHEDULE_NAMES:
+    if not isinstance(name, str) or name not in SCHEDULE_NAMES:
         return []
     kwargs = kwargs if isinstance(kwargs, dict) else {}
     if not kwargs and name in ("linear", "cosine", "constant"):
@@ -117,7 +118,7 @@ def scheduler_problems(name: Any, kwargs: Any) -> list[tuple[str, str]]:
     from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION
     from transformers.trainer_utils import SchedulerType
 
-    func = TYPE_TO_SCHEDULER_FUNCTION[SchedulerType(_SCHEDULE_NAMES[name])]
+    func = TYPE_TO_SCHEDULER_FUNCTION[SchedulerType(SCHEDULE_NAMES[name])]
     params = {p: v for p, v in inspect.signature(func).parameters.items() if p not in _SCHEDULE_OWN}
     problems = []
     for key in kwargs:

@@ -18,13 +18,12 @@ import math
 import torch
 from transformers import get_scheduler
 
+from llmtune.config.surface import SCHEDULE_NAMES
 from llmtune.utils import get_logger
 
 log = get_logger("schedule")
 
-SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup",
-              "cosine_with_min_lr": "cosine_with_min_lr", "warmup_stable_decay": "warmup_stable_decay",
-              "cosine_with_restarts": "cosine_with_restarts", "polynomial": "polynomial", "inverse_sqrt": "inverse_sqrt"}
+SCHEDULERS = SCHEDULE_NAMES  # train.lr_scheduler -> transformers' scheduler name
 
 
 def warmup_steps(train, total_steps: int) -> int:

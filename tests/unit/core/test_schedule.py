@@ -87,3 +87,24 @@ def test_warmup_ratio_one_warms_up_over_every_step(tmp_path):
     # transformers reads a warm-up value >= 1 as a step count: ratio 1.0 became a 1-step warm-up
     applied, _ = run(tmp_path, {"lr_scheduler": "linear", "max_steps": 4, "warmup_ratio": 1.0})
     assert [applied[k] for k in range(1, 5)] == pytest.approx([0.0, PEAK / 4, PEAK / 2, 3 * PEAK / 4])
+
+
+def test_build_scheduler_passes_the_schedules_own_arguments():
+    """train.lr_scheduler_kwargs reach transformers' schedule through llmtune's create_scheduler (cosine_with_min_lr
+    without its min_lr_rate would raise; with it the last step runs at 0.1 x the peak LR)."""
+    from types import SimpleNamespace
+
+    from llmtune.core.schedule import build_scheduler
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=1.0)
+    train = SimpleNamespace(lr_scheduler="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1},
+                            warmup_steps=0, warmup_ratio=0.0)
+    sched = build_scheduler(train, opt, total_steps=10)
+    lrs = []
+    for _ in range(10):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] == pytest.approx(1.0)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
