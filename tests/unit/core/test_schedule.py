@@ -11,6 +11,7 @@ lr(k - 1)), with W warm-up steps and N steps in all:
 import math
 
 import pytest
+import torch
 from transformers import TrainerCallback
 
 from test_trainer import make_trainer
