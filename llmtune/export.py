@@ -35,6 +35,7 @@ import yaml
 from llmtune.config import Recipe, load_recipe
 from llmtune.core import rundir as rd
 from llmtune.data.templates import template_eos_ids  # noqa: F401  (re-exported: export/chat users)
+from llmtune.models.quant import compute_dtype_4bit, dequantize_to_fp32  # noqa: F401  (re-exported)
 from llmtune.utils import get_logger, setup_logging, write_json
 from llmtune.errors import LlmtuneError
 
@@ -172,28 +173,6 @@ def refuse_partitioned_merge(model) -> None:
         assert_gathered(model, "merge the adapter")
     except RuntimeError as err:
         raise ExportError(str(err)) from None
-
-
-def dequantize_to_fp32(model):
-    """Replace every bitsandbytes 4/8-bit linear layer of ``model`` by an ``nn.Linear`` holding its dequantized
-    weight, computed in fp32, and cast every other floating parameter to fp32.
-
-    transformers' ``model.dequantize`` does the replacement; 4-bit weights are dequantized in their quantization
-    state's dtype (the load dtype, often bf16), so that dtype is set to fp32 first: ``code[q] * absmax`` in fp32 is
-    the value the 4-bit weight stands for, and the one the training matmuls rounded to their compute dtype.
-
-    Returns:
-        The dequantized model (a plain ``PreTrainedModel``; its quantizer and ``quantization_config`` are removed).
-    """
-    for param in model.parameters():
-        if type(param).__name__ == "Params4bit" and param.quant_state is not None:
-            param.quant_state.dtype = torch.float32
-    model = model.dequantize(dtype=torch.float32)
-    for attr in ("is_loaded_in_4bit", "is_loaded_in_8bit"):
-        if attr in vars(model):
-            setattr(model, attr, False)
-    model.is_quantized = False
-    return model.to(torch.float32)
 
 
 # ---- building and merging ------------------------------------------------------------------------------------
@@ -380,6 +359,7 @@ def export_run(run_dir: str | Path, dtype: str = "auto", out_dir: str | Path | N
     eos_ids = template_eos_ids(tokenizer)
     reference = _outputs(model, inputs, head)  # the adapter model, unmerged (quantized base for QLoRA)
     ref_gens = _generate(model, inputs, eos_ids, tokenizer.pad_token_id, max_new_tokens) if head == "causal_lm" else []
+    reference_compute = compute_dtype_4bit(model)  # what the 4-bit layers really computed in (CPU packed: bf16)
     merged = merge_in_fp32(model, run_dir / rd.ADAPTER)  # fp32 arithmetic; `model` is merged in place from here on
     del model
     merged = merged.to(DTYPES[dtype])  # the one cast
@@ -396,11 +376,11 @@ def export_run(run_dir: str | Path, dtype: str = "auto", out_dir: str | Path | N
     max_diff = max(float((a - b).abs().max()) for a, b in zip(got, reference))
     scale = max(float(r.abs().max()) for r in reference)
     atol, rtol = TOLERANCE[dtype]
-    if quantized:  # the reference ran its 4-bit matmuls in the compute dtype (8-bit: int8): allow that rounding too
+    if quantized:  # the reference ran its 4-bit matmuls in their compute dtype (8-bit: int8): allow that rounding
         from llmtune.models.load import resolve_compute_dtype
 
         compute = "int8" if recipe.model.load_in_8bit else {v: k for k, v in DTYPES.items()}[
-            resolve_compute_dtype(recipe.model, recipe.precision)]
+            reference_compute or resolve_compute_dtype(recipe.model, recipe.precision)]
         catol, crtol = TOLERANCE_INT8 if compute == "int8" else TOLERANCE[compute]
         atol, rtol = max(atol, catol), max(rtol, crtol)
         base_info["compute_dtype"] = compute
