@@ -14,6 +14,12 @@ and shift it: trl #2054).
   the template adds for one more assistant turn — ``render(prompt + [assistant])[len(prompt_text):]``
   without trailing whitespace, the same span rule as SFT (:func:`~llmtune.data.tokenize.assistant_span`):
   for ChatML ``answer<|im_end|>``.
+* Reward models (``exact_template``): each side is the chat template's exact output for the whole conversation,
+  tokenized as ``tokenizer.apply_chat_template(conversation, tokenize=True)`` tokenizes it (trailing text after the
+  end-of-turn token, e.g. ChatML's ``"\n"``, included; no BOS the template does not render), so a consumer that
+  scores that output reads the position the RM was trained at. The shared prompt is the longest common prefix of
+  both sides and the tokenized prompt. DPO keeps the SFT span rule: the policy's log-probs end at the end-of-turn
+  token it generates.
 * Without a chat template (string prompts only): the raw prompt, then completion + EOS.
 * BOS as in SFT: one BOS id in front when the tokenizer adds one by itself and the prompt does not start
   with the BOS text; never two.
@@ -134,6 +140,8 @@ class PairTokenizer:
         truncation_mode: ``keep_end`` or ``keep_start``: the end of a cut prompt that is kept.
         truncation: ``truncate`` (cut as described in the module docstring) or ``drop`` (drop pairs that need a cut).
         keep_system: ``keep_end`` keeps the system message in front (``data.truncation_keep_system``).
+        exact_template: tokenize each side as the chat template's exact output (reward models; see the module
+            docstring); ``False`` (DPO) = prompt + the assistant turn without the text after its end-of-turn.
 
     Raises:
         DataError: see :func:`check_special_tokens`; ``max_prompt_length >= max_length``.
@@ -142,7 +150,8 @@ class PairTokenizer:
     result_type = TokenizedPair
 
     def __init__(self, tokenizer, max_length: int, max_prompt_length: int | None = None,
-                 truncation_mode: str = "keep_end", truncation: str = "truncate", keep_system: bool = False):
+                 truncation_mode: str = "keep_end", truncation: str = "truncate", keep_system: bool = False,
+                 exact_template: bool = False):
         check_special_tokens(tokenizer)
         if max_prompt_length is not None and max_prompt_length >= max_length:
             raise DataError(
@@ -157,6 +166,7 @@ class PairTokenizer:
         self.keep_system = keep_system
         self.add_bos = tokenizer_adds_bos(tokenizer)
         self.chat = bool(getattr(tokenizer, "chat_template", None))
+        self.exact_template = exact_template
 
     def __call__(self, row: dict) -> TokenizedPair:
         """Tokenize one canonical pair.
@@ -169,6 +179,8 @@ class PairTokenizer:
         if self.chat:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             prompt_text = render_chat(self.tokenizer, messages, generation_prompt=True)
+            if self.exact_template:
+                return self._fit(*self._template_ids(messages, prompt_text, row))
             completions = [self._turn_text(messages, prompt_text, row[k]) for k in ("chosen", "rejected")]
             end = []
         else:
@@ -188,6 +200,20 @@ class PairTokenizer:
         """Completion ids; a long one is tokenized whole so that the report counts exactly what a cut removes."""
         ids = encode_text(self.tokenizer, text, need)
         return encode_text(self.tokenizer, text) if len(ids) >= need else ids
+
+    def _template_ids(self, messages: list[dict], prompt_text: str, row: dict) -> tuple[list, list, list]:
+        """``(shared prompt ids, chosen ids, rejected ids)`` whose concatenations are the template's exact output
+        for prompt + each completion, tokenized as ``apply_chat_template(..., tokenize=True)`` does."""
+        sides = []
+        for key in ("chosen", "rejected"):
+            text = render_chat(self.tokenizer, [*messages, {"role": "assistant", "content": row[key]}])
+            if not text.startswith(prompt_text):
+                raise not_prefix_consistent(len(messages))
+            sides.append(encode_text(self.tokenizer, text))
+        prompt = encode_text(self.tokenizer, prompt_text)
+        k = next((i for i, ids in enumerate(zip(prompt, *sides)) if len(set(ids)) > 1),
+                 min(map(len, [prompt, *sides])))
+        return sides[0][:k], sides[0][k:], sides[1][k:]
 
     def _turn_text(self, messages: list[dict], prompt_text: str, content: str) -> str:
         """The text one more assistant turn adds to the rendered prompt (answer + end-of-turn)."""
@@ -237,7 +263,8 @@ class PairTokenizer:
         return apply_cut(prompt, *prompt_cut(len(prompt), n, "keep_end", head=head))
 
 
-def build_preference_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".") -> PreferenceData:
+def build_preference_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".",
+                          exact_template: bool = False) -> PreferenceData:
     """Read, validate, mix, tokenize and split the preference pairs of a recipe.
 
     Mixing (``weight``), ``max_samples`` (per source and total), ``val_size`` and ``seed`` work as for SFT
@@ -248,6 +275,7 @@ def build_preference_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = 
         cfg: the recipe's ``data`` section.
         tokenizer: a Hugging Face fast tokenizer.
         base_dir: directory that relative local paths are resolved against (usually the recipe's).
+        exact_template: reward models: each side is the template's exact output (see :class:`PairTokenizer`).
 
     Returns:
         :class:`PreferenceData` with train/eval ``datasets.Dataset`` and the :class:`DataReport`.
@@ -265,7 +293,7 @@ def build_preference_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = 
         apply_chat_template_config(cfg, tokenizer)
     # Set-up errors (missing EOS/BOS, max_prompt_length) come before any data is read.
     fn = PairTokenizer(tokenizer, cfg.max_length, cfg.max_prompt_length, cfg.truncation_mode, cfg.truncation,
-                       cfg.truncation_keep_system)
+                       cfg.truncation_keep_system, exact_template=exact_template)
     report = DataReport(max_length=cfg.max_length, seed=cfg.seed, kind="preference")
     pools = read_sources(cfg, base_dir, report, kind="preference")
     if not fn.chat and any(not isinstance(row["prompt"], str) for pool in pools for _, row in pool):

@@ -735,6 +735,8 @@ def load_model(
 
     Returns:
         The model in eval mode as transformers returns it (all parameters still trainable unless quantized).
+        4-bit weights stay in bitsandbytes' standard layout whatever the CPU
+        (:func:`llmtune.models.quant.keep_standard_4bit_layout`).
 
     Raises:
         ModelLoadError: the source cannot be resolved; ``load_in_4bit`` and ``load_in_8bit`` are both set;
@@ -781,6 +783,10 @@ def load_model(
             f"could not load model {source.original!r} from {source.path}: {type(err).__name__}: "
             f"{str(err).rstrip('.')}.{hint}"
         ) from err
+    if cfg.load_in_4bit:  # no CPU repack of the 4-bit weights at the first eval forward (llmtune.models.quant)
+        from llmtune.models.quant import keep_standard_4bit_layout
+
+        keep_standard_4bit_layout(model)
     _log_loading_info(info, head, source.original)
     quant = "4-bit " + cfg.bnb_4bit_quant_type if cfg.load_in_4bit else "8-bit" if cfg.load_in_8bit else "unquantized"
     logger.info(

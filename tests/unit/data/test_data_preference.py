@@ -325,3 +325,36 @@ def test_truncation_keep_system_keeps_the_system_message_of_a_cut_prompt(tok):
     assert plain.prompt_ids == [0] + (system + PROMPT)[-23:]
     with pytest.raises(RowError, match="the BOS and system message alone take 16"):
         PairTokenizer(tok, 40, max_prompt_length=16, keep_system=True)(pair)
+
+
+BOUNDARY_MERGE = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ 'Q: ' + m['content'] + '\nA: ' }}"
+                  "{% else %}{{ m['content'] + eos_token + '\n' }}{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("template", ["chatml", "boundary merge"])
+@pytest.mark.parametrize("add_bos", [False, True])
+def test_reward_model_pairs_are_the_templates_exact_output(template, add_bos):
+    """RM sequences = apply_chat_template(conversation, tokenize=True), trailing "\\n" included, even where
+    the answer merges with the generation prompt; DPO sequences keep ending at the end-of-turn token."""
+    tok = make_tiny_tokenizer(add_bos=add_bos)
+    if template != "chatml":
+        tok.chat_template = BOUNDARY_MERGE
+    row = {"prompt": "How many?", "chosen": "The answer is 42.", "rejected": "Ten."}
+    messages = [{"role": "user", "content": row["prompt"]}]
+    rm = PairTokenizer(tok, 64, exact_template=True)(row)
+    for side, ids in (("chosen", rm.chosen_ids), ("rejected", rm.rejected_ids)):
+        conversation = [*messages, {"role": "assistant", "content": row[side]}]
+        consumer = tok.apply_chat_template(conversation, tokenize=True, return_dict=True)["input_ids"]
+        assert rm.prompt_ids + ids == list(consumer)  # old code: no trailing "\n" (and a split at the merge)
+        assert tok.convert_ids_to_tokens(consumer)[-2:] == ["<|im_end|>", "Ċ"]
+    dpo = PairTokenizer(tok, 64)(row)
+    assert tok.convert_ids_to_tokens(dpo.chosen_ids)[-1] == "<|im_end|>"  # the policy's turn ends at its EOS
+    assert dpo.prompt_ids + dpo.chosen_ids != rm.prompt_ids + rm.chosen_ids
+
+
+def test_reward_model_pairs_are_truncated_like_dpo_pairs(tok):
+    row = {"prompt": "Hello! " * 20, "chosen": "I am fine. " * 20, "rejected": "No."}
+    rm = PairTokenizer(tok, 40, max_prompt_length=16, exact_template=True)(row)
+    assert rm.truncated and len(rm.prompt_ids) == 16 and len(rm.prompt_ids) + len(rm.chosen_ids) == 40
+    assert rm.prompt_ids[0] == tok.bos_token_id  # keep_end keeps the BOS first
+    assert tok.convert_ids_to_tokens(rm.rejected_ids)[-2:] == ["<|im_end|>", "Ċ"]
