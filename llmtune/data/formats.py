@@ -443,7 +443,7 @@ def _unpaired(row: dict, cols: dict[str, str], ds: DatasetConfig) -> dict:
                        f"false (undesirable); add it, or map your column with columns: {{label: <column>}}")
     if type(label).__name__ not in ("bool", "bool_"):  # Python or NumPy booleans only
         raise RowError("label not a boolean", f"field '{label_col}' must be true (desirable) or false (undesirable), "
-                       f"got {_type_name(label)} {label!r}; write a JSON boolean (numbers and strings are not "
+                       f"got {'a string' if isinstance(label, str) else _type_name(label)} {label!r}; write a JSON boolean (numbers and strings are not "
                        "converted)")
     if row.get(prompt_col) is not None and row.get(messages_col) is not None:
         raise RowError("prompt and messages", f"the row has both '{prompt_col}' and '{messages_col}'; give the "
