@@ -76,8 +76,8 @@ class DatasetConfig(Section):
         "preference_messages ({chosen, rejected} message lists sharing a prompt prefix, optional prompt), "
         "hh (HH-RLHF transcripts; prompt = text before the last Assistant turn). PPO prompts: any of these (a "
         "final assistant turn / completion / chosen response becomes the reference answer) or prompt ({prompt} "
-        "string or message list, optional reference). KTO: unpaired ({prompt | messages, completion, label: true|false}) "
-        "or any preference format (each pair becomes a desirable and an undesirable row).",
+        "string or message list, optional reference). KTO: unpaired ({prompt | messages, completion, label: "
+        "true|false}) or any preference format (each pair becomes a desirable and an undesirable row).",
     )
     columns: dict[str, str] = Field(
         default_factory=dict,
