@@ -94,9 +94,9 @@ class UnpairedReport(DataReport):
         if not b:
             return super().summary(examples)
         verdict = "within" if b["in_range"] else "OUTSIDE"
+        ratio = "n/a" if b["ratio"] is None else f"{b['ratio']:.3f}"
         line = (f"  KTO balance: {b['desirable']} desirable / {b['undesirable']} undesirable train rows; "
-                f"desirable_weight x n_D / (undesirable_weight x n_U) = {b['ratio']:.3f}, {verdict} the paper's "
-                f"[1, 4/3]")
+                f"desirable_weight x n_D / (undesirable_weight x n_U) = {ratio}, {verdict} the paper's [1, 4/3]")
         return super().summary(examples) + "\n" + line + ("" if b["in_range"] else f"\n  {b['advice']}")
 
 
@@ -110,13 +110,13 @@ def kto_balance(n_desirable: int, n_undesirable: int, desirable_weight: float, u
     Returns:
         ``{desirable, undesirable, desirable_weight, undesirable_weight, ratio, recommended_ratio, in_range,
         desirable_weight_range, undesirable_weight_range, advice}``: ``ratio = lambda_D n_D / (lambda_U n_U)``
-        (inf when there are no undesirable rows); the weight ranges give ``ratio`` in [1, 4/3] when only that
+        (None when there are no undesirable rows); the weight ranges give ``ratio`` in [1, 4/3] when only that
         weight is changed (None when a label has no rows).
     """
     lo, hi = BALANCE_RANGE
     d, u = n_desirable * desirable_weight, n_undesirable * undesirable_weight
-    ratio = d / u if u else float("inf")
-    in_range = lo <= ratio <= hi + 1e-12
+    ratio = d / u if u else None
+    in_range = ratio is not None and lo <= ratio <= hi + 1e-12
     des_range = [round(u * lo / n_desirable, 4), round(u * hi / n_desirable, 4)] if n_desirable and u else None
     und_range = [round(d / (hi * n_undesirable), 4), round(d / (lo * n_undesirable), 4)] if n_undesirable and d else None
     if not n_desirable or not n_undesirable:

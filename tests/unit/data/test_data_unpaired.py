@@ -91,7 +91,8 @@ def test_balance_guidance_of_the_paper():
     assert "kto.desirable_weight in [0.3333, 0.4444] OR kto.undesirable_weight in [2.25, 3.0]" in b["advice"]
     assert kto_balance(100, 300, 3.5, 1.0)["in_range"]  # 350 / 300 = 1.17
     assert not kto_balance(100, 300, 1.0, 1.0)["in_range"]
-    assert "only desirable rows" in kto_balance(5, 0, 1.0, 1.0)["advice"]
+    only = kto_balance(5, 0, 1.0, 1.0)
+    assert "only desirable rows" in only["advice"] and only["ratio"] is None and not only["in_range"]
 
 
 def test_balance_in_data_report_json(tok, write, cfg, tmp_path):
