@@ -47,5 +47,5 @@ def test_shipped_comparison_pipeline(tmp_path):
     pipe = load_pipeline(ROOT / "recipes" / "quickstart_prefs_pipeline.yaml", base_dir=tmp_path / "main")
     assert [(s.name, s.kind) for s in pipe.steps] == [("orpo", "orpo"), ("simpo", "simpo"), ("kto", "kto")]
     assert {s.recipe.model.from_run for s in pipe.steps} == {"runs/quickstart_sft"}
-    assert {s.recipe.data.val_size for s in pipe.steps} == {32} and {s.recipe.train.max_steps for s in pipe.steps} == {8}
+    assert {s.recipe.data.val_size for s in pipe.steps} == {16} and {s.recipe.train.max_steps for s in pipe.steps} == {8}
     assert pipe.export.step is None
