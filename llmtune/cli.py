@@ -21,7 +21,8 @@ EXIT_USAGE = 2
 
 
 # recipe sections a stage reads (llmtune <stage> --help lists these); validate lists them all
-STAGE_SECTIONS = {"sft": (), "rm": ("rm",), "dpo": ("dpo",), "ppo": ("ppo", "reward")}
+# a stage reads the common sections, its own (named like the stage, when the schema has one) and these:
+STAGE_SECTIONS = {"ppo": ("reward",), "grpo": ("reward",)}
 COMMON_SECTIONS = ("model", "data", "adapter", "train", "precision", "distributed", "output")
 
 
@@ -42,7 +43,7 @@ def options_help(stage: str | None = None) -> str:
     if stage is None:
         sections = list(SECTIONS)
     else:
-        sections = [s for s in SECTIONS if s in COMMON_SECTIONS or s in STAGE_SECTIONS.get(stage, ())]
+        sections = [s for s in SECTIONS if s in COMMON_SECTIONS or s == stage or s in STAGE_SECTIONS.get(stage, ())]
     lines = ["recipe options (set in the YAML or as section.key=value overrides; list items by index, "
              "e.g. data.datasets.0.path):"]
     for section in sections:

@@ -91,7 +91,7 @@ class StageStep(_Spec):
     """A training step: one ``llmtune sft|rm|dpo|ppo`` run."""
 
     name: str = Field(..., description="Step name: its directory under pipeline.dir and its {name} reference.")
-    stage: Literal["sft", "rm", "dpo", "ppo"] | None = Field(
+    stage: Literal["sft", "rm", "dpo", "ppo", "orpo", "simpo", "kto"] | None = Field(
         None, description="Stage to run (default: the recipe's stage:, else the step name if it is a stage).")
     recipe: str | dict[str, Any] | None = Field(
         None, description="A recipe file (relative to the pipeline file) or an inline recipe mapping (may use base:).")
@@ -398,9 +398,10 @@ def _stage_step(entry, i, name, pipe, known, later, cli, problems, where, stages
         problems += [(f"{where}{p}", m) for p, m in exc.problems]
         return None
     overrides = {**spec.overrides, **cli}
-    kind = spec.stage or doc.get("stage") or (name if name in ("sft", "rm", "dpo", "ppo") else None)
+    kind = spec.stage or doc.get("stage") or (name if name in stages else None)
     if kind is None:
-        problems.append((f"pipeline.stages.{i}.stage", "which stage? set stage: sft | rm | dpo | ppo (or kind: pairs)"))
+        problems.append((f"pipeline.stages.{i}.stage", f"which stage? set stage: {' | '.join(stages)} (or kind: "
+                         "pairs)"))
         return None
     if doc.get("stage") not in (None, kind):
         problems.append((f"{where}stage", f"the recipe is for stage {doc['stage']!r} but the step runs {kind!r}"))

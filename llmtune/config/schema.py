@@ -75,7 +75,7 @@ class DatasetConfig(Section):
     )
     format: Literal[
         "auto", "alpaca", "sharegpt", "messages", "text", "prompt_completion", "prompt", "preference",
-        "preference_messages", "hh"
+        "preference_messages", "hh", "unpaired"
     ] = Field(
         "auto",
         description="Row format; auto detects it from the columns of the first row. SFT: alpaca, sharegpt, messages, "
@@ -83,7 +83,8 @@ class DatasetConfig(Section):
         "preference_messages ({chosen, rejected} message lists sharing a prompt prefix, optional prompt), "
         "hh (HH-RLHF transcripts; prompt = text before the last Assistant turn). PPO prompts: any of these (a "
         "final assistant turn / completion / chosen response becomes the reference answer) or prompt ({prompt} "
-        "string or message list, optional reference).",
+        "string or message list, optional reference). KTO: unpaired ({prompt | messages, completion, label: "
+        "true|false}) or any preference format (each pair becomes a desirable and an undesirable row).",
     )
     columns: dict[str, str] = Field(
         default_factory=dict,
@@ -322,6 +323,37 @@ class DPOConfig(Section):
         return self
 
 
+class ORPOConfig(Section):
+    """ORPO (`llmtune orpo`; Hong et al. 2024): SFT loss on chosen + beta x odds-ratio term; no reference model."""
+
+    beta: float = Field(0.1, ge=0, description="Weight lambda of the odds-ratio term -log sigmoid(log odds(chosen) "
+                        "- log odds(rejected)) added to the chosen NLL (odds from token-mean log-probs; 0 = SFT on "
+                        "chosen); rewards are beta * token-mean logp.")
+
+
+class SimPOConfig(Section):
+    """SimPO (`llmtune simpo`; Meng et al. 2024): length-normalised log-prob margin with a target margin; no
+    reference model."""
+
+    beta: float = Field(2.0, gt=0, description="Reward scale beta: reward = beta * token-mean logp of a completion "
+                        "(the paper uses 2.0-10).")
+    gamma: float = Field(0.5, ge=0, description="Target reward margin gamma in -log sigmoid(r_chosen - r_rejected - "
+                         "gamma), in reward units (the paper uses 0.3-1.6; gamma / beta ~ 0.5 is a good start).")
+    length_normalize: bool = Field(True, description="Divide each completion's summed log-prob by its token count "
+                                   "(SimPO); false = summed log-probs (a reference-free DPO with a margin).")
+
+
+class KTOConfig(Section):
+    """KTO (`llmtune kto`; Ethayarajh et al. 2024): desirable / undesirable completions against a KL reference
+    point estimated from mismatched prompt/completion pairs of each optimizer step; reference = adapter disabled."""
+
+    beta: float = Field(0.1, gt=0, description="Strength beta: reward = beta * (logp - ref_logp).")
+    desirable_weight: float = Field(1.0, gt=0, description="Loss weight lambda_D of desirable rows (label true). "
+                                    "With imbalanced data keep desirable_weight x n_desirable / (undesirable_weight "
+                                    "x n_undesirable) in [1, 4/3] (paper, Eq. 8; see data_report.json kto_balance).")
+    undesirable_weight: float = Field(1.0, gt=0, description="Loss weight lambda_U of undesirable rows (label false).")
+
+
 class PPOConfig(Section):
     """PPO (`llmtune ppo`): actor-critic RLHF (Schulman et al. 2017; Ouyang et al. 2022) with GAE (Schulman et al.
     2016). A PPO iteration = one rollout batch of ``rollout_batch_size`` prompts, then ``ppo_epochs`` passes over it
@@ -394,7 +426,7 @@ class OutputConfig(Section):
 class Recipe(Section):
     """A whole recipe: the sections nest like the YAML."""
 
-    stage: Literal["sft", "rm", "dpo", "ppo"] | None = Field(
+    stage: Literal["sft", "rm", "dpo", "ppo", "orpo", "simpo", "kto"] | None = Field(
         None, description="Stage this recipe is for; the CLI command must agree when it is set."
     )
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -406,6 +438,9 @@ class Recipe(Section):
     rm: RMConfig = Field(default_factory=RMConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
+    orpo: ORPOConfig = Field(default_factory=ORPOConfig)
+    simpo: SimPOConfig = Field(default_factory=SimPOConfig)
+    kto: KTOConfig = Field(default_factory=KTOConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
 

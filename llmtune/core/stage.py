@@ -96,6 +96,11 @@ class Stage:
         """Items in this micro-batch that the loss averages over (scalar tensor)."""
         raise NotImplementedError
 
+    def prepare_step(self, trainer: Any, batches: list[dict[str, torch.Tensor]]) -> None:
+        """Called once per optimizer step with all its micro-batches (this rank's, not yet on the device), before
+        their losses; on every rank (collectives are allowed). For statistics of a whole step (KTO's KL reference
+        point), so that they do not depend on how the step is split into micro-batches. Default: nothing."""
+
     def loss(
         self, model: torch.nn.Module, batch: dict[str, torch.Tensor], num_items: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, float]]:

@@ -239,7 +239,9 @@ class CoreTrainer(NonFiniteGuard, Trainer):
         return sampler
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
-        """Items of the whole optimizer step: summed over its micro-batches and over all ranks."""
+        """Items of the whole optimizer step: summed over its micro-batches and over all ranks (and the stage's
+        once-per-step statistics, :meth:`Stage.prepare_step`)."""
+        self.stage.prepare_step(self, batch_samples)
         count = sum(self.stage.count_items(b).to(device) for b in batch_samples)
         count = torch.as_tensor(count, device=device)
         if self.args.world_size > 1:
