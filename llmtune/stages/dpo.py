@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from llmtune.config import Recipe, RecipeError
-from llmtune.core.ops import token_logps
+from llmtune.core.lm_head import sequence_logps
 from llmtune.core.stage import PairwiseStage, StageData
 from llmtune.utils import get_logger
 
@@ -93,8 +93,8 @@ class DPOStage(PairwiseStage):
 
     def logps(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(B,) chosen and (B,) rejected fp32 log-probs, summed over completion tokens, of a (2B, T) batch."""
-        logps, _ = token_logps(self.logits(model, batch), batch["labels"])  # (2B, T-1) fp32, 0 where not trained
-        return self.halves(logps.sum(-1))
+        # LM head at the completion positions only (llmtune.core.lm_head); the same sums as the full-logits path
+        return self.halves(sequence_logps(model, batch, batch["labels"]))  # (2B,) fp32
 
     def reference_logps(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Precomputed reference log-probs of the batch, else the model's with its adapter disabled (no grad)."""

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmtune.core.ops import causal_lm_loss_sum, count_trained_tokens, per_sequence_loss_sum
+from llmtune.core.lm_head import masked_token_logps, rows_of
+from llmtune.core.ops import count_trained_tokens
 from llmtune.core.stage import Stage, StageData
 from llmtune.core.trainer import perplexity
 
@@ -31,12 +32,14 @@ class SFTStage(Stage):
         return count_trained_tokens(batch["labels"])
 
     def loss(self, model, batch, num_items):
-        loss_sum, _ = causal_lm_loss_sum(self.logits(model, batch), batch["labels"])
-        return loss_sum / num_items, {}
+        # LM head at the trained positions only (llmtune.core.lm_head): same loss as the full-logits cross-entropy
+        logps, _ = masked_token_logps(model, batch, batch["labels"])  # (N,) fp32
+        return -logps.sum() / num_items, {}
 
     def eval_stats(self, model, batch):
-        loss_sum, n_tokens = per_sequence_loss_sum(self.logits(model, batch), batch["labels"])
-        return {"loss_sum": loss_sum, "n_tokens": n_tokens}
+        logps, keep = masked_token_logps(model, batch, batch["labels"])
+        loss_sum = logps.new_zeros(keep.shape[0]).index_add(0, rows_of(keep), -logps)  # (B,)
+        return {"loss_sum": loss_sum, "n_tokens": keep.sum(-1).float()}
 
     def eval_metrics(self, stats: dict[str, np.ndarray]) -> dict[str, float]:
         tokens = float(stats["n_tokens"].sum())
