@@ -38,8 +38,6 @@ HH = ROOT.parent / "shared" / "data" / "hh-rlhf-harmless-base-1800.jsonl.gz"
 if not HH.exists():
     HH = Path("/work/shared/data/hh-rlhf-harmless-base-1800.jsonl.gz")
 
-# Dense bf16 peak TFLOP/s by GPU name (vendor data sheets, SXM parts); CPUs: pass --peak-tflops.
-GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "RTX 4090": 165.0}
 
 
 @dataclasses.dataclass
@@ -102,13 +100,13 @@ def gsm8k_rows(n: int) -> list[dict]:
 
 
 def cpu_cases(work: Path, quick: bool) -> list[Case]:
-    steps = 4 if quick else 8
+    steps = 3 if quick else 6
     return [
         Case("sft", "sft", "builtin:smollm2-135m-instruct",
-             {"datasets": [{"path": "builtin:gsm8k", "max_samples": 64}], "max_length": 512}, 4, 4, steps, 2),
+             {"datasets": [{"path": "builtin:gsm8k", "max_samples": 64}], "max_length": 512}, 4, 4, steps, 1),
         Case("dpo", "dpo", "builtin:smollm2-135m-instruct",
-             {"datasets": [{**pairs_source(work), "max_samples": 64}], "max_length": 512, "max_prompt_length": 384,
-              "bad_rows": "skip"}, 2, 2, steps - 1, 2),
+             {"datasets": [{**pairs_source(work), "max_samples": 64}], "max_length": 384, "max_prompt_length": 256,
+              "bad_rows": "skip"}, 2, 2, steps, 1),
     ]
 
 
@@ -294,31 +292,20 @@ def worker(spec_path: str) -> None:
     (run_llmtune if side == "llmtune" else run_trl)(case, out, probe)
     history = probe.trainer.state.log_history
     losses = [r["loss"] for r in history if "loss" in r]
-    model = probe.trainer.model
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
-                 and "lora_" not in type(m).__name__.lower() and m.weight.dim() == 2)
-    cfg = getattr(model, "config", None)
+    from llmtune.core.flops import train_flops_per_token
+
+    steps = probe.steps
+    seq_len = sum(x["seen_tokens"] for x in steps) / max(sum(x["rows"] for x in steps), 1)
+    flops = train_flops_per_token(probe.trainer.model, seq_len, reference_forward=case.stage == "dpo")
     result = {
         "side": side, "case": case.name, "steps": probe.steps, "losses": losses, "peak_mem_gb": peak_memory_gb(),
-        "wall_s": time.perf_counter() - t0, "trainable_params": sum(p.numel() for p in model.parameters()
-                                                                    if p.requires_grad),
-        "linear_params": linear, "num_layers": getattr(cfg, "num_hidden_layers", 0),
-        "hidden_size": getattr(cfg, "hidden_size", 0),
+        "wall_s": time.perf_counter() - t0, "flops_per_token": flops,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
     Path(spec["result"]).write_text(json.dumps(result))
 
 
 # ---- driver ----------------------------------------------------------------------------------------------------------
-def train_flops_per_token(r: dict, seq_len: float, checkpointing: bool) -> float:
-    """Model FLOPs per processed token of a LoRA step on a frozen base (Kaplan et al. 2020 / PaLM convention, no
-    recomputation counted): forward 2N + backward through the activations 2N + weight gradients of the adapter 2N_a,
-    plus attention scores and values 4 * layers * T * hidden forward, twice that backward."""
-    del checkpointing  # recomputation is hardware FLOPs, not model FLOPs (MFU convention)
-    attention = 12 * r["num_layers"] * seq_len * r["hidden_size"]
-    return 4 * r["linear_params"] + 2 * r["trainable_params"] + attention
-
-
 def summarize(r: dict, case: Case, peak_tflops: float | None) -> dict:
     steady = [s for s in r["steps"][case.warmup:] if "time_s" in s]
     time_s = sum(s["time_s"] for s in steady)
@@ -330,9 +317,7 @@ def summarize(r: dict, case: Case, peak_tflops: float | None) -> dict:
         "median_step_s": statistics.median(s["time_s"] for s in steady), "peak_mem_gb": r["peak_mem_gb"],
         "pairs_per_s": rows / 2 / time_s if case.stage == "dpo" else None, "wall_s": r["wall_s"],
     }
-    seq_len = seen / max(rows, 1)
-    flops = train_flops_per_token(r, seq_len, False) * (1.5 if case.stage == "dpo" else 1.0)  # DPO: + reference fwd
-    out["model_tflops_per_s"] = flops * out["tokens_per_s"] / 1e12
+    out["model_tflops_per_s"] = r["flops_per_token"] * out["tokens_per_s"] / 1e12  # llmtune.core.flops
     out["mfu"] = out["model_tflops_per_s"] / peak_tflops if peak_tflops else None
     return out
 
@@ -410,9 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     peak = args.peak_tflops
     import torch
 
-    if peak is None and torch.cuda.is_available():
-        gpu = torch.cuda.get_device_name()
-        peak = next((v for k, v in GPU_PEAK_TFLOPS.items() if k in gpu), None)
+    if peak is None:
+        from llmtune.core.flops import peak_tflops
+
+        peak = peak_tflops()
     import platform
 
     import peft

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from llmtune.config import Recipe, RecipeError
-from llmtune.core.lm_head import sequence_logps
+from llmtune.core.lm_head import pair_logps
 from llmtune.core.stage import PairwiseStage, StageData
 from llmtune.utils import get_logger
 
@@ -91,10 +91,16 @@ class DPOStage(PairwiseStage):
                                 "disable for the reference model; set dpo.precompute_ref_logps: true (reference "
                                 "log-probs computed once before training) or use adapter.type: lora")])
 
+    @property
+    def reference_forward(self) -> bool:
+        """Whether each training step runs a reference forward (for the FLOPs of the MFU)."""
+        return not self.recipe.dpo.precompute_ref_logps
+
     def logps(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(B,) chosen and (B,) rejected fp32 log-probs, summed over completion tokens, of a (2B, T) batch."""
-        # LM head at the completion positions only (llmtune.core.lm_head); the same sums as the full-logits path
-        return self.halves(sequence_logps(model, batch, batch["labels"]))  # (2B,) fp32
+        # Each prompt computed once for both sides, the LM head only where a completion token is predicted
+        # (llmtune.core.lm_head.pair_logps): the same sums as the full-logits path of the 2B rows
+        return pair_logps(model, batch)
 
     def reference_logps(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Precomputed reference log-probs of the batch, else the model's with its adapter disabled (no grad)."""
