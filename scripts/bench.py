@@ -58,9 +58,12 @@ class Case:
     bf16: bool = False
     loss_rtol: float = 2e-3  # step-1 loss tolerance (relative)
 
-    def recipe(self, out_dir: str) -> dict:
-        """The llmtune recipe of this case (TRL's arguments are derived from the same recipe)."""
-        return {
+    def recipe(self, out_dir: str, overrides: list[str] = ()) -> dict:
+        """The llmtune recipe of this case (TRL's arguments are derived from the same recipe), with ``overrides``
+        (``section.key=value``) applied."""
+        from llmtune.config.load import apply_override, parse_override
+
+        doc = {
             "stage": self.stage,
             "model": {"name_or_path": self.model, "load_in_4bit": self.load_in_4bit},
             "data": {**self.data, "val_size": 0},
@@ -75,6 +78,9 @@ class Case:
             "dpo": {"beta": 0.1},
             "output": {"dir": out_dir, "overwrite": True, "plot": False},
         }
+        for text in overrides:
+            apply_override(doc, *parse_override(text))
+        return doc
 
 
 # ---- cases of each mode ----------------------------------------------------------------------------------------
@@ -217,14 +223,14 @@ def peak_memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def run_llmtune(case: Case, out: Path, probe: Probe) -> None:
+def run_llmtune(case: Case, out: Path, probe: Probe, overrides: list[str] = ()) -> None:
     from llmtune.config import load_recipe
     from llmtune.core.runner import run_stage
     from llmtune.core.trainer import CoreTrainer
     from llmtune.stages import STAGES
 
     probe.wrap(CoreTrainer)
-    run_stage(STAGES[case.stage](load_recipe(raw=case.recipe(str(out / "run")))), base_dir=str(ROOT))
+    run_stage(STAGES[case.stage](load_recipe(raw=case.recipe(str(out / "run"), overrides))), base_dir=str(ROOT))
 
 
 def run_trl(case: Case, out: Path, probe: Probe) -> None:
@@ -289,7 +295,10 @@ def worker(spec_path: str) -> None:
         torch.cuda.reset_peak_memory_stats()
     probe = Probe()
     t0 = time.perf_counter()
-    (run_llmtune if side == "llmtune" else run_trl)(case, out, probe)
+    if side == "trl":
+        run_trl(case, out, probe)
+    else:
+        run_llmtune(case, out, probe, spec.get("overrides", []) if side == "alt" else [])
     history = probe.trainer.state.log_history
     losses = [r["loss"] for r in history if "loss" in r]
     from llmtune.core.flops import train_flops_per_token
@@ -337,10 +346,11 @@ def check_same_work(a: dict, b: dict, case: Case) -> list[str]:
     return problems
 
 
-def run_one(case: Case, side: str, work: Path, tag: str, timeout: float) -> dict:
+def run_one(case: Case, side: str, work: Path, tag: str, timeout: float, overrides: list[str] = ()) -> dict:
     out = work / f"{case.name}-{side}-{tag}"
     out.mkdir(parents=True, exist_ok=True)
-    spec = {"case": dataclasses.asdict(case), "side": side, "out": str(out), "result": str(out / "result.json")}
+    spec = {"case": dataclasses.asdict(case), "side": side, "out": str(out), "result": str(out / "result.json"),
+            "overrides": list(overrides)}
     (out / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1"}
@@ -372,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default=None, help="directory for runs (default a temporary one)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    ap.add_argument("--against", action="append", default=[], metavar="KEY=VALUE",
+                    help="ablation: compare llmtune's defaults with llmtune under this recipe override (repeatable) "
+                         "instead of TRL, e.g. --against data.padding_free=false")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -411,16 +424,20 @@ def main(argv: list[str] | None = None) -> int:
            "transformers": transformers.__version__, "peft": peft.__version__, "trl": trl.__version__,
            "command": " ".join(["python", "scripts/bench.py", *(argv if argv is not None else sys.argv[1:])])}
     print(f"bench {name}: {reps} alternated pair(s) per case; {env}", flush=True)
+    other = "alt" if args.against else "trl"
+    env["baseline"] = f"llmtune with {' '.join(args.against)}" if args.against else f"TRL {trl.__version__}"
     problems, report = [], {"env": env, "cases": {}}
     for case in cases:
-        runs = {"llmtune": [], "trl": []}
+        runs = {"llmtune": [], other: []}
         for rep in range(reps):
-            order = ("llmtune", "trl") if rep % 2 == 0 else ("trl", "llmtune")  # A B, then B A: no side always first
+            order = ("llmtune", other) if rep % 2 == 0 else (other, "llmtune")  # A B, then B A: no side always first
             for side in order:
-                runs[side].append(run_one(case, side, work, str(rep), args.timeout))
-        for a, b in zip(runs["llmtune"], runs["trl"]):
+                runs[side].append(run_one(case, side, work, str(rep), args.timeout, args.against))
+        for a, b in zip(runs["llmtune"], runs[other]):
             problems += check_same_work(a, b, case)
         sums = {side: [summarize(r, case, peak) for r in rs] for side, rs in runs.items()}
+        sums["trl"] = sums.pop(other)  # the baseline column (TRL, or llmtune with --against)
+        runs["trl"] = runs.pop(other)
         speed = "pairs_per_s" if case.stage == "dpo" else "trained_tokens_per_s"
         ratios = {
             "speed": [x[speed] / y[speed] for x, y in zip(sums["llmtune"], sums["trl"])],
@@ -439,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1))
     if problems:
-        print("FAILED: llmtune and TRL did not do the same work:\n  " + "\n  ".join(problems))
+        print(f"FAILED: llmtune and {env['baseline']} did not do the same work:\n  " + "\n  ".join(problems))
         return 1
     print("same work: identical trained tokens and rows in every step; step-1 losses within tolerance")
     return 0
@@ -447,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_table(report: dict, peak: float | None) -> None:
     med = statistics.median
-    lines = ["", f"| case | metric | llmtune | TRL {report['env']['trl']} | llmtune / TRL (median, min-max) |",
+    base = report["env"]["baseline"]
+    lines = ["", f"| case | metric | llmtune | {base} | llmtune / baseline (median, min-max) |",
              "|---|---|---:|---:|---:|"]
     for name, c in report["cases"].items():
         L, T, R = c["runs"]["llmtune"], c["runs"]["trl"], c["ratios"]

@@ -100,7 +100,7 @@ class DPOStage(PairwiseStage):
         """(B,) chosen and (B,) rejected fp32 log-probs, summed over completion tokens, of a (2B, T) batch."""
         # Each prompt computed once for both sides, the LM head only where a completion token is predicted
         # (llmtune.core.lm_head.pair_logps): the same sums as the full-logits path of the 2B rows
-        return pair_logps(model, batch)
+        return pair_logps(model, batch, share_prompt=self.recipe.data.padding_free)
 
     def reference_logps(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Precomputed reference log-probs of the batch, else the model's with its adapter disabled (no grad)."""

@@ -8,15 +8,18 @@ split into micro-batches (transformers #34191).
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from llmtune.core.lm_head import masked_token_logps, rows_of
 from llmtune.core.ops import count_trained_tokens
+from llmtune.core.padding_free import PaddingFreeCollator, use_varlen_attention
 from llmtune.core.stage import Stage, StageData
 from llmtune.core.trainer import perplexity
 
 
 class SFTStage(Stage):
-    """SFT on chat/instruction/text rows; batches carry ``input_ids``, ``attention_mask``, ``labels`` (B, T)."""
+    """SFT on chat/instruction/text rows; batches carry ``input_ids``, ``attention_mask``, ``labels`` (B, T), or with
+    ``data.padding_free`` (default) ``input_ids``, ``labels``, ``position_ids``, ``row_index`` (1, L)."""
 
     name = "sft"
     data_kind = "sft"
@@ -26,7 +29,13 @@ class SFTStage(Stage):
         from llmtune.data import SFTCollator, build_sft_data
 
         data = build_sft_data(self.recipe.data, tokenizer, base_dir=base_dir)
-        return StageData(data.train, data.eval, data.report, SFTCollator(tokenizer), data.report.sources_lineage())
+        collator = PaddingFreeCollator() if self.recipe.data.padding_free else SFTCollator(tokenizer)
+        return StageData(data.train, data.eval, data.report, collator, data.report.sources_lineage())
+
+    def prepare_model(self, model, tokenizer):
+        if self.recipe.data.padding_free:  # attention row by row in the (1, L) sequences of PaddingFreeCollator
+            use_varlen_attention(model)
+        return model
 
     def count_items(self, batch):
         return count_trained_tokens(batch["labels"])
@@ -38,8 +47,12 @@ class SFTStage(Stage):
 
     def eval_stats(self, model, batch):
         logps, keep = masked_token_logps(model, batch, batch["labels"])
-        loss_sum = logps.new_zeros(keep.shape[0]).index_add(0, rows_of(keep), -logps)  # (B,)
-        return {"loss_sum": loss_sum, "n_tokens": keep.sum(-1).float()}
+        if "row_index" in batch:  # padding-free: the (1, L) sequence holds B rows
+            rows, n = batch["row_index"][keep], int(batch["row_index"].max()) + 1
+        else:
+            rows, n = rows_of(keep), keep.shape[0]
+        loss_sum = logps.new_zeros(n).index_add(0, rows, -logps)  # (B,)
+        return {"loss_sum": loss_sum, "n_tokens": logps.new_zeros(n).index_add(0, rows, torch.ones_like(logps))}
 
     def eval_metrics(self, stats: dict[str, np.ndarray]) -> dict[str, float]:
         tokens = float(stats["n_tokens"].sum())
