@@ -106,13 +106,14 @@ def gsm8k_rows(n: int) -> list[dict]:
 
 
 def cpu_cases(work: Path, quick: bool) -> list[Case]:
-    steps = 3 if quick else 6
+    """SFT: 2 GSM8K rows per step, DPO: 1 HH pair per step, 4 steps (``--quick``: 3), the first left out."""
+    steps, rows = (3, 2) if quick else (4, 2)
     return [
         Case("sft", "sft", "builtin:smollm2-135m-instruct",
-             {"datasets": [{"path": "builtin:gsm8k", "max_samples": 64}], "max_length": 512}, 4, 4, steps, 1),
+             {"datasets": [{"path": "builtin:gsm8k", "max_samples": 64}], "max_length": 512}, rows, rows, steps, 1),
         Case("dpo", "dpo", "builtin:smollm2-135m-instruct",
              {"datasets": [{**pairs_source(work), "max_samples": 64}], "max_length": 384, "max_prompt_length": 256,
-              "bad_rows": "skip"}, 2, 2, steps, 1),
+              "bad_rows": "skip"}, rows // 2, rows // 2, steps, 1),
     ]
 
 
@@ -211,7 +212,8 @@ def work_of(batch_samples: list[dict]) -> dict:
         else:  # TRL DPO: completion_mask over the unshifted sequence (the prompt is never empty)
             trained += int(b["completion_mask"].sum())
         seen += int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
-        rows += b["input_ids"].shape[0]
+        # padding-free batches hold their rows in one sequence (row_index); 4-D or pair batches one row per row
+        rows += int(b["row_index"].max()) + 1 if "row_index" in b else b["input_ids"].shape[0]
     return {"trained_tokens": trained, "seen_tokens": seen, "rows": rows}
 
 
@@ -385,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--against", action="append", default=[], metavar="KEY=VALUE",
                     help="ablation: compare llmtune's defaults with llmtune under this recipe override (repeatable) "
                          "instead of TRL, e.g. --against data.padding_free=false")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads per run (OMP_NUM_THREADS; default torch's own: one per core)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -425,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
            "command": " ".join(["python", "scripts/bench.py", *(argv if argv is not None else sys.argv[1:])])}
     print(f"bench {name}: {reps} alternated pair(s) per case; {env}", flush=True)
     other = "alt" if args.against else "trl"
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by every run
+        env["threads"] = args.threads
     env["baseline"] = f"llmtune with {' '.join(args.against)}" if args.against else f"TRL {trl.__version__}"
     problems, report = [], {"env": env, "cases": {}}
     for case in cases:

@@ -23,7 +23,7 @@ import torch
 
 from llmtune.core.ops import IGNORE_INDEX
 
-CHUNK_ROWS = 1024  # rows of (chunk, V) fp32 temporaries in TokenLogps (~200 MB at V = 49k, ~500 MB at V = 128k)
+CHUNK_ROWS = 256  # rows of the (chunk, V) fp32 temporaries of TokenLogps (50 MB at V = 49k, 125 MB at V = 128k)
 
 
 def next_token_targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from llmtune.config import Recipe, RecipeError
+from llmtune.core.fused import fuse_swiglu
 from llmtune.core.lm_head import pair_logps
 from llmtune.core.stage import PairwiseStage, StageData
 from llmtune.utils import get_logger
@@ -90,6 +91,10 @@ class DPOStage(PairwiseStage):
             raise RecipeError([("dpo.precompute_ref_logps", "full fine-tuning (adapter.type: none) has no adapter to "
                                 "disable for the reference model; set dpo.precompute_ref_logps: true (reference "
                                 "log-probs computed once before training) or use adapter.type: lora")])
+
+    def prepare_model(self, model, tokenizer):
+        fuse_swiglu(model)  # same gradients, one activation fewer per MLP (llmtune.core.fused)
+        return model
 
     @property
     def reference_forward(self) -> bool:

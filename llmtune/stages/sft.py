@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from llmtune.core.fused import fuse_swiglu
 from llmtune.core.lm_head import masked_token_logps, rows_of
 from llmtune.core.ops import count_trained_tokens
 from llmtune.core.padding_free import PaddingFreeCollator, use_varlen_attention
@@ -35,6 +36,7 @@ class SFTStage(Stage):
     def prepare_model(self, model, tokenizer):
         if self.recipe.data.padding_free:  # attention row by row in the (1, L) sequences of PaddingFreeCollator
             use_varlen_attention(model)
+        fuse_swiglu(model)  # same gradients, one activation fewer per MLP
         return model
 
     def count_items(self, batch):
