@@ -134,11 +134,11 @@ def gpu_cases(work: Path) -> list[Case]:
              "bad_rows": "skip"}
     tol = 5e-2  # bf16
     return [
-        Case("sft_lora", "sft", model, text, 4, 4, 12, 2, gradient_checkpointing=False,
+        Case("sft_lora", "sft", model, text, 4, 4, 8, 2, gradient_checkpointing=False,
              trl_gradient_checkpointing=True, bf16=True, loss_rtol=tol),
-        Case("sft_qlora", "sft", model, text, 4, 4, 12, 2, gradient_checkpointing=True,
+        Case("sft_qlora", "sft", model, text, 4, 4, 8, 2, gradient_checkpointing=True,
              trl_gradient_checkpointing=True, load_in_4bit=True, bf16=True, loss_rtol=tol),
-        Case("dpo", "dpo", model, pairs, 4, 4, 10, 2, gradient_checkpointing=False,
+        Case("dpo", "dpo", model, pairs, 4, 4, 8, 2, gradient_checkpointing=False,
              trl_gradient_checkpointing=True, bf16=True, loss_rtol=tol),
     ]
 
@@ -163,10 +163,12 @@ def make_gpu_model(work: Path) -> None:
         del model
         torch.cuda.empty_cache()
         load_tokenizer(ModelConfig(name_or_path="builtin:smollm2-135m-instruct")).save_pretrained(out)
-    rows = gsm8k_rows(64 * 30)
-    with (work / "long_rows.jsonl").open("w") as f:  # ~30 GSM8K rows per text: > 2,048 tokens, cut at max_length
+    rows = gsm8k_rows(1319)
+    with (work / "long_rows.jsonl").open("w") as f:  # 30 GSM8K rows per text: > 2,048 tokens, cut at max_length
         for i in range(0, 64 * 30, 30):
-            f.write(json.dumps({"text": "\n\n".join(r["question"] + "\n" + r["answer"] for r in rows[i:i + 30])}) + "\n")
+            picked = (rows[j % len(rows)] for j in range(i, i + 30))
+            text = "\n\n".join(r["question"] + "\n" + r["answer"] for r in picked)
+            f.write(json.dumps({"text": text}) + "\n")
 
 
 # ---- one run (worker subprocess) ----------------------------------------------------------------------------------
@@ -377,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--cpu", action="store_true", help="SmolLM2-135M on the CPU (default)")
     mode.add_argument("--gpu", action="store_true", help="Llama-3-8B shape on one CUDA GPU")
     mode.add_argument("--tiny", action="store_true", help="tiny random model, seconds (tests, acceptance --tiny)")
-    ap.add_argument("--reps", type=int, default=None, help="alternated run pairs per case (default 2; tiny 1)")
+    ap.add_argument("--reps", type=int, default=None, help="alternated run pairs per case (default 2; tiny, gpu 1)")
     ap.add_argument("--cases", default=None, help="comma-separated case names to run (default all)")
     ap.add_argument("--quick", action="store_true", help="--cpu with fewer steps")
     ap.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: GPU table)")
@@ -408,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cases:
         wanted = set(args.cases.split(","))
         cases = [c for c in cases if c.name in wanted]
-    reps = args.reps or (1 if args.tiny else 2)
+    reps = args.reps or (1 if args.tiny or args.gpu else 2)  # --gpu: 6 runs of an 8B model fit ~10 minutes
     peak = args.peak_tflops
     import torch
 
