@@ -187,9 +187,9 @@ def shared_prompt_rows(batch: dict[str, torch.Tensor], dtype: torch.dtype) -> di
 
     Returns:
         ``input_ids``/``position_ids`` (B, S), ``attention_mask`` (B, 1, S, S) bool or additive (0 = attend, dtype
-        min = masked), ``keep`` (B, S) bool positions whose logits are needed, ``gather`` (N,) index of each scored token's
-        logits row among the kept ones, ``targets`` (N,), ``pair`` (N,) its pair, ``rejected`` (N,) bool its side.
-        ``None`` when the batch has no such shared prefix or is not right-padded (then use the plain path).
+        min = masked), ``keep`` (B, S) bool positions whose logits are needed, ``gather`` (N,) index of each scored
+        token's logits row among the kept ones, ``targets`` (N,), ``pair`` (N,) its pair, ``rejected`` (N,) bool
+        its side. ``None`` when the batch has no such shared prefix or is not right-padded (then use the plain path).
     """
     ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
     n, device = ids.shape[0] // 2, ids.device
@@ -225,7 +225,8 @@ def shared_prompt_rows(batch: dict[str, torch.Tensor], dtype: torch.dtype) -> di
         t = torch.nonzero(lab[1:] != IGNORE_INDEX).squeeze(1) + 1  # positions of scored tokens in the row
         before = t - 1  # the position that predicts each of them...
         is_rej = t >= lc
-        before = torch.where(is_rej & (t == lc), torch.full_like(before, p - 1), before)  # ...first rejected: prompt end
+        # ...except the first rejected token, predicted by the end of the prompt
+        before = torch.where(is_rej & (t == lc), torch.full_like(before, p - 1), before)
         predictor.append(before)
         targets.append(row[t])
         pair.append(torch.full_like(t, i))
