@@ -133,6 +133,11 @@ class DataConfig(Section):
     packing: bool = Field(
         False, description="Pack short rows into max_length sequences (no attention across rows)."
     )
+    padding_free: bool = Field(
+        True, description="SFT: run each micro-batch as one sequence of its rows without padding, attention row by "
+        "row (needs model.attn_implementation: sdpa, else transformers' packed-sequence mask). DPO: the prompt of a "
+        "pair is computed once for chosen and rejected (sdpa/eager). Same losses either way."
+    )
     max_samples: int | None = Field(None, ge=1, description="Use at most this many rows after mixing.")
     val_size: float = Field(
         0.0, ge=0, description="Held-out validation rows: a fraction in (0, 1) or an absolute count >= 1."

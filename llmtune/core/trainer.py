@@ -160,6 +160,8 @@ class CoreTrainer(NonFiniteGuard, Trainer):
         self._last_log_tokens = 0
         self.max_nonfinite_steps = stage.recipe.train.max_nonfinite_steps
         self._guard_state()
+        self._window_rows = 0  # sequences since the last log on this rank (mean sequence length for the FLOPs)
+        self._window_tokens = 0
         super().__init__(*args, compute_metrics=self._compute_metrics, **kwargs)
         # Older transformers decide "already scaled" from this flag instead of `loss_is_scaled_for_ga`.
         self.model_accepts_loss_kwargs = True
@@ -247,9 +249,12 @@ class CoreTrainer(NonFiniteGuard, Trainer):
         if self.args.world_size > 1:
             count = self.accelerator.gather(count.reshape(1)).sum()
         self.trained_tokens += int(count)
-        self.seen_tokens += sum(  # packed batches carry no attention_mask: every position is a real token
+        seen = sum(  # packed batches carry no attention_mask: every position is a real token
             int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel() for b in batch_samples
         )
+        self.seen_tokens += seen
+        self._window_tokens += seen
+        self._window_rows += sum(b["input_ids"].shape[0] for b in batch_samples)
         return count
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -281,6 +286,7 @@ class CoreTrainer(NonFiniteGuard, Trainer):
             seen = self.seen_tokens * self.args.world_size
             logs["tokens_per_s"] = (seen - self._last_log_tokens) / max(now - self._last_log_time, 1e-9)
             self._last_log_time, self._last_log_tokens = now, seen
+            logs.update(self._flops_metrics(logs["tokens_per_s"]))
             keys = sorted(self._metric_sums)
             values = [self._metric_sums[k] for k in keys] + [float(self._metric_counts[k]) for k in keys]
             peak = peak_memory_gb()
@@ -296,6 +302,21 @@ class CoreTrainer(NonFiniteGuard, Trainer):
             self._metric_sums.clear()
             self._metric_counts.clear()
         super().log(logs, start_time)
+
+    def _flops_metrics(self, tokens_per_s: float) -> dict[str, float]:
+        """``model_tflops_per_s`` (model FLOPs, :mod:`llmtune.core.flops`; all ranks) and ``mfu`` = that over the
+        peak of all ranks' devices (only where the peak is known: GPU table or ``LLMTUNE_PEAK_TFLOPS``)."""
+        from llmtune.core.flops import peak_tflops, train_flops_per_token
+
+        seq_len = self._window_tokens / max(self._window_rows, 1)
+        self._window_tokens = self._window_rows = 0
+        reference = bool(getattr(self.stage, "reference_forward", False))
+        flops = train_flops_per_token(self.model, seq_len, reference_forward=reference) * tokens_per_s
+        out = {"model_tflops_per_s": flops / 1e12}
+        peak = peak_tflops()
+        if peak:
+            out["mfu"] = out["model_tflops_per_s"] / (peak * self.args.world_size)
+        return out
 
     # ---- evaluation -----------------------------------------------------------------------------
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):

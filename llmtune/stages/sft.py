@@ -8,14 +8,19 @@ split into micro-batches (transformers #34191).
 from __future__ import annotations
 
 import numpy as np
+import torch
 
-from llmtune.core.ops import causal_lm_loss_sum, count_trained_tokens, per_sequence_loss_sum
+from llmtune.core.fused import fuse_swiglu
+from llmtune.core.lm_head import masked_token_logps, rows_of
+from llmtune.core.ops import count_trained_tokens
+from llmtune.core.padding_free import PaddingFreeCollator, use_varlen_attention
 from llmtune.core.stage import Stage, StageData
 from llmtune.core.trainer import perplexity
 
 
 class SFTStage(Stage):
-    """SFT on chat/instruction/text rows; batches carry ``input_ids``, ``attention_mask``, ``labels`` (B, T)."""
+    """SFT on chat/instruction/text rows; batches carry ``input_ids``, ``attention_mask``, ``labels`` (B, T), or with
+    ``data.padding_free`` (default) ``input_ids``, ``labels``, ``position_ids``, ``row_index`` (1, L)."""
 
     name = "sft"
     data_kind = "sft"
@@ -25,18 +30,31 @@ class SFTStage(Stage):
         from llmtune.data import SFTCollator, build_sft_data
 
         data = build_sft_data(self.recipe.data, tokenizer, base_dir=base_dir)
-        return StageData(data.train, data.eval, data.report, SFTCollator(tokenizer), data.report.sources_lineage())
+        collator = PaddingFreeCollator() if self.recipe.data.padding_free else SFTCollator(tokenizer)
+        return StageData(data.train, data.eval, data.report, collator, data.report.sources_lineage())
+
+    def prepare_model(self, model, tokenizer):
+        if self.recipe.data.padding_free:  # attention row by row in the (1, L) sequences of PaddingFreeCollator
+            use_varlen_attention(model)
+        fuse_swiglu(model)  # same gradients, one activation fewer per MLP
+        return model
 
     def count_items(self, batch):
         return count_trained_tokens(batch["labels"])
 
     def loss(self, model, batch, num_items):
-        loss_sum, _ = causal_lm_loss_sum(self.logits(model, batch), batch["labels"])
-        return loss_sum / num_items, {}
+        # LM head at the trained positions only (llmtune.core.lm_head): same loss as the full-logits cross-entropy
+        logps, _ = masked_token_logps(model, batch, batch["labels"])  # (N,) fp32
+        return -logps.sum() / num_items, {}
 
     def eval_stats(self, model, batch):
-        loss_sum, n_tokens = per_sequence_loss_sum(self.logits(model, batch), batch["labels"])
-        return {"loss_sum": loss_sum, "n_tokens": n_tokens}
+        logps, keep = masked_token_logps(model, batch, batch["labels"])
+        if "row_index" in batch:  # padding-free: the (1, L) sequence holds B rows
+            rows, n = batch["row_index"][keep], int(batch["row_index"].max()) + 1
+        else:
+            rows, n = rows_of(keep), keep.shape[0]
+        loss_sum = logps.new_zeros(n).index_add(0, rows, -logps)  # (B,)
+        return {"loss_sum": loss_sum, "n_tokens": logps.new_zeros(n).index_add(0, rows, torch.ones_like(logps))}
 
     def eval_metrics(self, stats: dict[str, np.ndarray]) -> dict[str, float]:
         tokens = float(stats["n_tokens"].sum())
