@@ -252,6 +252,9 @@ def pair_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
     (:func:`shared_prompt_rows`); otherwise, or when the batch does not allow it, the 2B rows are run as they are.
     Either way the LM head runs only where a completion token is predicted.
     """
+    if batch["input_ids"].shape[0] % 2:
+        raise ValueError(f"pair_logps needs a (2B, T) batch of chosen then rejected rows; got "
+                         f"{batch['input_ids'].shape[0]} rows (use sequence_logps for unpaired rows)")
     n = batch["input_ids"].shape[0] // 2
     shared, lm = None, _causal_lm(model)
     attention = getattr(lm.config, "_attn_implementation", None)

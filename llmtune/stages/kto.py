@@ -17,10 +17,13 @@ rows in the whole step.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
 from llmtune.config import Recipe, RecipeError
+from llmtune.core.lm_head import sequence_logps
 from llmtune.core.ops import IGNORE_INDEX
 from llmtune.core.stage import StageData
 from llmtune.stages.dpo import DPOStage
@@ -148,12 +151,16 @@ class KTOStage(DPOStage):
 
     # ---- log-probs (DPO's helper, on any number of rows) ----------------------------------------------------
     def sequence_logps(self, model, batch) -> torch.Tensor:
-        """(N,) fp32 summed completion log-probs of an (N, T) batch (DPO's :meth:`logps`, halves joined)."""
-        return torch.cat(self.logps(model, batch))
+        """(N,) fp32 summed completion log-probs of an (N, T) batch of unrelated rows (not chosen/rejected halves:
+        no prompt sharing), the LM head only at trained positions (:func:`llmtune.core.lm_head.sequence_logps`)."""
+        return sequence_logps(model, batch, batch["labels"])
 
     def sequence_ref_logps(self, model, batch) -> torch.Tensor:
         """(N,) reference log-probs (adapter disabled, no grad) of an (N, T) batch."""
-        return torch.cat(self.reference_logps(model, batch))
+        inner = getattr(model, "module", model)  # DDP keeps the peft model in .module
+        disabled = inner.disable_adapter() if hasattr(inner, "disable_adapter") else contextlib.nullcontext()
+        with torch.no_grad(), disabled:
+            return self.sequence_logps(inner, batch)
 
     def kl_logratios(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(N,) policy and (N,) reference log-probs of the KL sequences of ``batch`` (no grad)."""

@@ -148,3 +148,24 @@ def pairs_batch():
     from tests.unit.stages.conftest import collate_pairs, make_pairs
 
     return collate_pairs(make_pairs(4))
+
+
+def test_pair_logps_refuses_an_odd_batch_instead_of_dropping_its_last_row():
+    """(2B, T) means chosen rows then rejected rows: 3 rows would pair row 0 with row 1 and silently drop row 2."""
+    model = lora_model()
+    batch = padded_batch(B=3)
+    with pytest.raises(ValueError, match="got 3 rows"):
+        lm_head.pair_logps(model, batch)
+
+
+def test_kto_scores_every_row_of_an_odd_micro_batch():
+    """KTO rows are unrelated sequences: a micro-batch of 1 or 3 rows gets one summed log-prob per row."""
+    from llmtune.stages import KTOStage
+
+    model = lora_model()
+    batch = padded_batch(B=3)
+    stage = KTOStage(load_recipe(raw={"output": {"dir": "/tmp/unused"}}, stage="kto"))
+    got = stage.sequence_logps(model, batch)
+    want = token_logps(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                       batch["labels"])[0].sum(-1)  # (3,): row 2 too
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
