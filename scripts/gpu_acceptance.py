@@ -238,8 +238,8 @@ def check_bench(root, args) -> dict | None:
     if not bench.is_file():
         return None
     log = root / "bench.log"
-    out = root / "bench"
-    cmd = [sys.executable, str(bench), "--tiny" if args.tiny else "--gpu", "--out", str(out)]
+    out = root / "bench.json"
+    cmd = [sys.executable, str(bench), "--tiny" if args.tiny else "--gpu", "--out", str(out), "--work", str(root / "bench")]
     start = time.perf_counter()
     with open(log, "w") as fh:
         try:
@@ -249,10 +249,8 @@ def check_bench(root, args) -> dict | None:
             rc = 124
     result = {"returncode": rc, "wall_s": round(time.perf_counter() - start, 1), "log": str(log),
               "table": log.read_text()[-4000:]}
-    for candidate in (out / "result.json", out / "bench.json"):
-        if candidate.is_file():
-            result["report"] = json.loads(candidate.read_text())
-            break
+    if out.is_file():
+        result["report"] = json.loads(out.read_text())
     result["passed"] = rc == 0
     return result
 
