@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 from typing import Any, NoReturn
 
 from llmtune.utils import get_logger
@@ -180,8 +182,22 @@ def relaunch(command: str, recipe_path: str, overrides: list[str], recipe: Any) 
     env = dict(os.environ)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     proc = subprocess.Popen(cmd, env=env)
+    got: list[int] = []
+
+    def forward(signum, frame):  # SIGTERM/SIGUSR1 to this process: torchrun passes SIGTERM on to its workers,
+        got.append(signum)       # which finish their step, save and exit 75 (llmtune.core.preempt)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
-        return proc.wait()
+        code = proc.wait()
     except KeyboardInterrupt:  # torchrun got the same SIGINT: let it stop its workers (never kill it from here)
         proc.wait()
         raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 75 if got and code != 0 else code  # llmtune.errors.EXIT_PREEMPTED: torchrun reports its own code
