@@ -204,3 +204,59 @@ def test_a_failed_set_up_does_not_block_its_rerun(ws, capsys):
     # the finished run is not silently continued or mixed with another recipe
     assert main(["sft", str(ws / "sft.yaml"), f"output.dir={out}", "train.max_steps=2"]) == 1
     assert "already holds a run; it finished" in capsys.readouterr().err
+
+
+def test_ctrl_c_without_save_steps_writes_a_checkpoint_and_the_same_command_continues(ws, reference, monkeypatch,
+                                                                                      capsys):
+    from llmtune.core.trainer import CoreTrainer
+
+    original = CoreTrainer.training_step
+
+    def press_ctrl_c(self, *args, **kwargs):
+        if self.state.global_step == 2 and not getattr(self, "_pressed", False):
+            self._pressed = True
+            signal.raise_signal(signal.SIGINT)  # delivered to this (main) thread: the handler sets the stop flag
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(CoreTrainer, "training_step", press_ctrl_c)
+    out = ws / "ctrl_c"
+    args = ["sft", str(ws / "sft.yaml"), f"output.dir={out}", "train.save_steps=null"]
+    assert main(args) == 130  # old code: KeyboardInterrupt mid-step, no checkpoint at all without save_steps
+    assert "stopped by SIGINT (Ctrl-C) after optimizer step 3" in capsys.readouterr().err
+    assert [p.name for p in ck.scan(out / "checkpoints")[0]] == ["checkpoint-3"]
+    monkeypatch.setattr(CoreTrainer, "training_step", original)
+    assert main(args) == 0
+    assert steps(out) == reference["sft"]
+
+
+def _agree(rank: int, port: int, signals: list[int], result) -> None:
+    import torch.distributed as dist
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from llmtune.core.preempt import StopOnSignalCallback, StopRequest
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    args = TrainingArguments(output_dir="/tmp/unused", report_to="none", use_cpu=True)
+    request = StopRequest()
+    request.signum = signals[rank]
+    control, state = TrainerControl(), TrainerState()
+    state.global_step = 5
+    StopOnSignalCallback(request).on_step_end(args, state, control)
+    result[rank] = (control.should_training_stop, control.should_save)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_agree_to_stop_after_the_same_step_when_only_one_got_the_signal():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = mp.Manager().dict()
+    mp.spawn(_agree, args=(port, [0, int(signal.SIGTERM)], result), nprocs=2)
+    assert dict(result) == {0: (True, True), 1: (True, True)}  # rank 0 never saw the signal: it saves and stops too
