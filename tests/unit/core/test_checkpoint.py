@@ -210,3 +210,36 @@ def test_ppo_waits_for_the_end_of_an_iteration_and_setup_signals_raise():
     assert info.value.exit_code == 75
     with pytest.raises(KeyboardInterrupt):
         StopRequest()._handle(signal.SIGINT, None)
+
+
+def test_relaunch_reports_rank_0s_exit_code_not_torchruns(tmp_path, monkeypatch):
+    from llmtune import launch
+
+    report = tmp_path / "code.txt"
+    report.write_text("")
+    monkeypatch.setenv(launch.EXIT_CODE_FILE, str(report))
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(key, value)
+    exits = []
+    monkeypatch.setattr("os._exit", exits.append)
+    with pytest.raises(SystemExit):  # (os._exit is patched, so the function goes on to sys.exit)
+        launch.exit_process(75)  # what a preempted rank 0 does
+    assert exits == [75] and report.read_text() == "75"
+
+    class FakeTorchrun:  # fails as torchrun does when a worker failed (exit 1), after rank 0 wrote its code
+        def __init__(self, cmd, env):
+            with open(env[launch.EXIT_CODE_FILE], "w") as fh:
+                fh.write("75")
+
+        def wait(self):
+            return 1
+
+        def poll(self):
+            return 1
+
+    monkeypatch.setattr(launch.subprocess, "Popen", FakeTorchrun)
+    from llmtune.config import load_recipe
+
+    recipe = load_recipe(raw={"stage": "sft", "model": {"name_or_path": "x"}, "data": {"datasets": [{"path": "d"}]},
+                              "distributed": {"nproc_per_node": 2}}, stage="sft")
+    assert launch.relaunch("sft", "r.yaml", [], recipe) == 75
