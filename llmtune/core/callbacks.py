@@ -89,7 +89,8 @@ def truncate_metrics(path: str | Path, step: int) -> int:
     if not path.is_file():
         return 0
     records = read_jsonl(path, skip_bad_lines=True)
-    kept = [r for r in records if not (isinstance(r.get("step"), int) and r["step"] > step) and "train_runtime" not in r]
+    kept = [r for r in records
+            if not (isinstance(r.get("step"), int) and r["step"] > step) and "train_runtime" not in r]
     tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "w") as fh:
         fh.write("".join(json.dumps(r) + "\n" for r in kept))

@@ -74,7 +74,8 @@ def check_precision(recipe: Recipe) -> None:
         raise RecipeError(problems)
 
 
-def build_training_args(recipe: Recipe, run_dir: Path, has_eval: bool, resuming: bool | None = None) -> TrainingArguments:
+def build_training_args(recipe: Recipe, run_dir: Path, has_eval: bool,
+                        resuming: bool | None = None) -> TrainingArguments:
     """Translate a recipe into ``TrainingArguments`` (checkpoints go to ``run_dir/checkpoints``).
 
     ``resuming``: whether a checkpoint is resumed from (default: ``train.resume_from`` names one explicitly).
