@@ -6,7 +6,9 @@ after creating the file FLAG, so that a test's kill or signal lands exactly ther
 * ``save``: inside the save of checkpoint STEP, after the adapter and optimizer files are written (before the RNG
   states, trainer_state.json and the completeness marker);
 * ``commit``: inside the save of checkpoint STEP, after the marker is written, before the rename;
-* ``step``: inside the training step that follows optimizer step STEP (between two checkpoints).
+* ``step``: inside the training step that follows optimizer step STEP (between two checkpoints);
+* ``first``: at the first training step of the process, whatever its step (STEP is ignored; use SECONDS=0 to only
+  mark the start of training).
 
 The pause lasts SECONDS (default 600: until the test kills the process). Nothing here is used by llmtune itself.
 """
@@ -46,11 +48,13 @@ if _spec:
             return _orig_commit(staged, final)
 
         _ck.commit = _commit
-    elif where == "step":
+    elif where in ("step", "first"):
         _orig_step = _trainer.CoreTrainer.training_step
+        _seen = []
 
         def _training_step(self, *args, **kwargs):
-            if self.state.global_step == step:
+            if (where == "step" and self.state.global_step == step) or (where == "first" and not _seen):
+                _seen.append(1)
                 _pause()
             return _orig_step(self, *args, **kwargs)
 
