@@ -11,6 +11,10 @@ A checkpoint is *complete* when its marker is present and every file it lists ex
 Checkpoints written before this module existed (no marker) count as complete when they hold ``trainer_state.json``
 (transformers writes it after the weights, optimizer and RNG states). Everything else is *partial*: never picked for
 a resume, never counted by rotation, never deleted (it is reported).
+
+Deleting (rotation, replacing a checkpoint of the same step) is crash-safe the same way: the directory is first
+renamed into the staging area (``.tmp/deleted-checkpoint-N``), then removed, so a kill half-way through never
+leaves a partial ``checkpoint-N``. The staging area holds only our unfinished work; the next save empties it.
 """
 
 from __future__ import annotations
@@ -98,8 +102,8 @@ def scan(checkpoints_dir: str | Path) -> tuple[list[Path], list[tuple[Path, str]
             partial.append((path, reason))
     staging = root / STAGING
     if staging.is_dir():
-        partial += [(p, "an interrupted save (removed by the next save of that step)")
-                    for p in sorted(staging.iterdir(), key=lambda p: p.name)]
+        partial += [(p, "an interrupted save (removed by the next save)")
+                    for p in sorted(staging.iterdir(), key=lambda p: p.name) if step_of(p) is not None]
     return complete, partial
 
 
@@ -160,7 +164,7 @@ def commit(staged: Path, final: Path) -> None:
     """
     replaced = None
     if final.exists():
-        replaced = staged.parent / f"replaced-{final.name}"
+        replaced = staged.parent / f"deleted-{final.name}"
         if replaced.exists():
             shutil.rmtree(replaced)
         os.rename(final, replaced)
@@ -169,14 +173,32 @@ def commit(staged: Path, final: Path) -> None:
     if replaced is not None:
         log.info("replaced the earlier %s (%s) with the new one", final, why_incomplete(replaced) or "complete")
         shutil.rmtree(replaced, ignore_errors=True)
-    staging = staged.parent
-    if staging.is_dir() and not any(staging.iterdir()):
-        staging.rmdir()
+    remove_staged(staged)
+
+
+def discard(path: Path) -> None:
+    """Delete a checkpoint directory so that a kill half-way leaves no partial ``checkpoint-N``: it is renamed into
+    the staging area first (``.tmp/deleted-checkpoint-N``), then removed."""
+    trash = path.parent / STAGING / f"deleted-{path.name}"
+    trash.parent.mkdir(exist_ok=True)
+    if trash.exists():
+        shutil.rmtree(trash)
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+    remove_staged(trash)
+
+
+def clean_staging(checkpoints_dir: str | Path) -> None:
+    """Remove what killed saves and deletions left in the staging area (``.tmp/``): ours, never a checkpoint."""
+    staging = Path(checkpoints_dir) / STAGING
+    if staging.exists():
+        shutil.rmtree(staging)
 
 
 def remove_staged(staged: Path) -> None:
     """Remove one staged (unfinished) save: only that directory, and the staging area if it is left empty."""
-    shutil.rmtree(staged, ignore_errors=True)
+    if staged.exists():
+        shutil.rmtree(staged, ignore_errors=True)
     staging = staged.parent
     if staging.is_dir() and not any(staging.iterdir()):
         staging.rmdir()
@@ -202,7 +224,7 @@ def rotate(checkpoints_dir: str | Path, limit: int | None, keep: Iterable[str | 
             break
         if path.resolve() in protected:
             continue
-        shutil.rmtree(path)
+        discard(path)
         log.info("deleted %s (train.save_total_limit=%d)", path, limit)
         deleted.append(path)
         excess -= 1

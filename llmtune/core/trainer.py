@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import os
 import resource
-import shutil
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -189,8 +188,8 @@ class CoreTrainer(Trainer):
         final = root / f"checkpoint-{self.state.global_step}"
         staging = root / ck.STAGING
         staged = staging / final.name
-        if self.is_world_process_zero() and staged.exists():
-            shutil.rmtree(staged)  # left by a save that was killed: ours, unfinished
+        if self.is_world_process_zero():
+            ck.clean_staging(root)  # what a killed save or deletion left: ours, unfinished
         self.accelerator.wait_for_everyone()
         failure: OSError | None = None
         best_before = self.state.best_model_checkpoint

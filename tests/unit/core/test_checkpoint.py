@@ -243,3 +243,22 @@ def test_relaunch_reports_rank_0s_exit_code_not_torchruns(tmp_path, monkeypatch)
     recipe = load_recipe(raw={"stage": "sft", "model": {"name_or_path": "x"}, "data": {"datasets": [{"path": "d"}]},
                               "distributed": {"nproc_per_node": 2}}, stage="sft")
     assert launch.relaunch("sft", "r.yaml", [], recipe) == 75
+
+
+def test_a_kill_during_rotation_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
+    for step in (1, 2, 3):
+        make_checkpoint(tmp_path, step)
+
+    def killed(path, ignore_errors=False):  # the process dies inside the deletion, after some files went
+        next(p for p in sorted(path.iterdir()) if p.is_file()).unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ck.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ck.rotate(tmp_path / "checkpoints", limit=2)
+    complete, partial = ck.scan(tmp_path / "checkpoints")
+    # old code (rmtree in place): a checkpoint-1 missing files, a partial that rotation never counts or removes
+    assert [p.name for p in complete] == ["checkpoint-2", "checkpoint-3"] and partial == []
+    monkeypatch.undo()
+    ck.clean_staging(tmp_path / "checkpoints")  # what the next save does first
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint-2", "checkpoint-3"]
