@@ -236,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_stage_command(args.command, args.recipe, args.overrides, launch=launch_overrides(args))
     except KeyboardInterrupt:
-        print("\ninterrupted. Checkpoints written so far are kept: continue with the same command plus "
-              "train.resume_from=latest (needs train.save_steps).", file=sys.stderr)
+        print("\ninterrupted. Complete checkpoints written so far are kept: the same command continues from the "
+              "newest one (train.resume_from: auto).", file=sys.stderr)
         return EXIT_INTERRUPTED
     except LlmtuneError as exc:  # user-facing errors carry their own message (and exit code, llmtune.errors)
         print(f"error: {exc}", file=sys.stderr)
@@ -254,6 +254,16 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"error: {oom_message(exc)}", file=sys.stderr)
         return OutOfMemoryError.exit_code
+    except OSError as exc:  # disk full / quota while writing anything else (metrics, reports): no traceback
+        import errno
+
+        from llmtune.errors import EXIT_DISK
+
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"error: the disk is full ({exc}); free some space and rerun the same command (it continues from the "
+              "newest complete checkpoint)", file=sys.stderr)
+        return EXIT_DISK
 
 
 def run_stage_command(command: str, recipe_path: str, overrides: list[str], launch: list[str] = ()) -> int:

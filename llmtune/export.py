@@ -78,8 +78,8 @@ def load_run_recipe(run_dir: Path) -> Recipe:
     """
     if not (run_dir / rd.LINEAGE).is_file():
         raise ExportError(
-            f"{run_dir} is not a finished run (no {rd.LINEAGE}); train it to the end, or resume it with "
-            "train.resume_from=latest"
+            f"{run_dir} is not a finished run (no {rd.LINEAGE}); train it to the end (rerun its training command: it "
+            "continues from its newest complete checkpoint)"
         )
     raw = yaml.safe_load((run_dir / rd.RECIPE).read_text())
     return load_recipe(raw=raw)

@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 from typing import Any, NoReturn
 
 from llmtune.utils import get_logger
@@ -163,25 +165,59 @@ def exit_process(code: int) -> NoReturn:
     """Leave with ``code``; a launched rank leaves through ``os._exit`` (see :func:`finish`), e.g. after an error
     that every rank raised, so that torchrun reports the error and not an abort in a destructor."""
     if under_launcher():
+        report = os.environ.get(EXIT_CODE_FILE)
+        if report and os.environ.get("RANK") == "0" and code:  # for relaunch(): torchrun itself only says 1
+            with open(report, "w") as fh:
+                fh.write(str(code))
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
 
 
+EXIT_CODE_FILE = "LLMTUNE_EXIT_CODE_FILE"  # where rank 0 of a relaunched job leaves its exit code
+
+
 def relaunch(command: str, recipe_path: str, overrides: list[str], recipe: Any) -> int:
-    """Run the stage through torchrun on this node and wait; returns torchrun's exit code (non-zero if any rank
-    failed; torchrun then stops the other ranks)."""
+    """Run the stage through torchrun on this node and wait; returns rank 0's exit code when it failed with one of
+    ``llmtune.errors`` (e.g. 75 after a preemption checkpoint, 5 for a full disk), else torchrun's (non-zero if any
+    rank failed; torchrun then stops the other ranks).
+
+    SIGTERM/SIGUSR1 sent to this process are passed on to torchrun as SIGTERM (it forwards them to the workers)."""
     dist = recipe.distributed  # validated: node_rank < nnodes, global batch divisible by the processes
     cmd = torchrun_command(command, recipe_path, overrides, dist)
     nproc = dist.nproc_per_node or 1
     log.info("launching %d process(es) on this node (node %d of %d, world size %d): %s", nproc, dist.node_rank,
              dist.nnodes, nproc * dist.nnodes, shlex.join(cmd))
+    import tempfile
+
     env = dict(os.environ)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    fd, report = tempfile.mkstemp(prefix="llmtune-exit-", suffix=".txt")
+    os.close(fd)
+    env[EXIT_CODE_FILE] = report
     proc = subprocess.Popen(cmd, env=env)
+    got: list[int] = []
+
+    def forward(signum, frame):  # SIGTERM/SIGUSR1 to this process: torchrun passes SIGTERM on to its workers,
+        got.append(signum)       # which finish their step, save and exit 75 (llmtune.core.preempt)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
-        return proc.wait()
+        code = proc.wait()
     except KeyboardInterrupt:  # torchrun got the same SIGINT: let it stop its workers (never kill it from here)
         proc.wait()
         raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        with open(report) as fh:
+            reported = fh.read().strip()
+        os.unlink(report)
+    if code != 0 and reported.isdigit():
+        return int(reported)
+    return 75 if got and code != 0 else code  # llmtune.errors.EXIT_PREEMPTED

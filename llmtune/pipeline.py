@@ -66,9 +66,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from llmtune.config import Recipe, RecipeError, load_recipe
 from llmtune.config.load import apply_override, deep_merge, parse_override, read_yaml
 from llmtune.core import rundir as rd
+from llmtune.core.callbacks import read_metrics
 from llmtune.pairs import PAIRS_FILE, PAIRS_REPORT, SAMPLES, PairsConfig, PairsError, build_pairs, read_samples
-from llmtune.utils import get_logger, read_jsonl, setup_logging, write_json
-from llmtune.errors import LlmtuneError
+from llmtune.utils import get_logger, setup_logging, write_json
+from llmtune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, LlmtuneError
 
 log = get_logger("pipeline")
 
@@ -614,6 +615,11 @@ def _run_training(step: Step, pipe: Pipeline, console) -> dict:
         path = pipe.dir / f"{step.name}.launch.yaml"
         dump_recipe(recipe, path)
         code = launcher.relaunch(step.kind, str(path), [], recipe)
+        if code in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
+            from llmtune.core.preempt import PreemptedError
+
+            raise PreemptedError(f"step {step.name!r} was stopped by a signal after writing a checkpoint; run the same "
+                                 "command again to continue", code)
         if code != 0:
             raise PipelineError(f"step {step.name!r}: the launched stage failed (exit code {code}); fix it and run "
                                 "the same command again (finished steps are kept)")
@@ -703,7 +709,7 @@ def _key_metric(kind: str, run_dir: Path, summary: dict) -> tuple[str | None, fl
     if isinstance(final.get(name), (int, float)):
         return name, float(final[name])
     path = run_dir / rd.METRICS
-    records = read_jsonl(path) if path.is_file() else []
+    records = read_metrics(path)
     for key in (name, name.removeprefix("eval_")):
         for record in reversed(records):
             if isinstance(record.get(key), (int, float)):

@@ -64,15 +64,42 @@ def file_sha256(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
 
 
 def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:
-    """Append one JSON object as a line (non-finite floats written as null)."""
-    with open(path, "a") as fh:
-        fh.write(json.dumps(_finite(record)) + "\n")
+    """Append one JSON object as a line (non-finite floats written as null). A torn last line (a write cut by a
+    crash or a full disk) is ended first, so that the new record stays a line of its own."""
+    with open(path, "a+b") as fh:
+        torn = False
+        if fh.tell() > 0:
+            fh.seek(-1, os.SEEK_END)
+            torn = fh.read(1) != b"\n"
+        fh.write((("\n" if torn else "") + json.dumps(_finite(record)) + "\n").encode())
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Read a JSON-lines file written by :func:`append_jsonl`."""
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+def read_jsonl(path: str | Path, skip_bad_lines: bool = False) -> list[dict[str, Any]]:
+    """Read a JSON-lines file written by :func:`append_jsonl`.
+
+    Args:
+        path: the file.
+        skip_bad_lines: skip lines that are not JSON (a line torn by a crash or a full disk) with a warning naming
+            them, instead of raising.
+
+    Raises:
+        json.JSONDecodeError: a line is not JSON and ``skip_bad_lines`` is off.
+    """
+    records, bad = [], []
+    with open(path, errors="replace") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                if not skip_bad_lines:
+                    raise
+                bad.append(number)
+    if bad:
+        get_logger("utils").warning("%s: skipped %d line(s) that are not complete JSON (line %s; torn by a crash or "
+                                    "a full disk)", path, len(bad), ", ".join(map(str, bad[:5])))
+    return records
 
 
 def write_json(path: str | Path, obj: Any) -> None:

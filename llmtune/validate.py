@@ -43,7 +43,7 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
     check_precision(recipe)
     late: list[tuple[str, str]] = []  # problems that do not stop the data check; reported at the end
     try:
-        RunDir(recipe.output.dir).check(resume=recipe.train.resume_from is not None, overwrite=recipe.output.overwrite)
+        RunDir(recipe.output.dir).plan(recipe.train.resume_from, recipe.output.overwrite)
     except RecipeError as exc:
         late += exc.problems
     recipe = _inherit(recipe, console)

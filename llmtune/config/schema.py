@@ -241,7 +241,10 @@ class TrainConfig(Section):
     save_steps: int | None = Field(None, ge=1, description="Write a resumable checkpoint every N optimizer steps.")
     save_total_limit: int | None = Field(2, ge=1, description="Keep at most this many checkpoints.")
     resume_from: str | None = Field(
-        None, description="Resume: a checkpoint directory, or 'latest' for the newest one in the run dir."
+        "auto", description="auto: continue an unfinished run from its newest complete checkpoint, start fresh when "
+        "it has none (a finished run or another recipe is refused); latest: the newest complete checkpoint, which "
+        "must exist (also extends a finished run); a checkpoint directory; null: always start fresh (an existing run "
+        "dir is refused)."
     )
     logging_steps: int = Field(1, ge=1, description="Log metrics every N optimizer steps.")
     max_nonfinite_steps: int = Field(

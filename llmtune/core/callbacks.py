@@ -6,7 +6,9 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from llmtune.utils import append_jsonl, read_jsonl
+from llmtune.utils import append_jsonl, get_logger, read_jsonl
+
+log = get_logger("metrics")
 
 
 class MetricsJsonlCallback(TrainerCallback):
@@ -80,7 +82,7 @@ def plot_losses(metrics_path: str | Path, out_path: str | Path, title: str | Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_jsonl(metrics_path) if Path(metrics_path).exists() else []
+    records = read_metrics(metrics_path)
     panels = metric_panels(records)
     if not panels:
         return None
@@ -107,3 +109,51 @@ def plot_losses(metrics_path: str | Path, out_path: str | Path, title: str | Non
     fig.savefig(out_path, dpi=100)
     plt.close(fig)
     return Path(out_path)
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a ``metrics.jsonl``, one per (step, kind): lines torn by a crash are skipped with a warning,
+    and a record repeated for the same step with the same keys (a step re-run after a resume from an older
+    checkpoint) keeps only its last version, in the position of the first. ``[]`` when the file does not exist."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records: list[dict] = []
+    where: dict[tuple, int] = {}
+    for record in read_jsonl(path, skip_bad_lines=True):
+        key = (record.get("step"), tuple(sorted(record)))
+        if key in where:
+            records[where[key]] = record
+        else:
+            where[key] = len(records)
+            records.append(record)
+    return records
+
+
+def truncate_metrics(path: str | Path, step: int) -> int:
+    """Before resuming from the checkpoint of optimizer step ``step``: drop the records the resumed run will write
+    again (steps after ``step``, and the end-of-training summary of the interrupted attempt) and torn lines.
+    The file is rewritten atomically (temp file + rename).
+
+    Returns:
+        The number of records dropped.
+    """
+    import json
+    import os
+
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    records = read_jsonl(path, skip_bad_lines=True)
+    kept = [r for r in records
+            if not (isinstance(r.get("step"), int) and r["step"] > step) and "train_runtime" not in r]
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as fh:
+        fh.write("".join(json.dumps(r) + "\n" for r in kept))
+        fh.flush()
+        os.fsync(fh.fileno())
+    tmp.replace(path)
+    if len(kept) < len(records):
+        log.info("%s: dropped %d record(s) after step %d (re-run from the checkpoint)", path, len(records) - len(kept),
+                 step)
+    return len(records) - len(kept)

@@ -9,7 +9,8 @@
       adapter/               PEFT adapter + tokenizer (with the training chat template)
       lineage.json           base model, stage, data sources with hashes, final metrics; written last
 
-Checkpoints keep transformers' ``checkpoint-N`` naming so that its resume and rotation logic applies.
+Checkpoints keep transformers' ``checkpoint-N`` naming; they are written crash-safe and only complete ones are
+resumed from or rotated (:mod:`llmtune.core.checkpoint`).
 ``lineage.json`` is written last: its presence marks a complete run.
 """
 
@@ -20,9 +21,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers.trainer_utils import get_last_checkpoint
-
 from llmtune.config import RecipeError
+from llmtune.core import checkpoint as ck
+from llmtune.utils import get_logger
 
 RECIPE = "recipe.resolved.yaml"
 DATA_REPORT = "data_report.json"
@@ -31,6 +32,9 @@ LOSS_PLOT = "loss.png"
 CHECKPOINTS = "checkpoints"
 ADAPTER = "adapter"
 LINEAGE = "lineage.json"
+AUTO = "auto"  # train.resume_from: resume an unfinished run when it has a complete checkpoint, else start fresh
+
+log = get_logger("rundir")
 
 
 @dataclass
@@ -50,34 +54,62 @@ class RunDir:
         """True once the stage finished and wrote its lineage."""
         return (self.root / LINEAGE).is_file()
 
-    def latest_checkpoint(self) -> Path | None:
-        """Newest ``checkpoints/checkpoint-N`` directory, or ``None``."""
-        ckpt = self.root / CHECKPOINTS
-        found = get_last_checkpoint(str(ckpt)) if ckpt.is_dir() else None
-        return Path(found) if found else None
+    def latest_checkpoint(self, report: bool = False) -> Path | None:
+        """Newest COMPLETE ``checkpoints/checkpoint-N`` (:mod:`llmtune.core.checkpoint`), or ``None``; with
+        ``report``, partial ones newer than it are logged as skipped (they are left in place)."""
+        return ck.newest_complete(self.root / CHECKPOINTS, report=report)
 
-    def resolve_resume(self, resume_from: str | None) -> Path | None:
-        """Turn ``train.resume_from`` (a path or ``latest``) into a checkpoint directory.
+    def resolve_resume(self, resume_from: str | None, report: bool = True) -> Path | None:
+        """Turn ``train.resume_from`` into the checkpoint to resume from (``None``: start fresh).
+
+        ``auto``: the newest complete checkpoint of an unfinished run, else ``None`` (nothing trained yet: a fresh
+        start; a finished run is refused by :meth:`check`). ``latest``: the newest complete checkpoint, which must
+        exist (a finished run may be extended this way). A path: that checkpoint, which must be complete.
 
         Raises:
-            RecipeError: ``latest`` with no checkpoint, or a path that is not a checkpoint directory.
+            RecipeError: ``latest`` with no complete checkpoint, or a path that is not a complete checkpoint.
         """
         if resume_from is None:
             return None
+        if resume_from == AUTO:
+            return None if self.is_complete else self.latest_checkpoint(report=report)
         if resume_from == "latest":
-            found = self.latest_checkpoint()
+            found = self.latest_checkpoint(report=report)
             if found is None:
-                raise RecipeError([("train.resume_from", f"'latest' but {self.root / CHECKPOINTS} holds no checkpoint-N "
-                                    "directory; remove resume_from to start fresh")])
+                _, partial = ck.scan(self.root / CHECKPOINTS)
+                skipped = f" (incomplete, skipped: {', '.join(p.name for p, _ in partial)})" if partial else ""
+                raise RecipeError([("train.resume_from", f"'latest' but {self.root / CHECKPOINTS} holds no complete "
+                                    f"checkpoint{skipped}; set train.resume_from=auto (the default) to start fresh")])
             return found
         path = Path(resume_from)
-        if not (path / "trainer_state.json").is_file():
-            raise RecipeError([("train.resume_from", f"{path} is not a checkpoint directory (no trainer_state.json); "
+        reason = ck.why_incomplete(path)
+        if reason is not None:
+            raise RecipeError([("train.resume_from", f"{path} is not a complete checkpoint directory ({reason}); "
                                 f"checkpoints are under {self.root / CHECKPOINTS}")])
         return path
 
-    def check(self, *, resume: bool, overwrite: bool) -> None:
+    def plan(self, resume_from: str | None, overwrite: bool, report: bool = True) -> Path | None:
+        """The checkpoint this run resumes from (``None``: fresh), after checking the directory may be used.
+
+        ``output.overwrite`` with ``resume_from: auto`` starts fresh (the old run is replaced).
+
+        Raises:
+            RecipeError: as :meth:`resolve_resume` and :meth:`check`.
+        """
+        if overwrite and resume_from == AUTO:
+            resume_from = None
+        found = self.resolve_resume(resume_from, report=report)
+        self.check(resume=found is not None, overwrite=overwrite, resume_from=resume_from)
+        return found
+
+    def check(self, *, resume: bool, overwrite: bool, resume_from: str | None = None) -> None:
         """Everything :meth:`prepare` would refuse, without touching the disk (used by ``llmtune validate``).
+
+        Args:
+            resume: a checkpoint will be resumed from (:meth:`resolve_resume` found one).
+            overwrite: ``output.overwrite``.
+            resume_from: ``train.resume_from``; with ``auto`` an unfinished run that holds no complete checkpoint
+                (a failed set-up, a kill before the first save) is started again.
 
         Raises:
             RecipeError: the path is a file or not writable, or holds another run and neither resume nor
@@ -90,10 +122,15 @@ class RunDir:
             raise RecipeError([("output.dir", f"{self.root} cannot be created: {parent} is not writable")])
         holds_run = (self.root / RECIPE).exists() or (self.root / CHECKPOINTS).exists()
         if holds_run and not resume and not overwrite:
-            hint = ("it is complete (lineage.json); replace it with output.overwrite=true or pick another output.dir"
-                    if self.is_complete else "continue it with train.resume_from=latest, replace it with "
-                    "output.overwrite=true, or pick another output.dir")
-            raise RecipeError([("output.dir", f"{self.root} already holds a run; {hint}")])
+            if self.is_complete:
+                hint = ("it finished (lineage.json); replace it with output.overwrite=true, pick another output.dir, "
+                        "or train it further with a larger train.max_steps and train.resume_from=latest")
+                raise RecipeError([("output.dir", f"{self.root} already holds a run; {hint}")])
+            if resume_from != AUTO:
+                hint = ("continue it with train.resume_from=auto" if self.latest_checkpoint() is not None else
+                        "it holds no complete checkpoint: start it again with train.resume_from=auto")
+                raise RecipeError([("output.dir", f"{self.root} already holds a run; {hint}, replace it with "
+                                    "output.overwrite=true, or pick another output.dir")])
         if self.root.exists() and any(self.root.iterdir()) and not holds_run and not resume:
             raise RecipeError([("output.dir", f"{self.root} is not empty and is not a run directory; pick another "
                                 "output.dir")])
@@ -132,16 +169,27 @@ class RunDir:
         if problems:
             raise RecipeError(problems)
 
-    def prepare(self, *, resume: bool, overwrite: bool) -> None:
+    def prepare(self, *, resume: bool, overwrite: bool, resume_from: str | None = None) -> None:
         """Create the directory, refusing to mix two runs in one place (see :meth:`check`).
+
+        ``output.overwrite`` removes the old run. ``auto`` in an unfinished run without a complete checkpoint starts
+        again: the files of the earlier attempt (recipe, data report, metrics, plot) are replaced, partial
+        checkpoints are left in place and reported.
 
         Raises:
             RecipeError: as :meth:`check`.
         """
-        self.check(resume=resume, overwrite=overwrite)
+        self.check(resume=resume, overwrite=overwrite, resume_from=resume_from)
         holds_run = (self.root / RECIPE).exists() or (self.root / CHECKPOINTS).exists()
-        if holds_run and not resume:
+        if holds_run and not resume and overwrite:
             shutil.rmtree(self.root)
+        elif holds_run and not resume:
+            old = [name for name in (RECIPE, DATA_REPORT, METRICS, LOSS_PLOT) if (self.root / name).exists()]
+            log.warning("%s holds an earlier attempt that trained nothing it could keep (no complete checkpoint): "
+                        "starting again%s", self.root, f"; replacing its {', '.join(old)}" if old else "")
+            ck.newest_complete(self.root / CHECKPOINTS, report=True)
+            for name in old:
+                (self.root / name).unlink()
         self.root.mkdir(parents=True, exist_ok=True)
         if not resume:
             for name in (METRICS, LINEAGE):

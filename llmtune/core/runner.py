@@ -16,10 +16,12 @@ from transformers import set_seed
 from llmtune import __version__
 from llmtune.config import Recipe, dump_recipe
 from llmtune.core import rundir as rd
-from llmtune.core.callbacks import MetricsJsonlCallback, plot_losses
+from llmtune.core import checkpoint as ck
+from llmtune.core.callbacks import MetricsJsonlCallback, plot_losses, truncate_metrics
 from llmtune.core.distributed import batch_layout, no_zero3_init, zero_stage
 from llmtune.config.validate import data_size_problems
 from llmtune.core.guard import check_trainable_weights
+from llmtune.core.preempt import PreemptedError, StopOnSignalCallback, StopRequest, exit_code, signal_name
 from llmtune.core.stage import Stage
 from llmtune.core.trainer import (
     CoreTrainer,
@@ -78,10 +80,17 @@ def _run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
 
     Raises:
         RecipeError: run-dir conflicts or a bad ``resume_from``.
+        PreemptedError: stopped by SIGTERM/SIGUSR1 (exit code 75) or Ctrl-C (130) after writing a checkpoint.
+        CheckpointSaveError: not enough disk space for a checkpoint, or a save failed (exit code 5).
         DataError: bad input rows (policy ``error``) or no usable rows.
         ModelLoadError: the base model cannot be loaded; ``model.from_run`` names an unfinished run.
     """
     setup_logging()
+    with StopRequest() as stop:
+        return _run_stage(stage, base_dir, stop)
+
+
+def _run_stage(stage: Stage, base_dir: str | Path, stop: StopRequest) -> dict:
     recipe, chain = inherit_from_run(stage.recipe, base_dir)  # model.from_run: base, chat template, adapter chain
     stage.recipe = recipe
     t0 = time.perf_counter()
@@ -92,12 +101,15 @@ def _run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
 
         raise RecipeError(problems)
     run = rd.RunDir(Path(recipe.output.dir))
-    resume = recipe.train.resume_from is not None
-    resume_ckpt = run.resolve_resume(recipe.train.resume_from)
+    resume_ckpt = run.plan(recipe.train.resume_from, recipe.output.overwrite, report=is_main_process())
+    resume = resume_ckpt is not None
     if resume:
+        log.info("resuming from %s", resume_ckpt)
         run.check_resume_recipe(recipe.model_dump(mode="json"))
     if is_main_process():
-        run.prepare(resume=resume, overwrite=recipe.output.overwrite)
+        run.prepare(resume=resume, overwrite=recipe.output.overwrite, resume_from=recipe.train.resume_from)
+        if resume:  # the steps after the checkpoint are trained again: their old records go
+            truncate_metrics(run / rd.METRICS, _checkpoint_step(resume_ckpt))
     set_seed(recipe.train.seed)
     if is_main_process():
         dump_recipe(recipe, run / rd.RECIPE)
@@ -121,7 +133,7 @@ def _run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
     has_eval = data.eval is not None and len(data.eval) > 0
     # Before the model: a ZeRO-3 TrainingArguments makes from_pretrained load each rank's partition only, and it
     # sets this process's device. An adapter chain is merged into whole weights; DeepSpeed partitions them later.
-    args = build_training_args(recipe, run.root, has_eval)
+    args = build_training_args(recipe, run.root, has_eval, resuming=resume)
     with no_zero3_init() if chain else contextlib.nullcontext():
         model = load_model_with_chain(recipe.model, recipe.precision, chain, head=stage.model_head)
     model = stage.prepare_model(model, tokenizer)
@@ -156,17 +168,34 @@ def _run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
         trainer.eval_dataset = by_length(prepared.eval) if has_eval else None
     if resume_ckpt:
         trainer.load_counters(resume_ckpt)
+    stopper = StopOnSignalCallback(stop, trainer.can_stop_here)
+    trainer.add_callback(stopper)
+    trainer.checkpoint_estimate = ck.estimate_checkpoint_bytes(trainer.model, master_weights=bool(args.deepspeed),
+                                                               world_size=args.world_size)
+    ck.check_free_space(run.root, trainer.checkpoint_estimate)
     # Under DeepSpeed the first evaluation must run inside train(), once the engine exists (args.eval_on_start).
     eval_before = trainer.evaluate() if has_eval and recipe.train.eval_at_start and not resume \
         and not args.eval_on_start else None
+    stop.phase = "training"
     result = trainer.train(resume_from_checkpoint=str(resume_ckpt) if resume_ckpt else None)
+    stop.phase = "finishing"
+    if stopper.stopped:
+        signum, step = stopper.stopped
+        raise PreemptedError(
+            f"stopped by {signal_name(signum)} after optimizer step {step}: checkpoint "
+            f"{run / rd.CHECKPOINTS / f'checkpoint-{step}'} written. Continue with the same command (it resumes from "
+            "the newest complete checkpoint; train.resume_from: auto)", exit_code(signum))
     if args.eval_on_start:
         eval_before = next((r for r in trainer.state.log_history if any(k.startswith("eval_") for k in r)), None)
     eval_after = trainer.evaluate() if has_eval else None
 
     check_trainable_weights(trainer)  # a run never ends "done" with NaN/inf weights (no adapter, no lineage)
     adapter_dir = run / rd.ADAPTER
-    trainer.save_model(str(adapter_dir))
+    try:
+        trainer.save_model(str(adapter_dir))
+    except OSError as exc:
+        raise ck.CheckpointSaveError(ck.save_failed_message(
+            "the adapter", exc, run.root, trainer.checkpoint_estimate, run.latest_checkpoint())) from None
     summary = {
         "run_dir": str(run.root),
         "stage": stage.name,
@@ -200,6 +229,16 @@ def _run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
             push_to_hub(adapter_dir, recipe.output.hub_model_id, private=recipe.output.hub_private,
                         message=f"llmtune {stage.name} adapter ({trainer.state.global_step} steps)")
     return summary
+
+
+def _checkpoint_step(checkpoint: Path) -> int:
+    """Optimizer step of a checkpoint (its trainer_state.json, else its name)."""
+    import json
+
+    try:
+        return int(json.loads((Path(checkpoint) / ck.TRAINER_STATE).read_text())["global_step"])
+    except (OSError, ValueError, KeyError):
+        return ck.step_of(checkpoint) or 0
 
 
 def by_length(rows):

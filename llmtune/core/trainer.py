@@ -73,8 +73,14 @@ def check_precision(recipe: Recipe) -> None:
         raise RecipeError(problems)
 
 
-def build_training_args(recipe: Recipe, run_dir: Path, has_eval: bool) -> TrainingArguments:
-    """Translate a recipe into ``TrainingArguments`` (checkpoints go to ``run_dir/checkpoints``)."""
+def build_training_args(recipe: Recipe, run_dir: Path, has_eval: bool,
+                        resuming: bool | None = None) -> TrainingArguments:
+    """Translate a recipe into ``TrainingArguments`` (checkpoints go to ``run_dir/checkpoints``).
+
+    ``resuming``: whether a checkpoint is resumed from (default: ``train.resume_from`` names one explicitly).
+    """
+    if resuming is None:
+        resuming = recipe.train.resume_from not in (None, "auto")
     t, p = recipe.train, recipe.precision
     warmup: float = t.warmup_steps if t.warmup_steps else t.warmup_ratio
     if recipe.output.report_to:  # transformers >= 5 reads the TensorBoard directory from the environment
@@ -113,7 +119,7 @@ def build_training_args(recipe: Recipe, run_dir: Path, has_eval: bool) -> Traini
         tf32=p.tf32 if torch.cuda.is_available() else None,
         eval_strategy="steps" if (has_eval and t.eval_steps) else "no",
         # DeepSpeed: transformers cannot evaluate before train() builds the engine, so the baseline eval runs in it
-        eval_on_start=bool(deepspeed) and has_eval and t.eval_at_start and t.resume_from is None,
+        eval_on_start=bool(deepspeed) and has_eval and t.eval_at_start and not resuming,
         eval_steps=t.eval_steps,
         metric_for_best_model="eval_loss" if has_eval else None,
         greater_is_better=False if has_eval else None,
@@ -169,18 +175,82 @@ class CoreTrainer(NonFiniteGuard, Trainer):
     # ---- counters that survive a resume ---------------------------------------------------------
     COUNTERS = "llmtune_counters.json"
 
+    _staging_root: Path | None = None  # set while a checkpoint is being written (see _save_checkpoint)
+    checkpoint_estimate: dict[str, int] | None = None  # bytes per checkpoint (llmtune.core.checkpoint), for messages
+
+    def _get_output_dir(self, trial) -> str:
+        return str(self._staging_root) if self._staging_root is not None else super()._get_output_dir(trial)
+
     def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
+        """transformers' checkpoint, written crash-safe (:mod:`llmtune.core.checkpoint`): every rank writes into
+        ``checkpoints/.tmp/checkpoint-N``, files are fsynced, rank 0 adds the counters, the stage's extra state and
+        the completeness marker, renames it to ``checkpoints/checkpoint-N`` and rotates (complete ones only).
+
+        Raises:
+            CheckpointSaveError: a rank could not write its files (disk full, I/O error): the staged directory is
+                removed, the previous checkpoint is untouched (exit code 5).
+        """
+        import json
+
+        from llmtune.core import checkpoint as ck
+
+        root = Path(super()._get_output_dir(trial))
+        final = root / f"checkpoint-{self.state.global_step}"
+        staging = root / ck.STAGING
+        staged = staging / final.name
         if self.is_world_process_zero():
-            import json
+            ck.clean_staging(root)  # what a killed save or deletion left: ours, unfinished
+        self.accelerator.wait_for_everyone()
+        failure: OSError | None = None
+        best_before = self.state.best_model_checkpoint
+        try:
+            self._staging_root = staging
+            super()._save_checkpoint(model, trial)
+        except OSError as exc:
+            failure = exc
+        finally:
+            self._staging_root = None
+        if failure is None and self.is_world_process_zero():
+            try:
+                if self.state.best_model_checkpoint and Path(self.state.best_model_checkpoint) == staged:
+                    self.state.best_model_checkpoint = str(final)  # the path it will have
+                    self.state.save_to_json(str(staged / ck.TRAINER_STATE))
+                elif self.state.best_model_checkpoint != best_before:
+                    self.state.best_model_checkpoint = best_before
+                (staged / self.COUNTERS).write_text(json.dumps({"trained": self.trained_tokens,
+                                                                 "seen": self.seen_tokens,
+                                                                 "nonfinite": self.nonfinite_steps}))
+                self.save_extra_state(staged)
+                if (staged / "adapter_config.json").is_file():  # every saved adapter is checked (DeepSpeed #4295)
+                    from llmtune.models.verify import verify_saved_adapter
 
-            ckpt = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
-            (ckpt / self.COUNTERS).write_text(json.dumps({"trained": self.trained_tokens, "seen": self.seen_tokens,
-                                                        "nonfinite": self.nonfinite_steps}))
-            if (ckpt / "adapter_config.json").is_file():  # every saved adapter is checked (ZeRO-3: DeepSpeed #4295)
-                from llmtune.models.verify import verify_saved_adapter
+                    verify_saved_adapter(staged, self.model)
+            except OSError as exc:
+                failure = exc
+        if failure is None:
+            try:
+                ck.fsync_tree(staged)
+            except OSError as exc:
+                failure = exc
+        if not all_ranks_agree(self, failure is None):
+            if self.is_world_process_zero():
+                ck.remove_staged(staged)
+            previous = ck.newest_complete(root, report=False)
+            raise ck.CheckpointSaveError(ck.save_failed_message(
+                f"checkpoint {final.name}", failure or OSError("another rank failed to write its files"), root,
+                self.checkpoint_estimate, previous)) from None
+        if self.is_world_process_zero():
+            ck.write_marker(staged, self.state.global_step, {"world_size": self.args.world_size})
+            ck.commit(staged, final)
+            ck.rotate(root, self.args.save_total_limit, keep=[self.state.best_model_checkpoint])
+        self.accelerator.wait_for_everyone()
 
-                verify_saved_adapter(ckpt, self.model)
+    def save_extra_state(self, checkpoint: Path) -> None:
+        """Write a stage's own resumable state into the checkpoint being saved (rank 0; before it is committed)."""
+
+    def can_stop_here(self) -> bool:
+        """Whether a signal may stop training after the current optimizer step (every step; PPO: iteration ends)."""
+        return True
 
     def load_counters(self, checkpoint: str | Path) -> None:
         """Restore the cumulative trained/seen counts saved with a checkpoint (0 if it has none)."""
@@ -355,6 +425,15 @@ class SeededLengthGroupedSampler(LengthGroupedSampler):
     def __iter__(self):
         self.generator = torch.Generator().manual_seed(self.seed + self.epoch)
         return super().__iter__()
+
+
+def all_ranks_agree(trainer: Trainer, flag: bool) -> bool:
+    """``flag`` AND-ed over all ranks (a collective: call it on every rank); the flag itself in one process."""
+    if trainer.args.world_size <= 1:
+        return flag
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=trainer.args.device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
+    return bool(value.item())
 
 
 def peak_memory_gb() -> float:

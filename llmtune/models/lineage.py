@@ -47,8 +47,8 @@ def read_run(run_dir: str | Path) -> tuple[dict, dict]:
     if not (run / LINEAGE).is_file():
         state = "does not exist" if not run.exists() else f"is not a finished run (no {LINEAGE})"
         raise ModelLoadError(
-            f"model.from_run: {run} {state}; train that stage to the end first (or resume it with "
-            "train.resume_from=latest), or fix the path (relative paths are relative to the working directory)"
+            f"model.from_run: {run} {state}; train that stage to the end first (its training command "
+            "continues from its newest complete checkpoint), or fix the path (relative paths are relative to the working directory)"
         )
     lineage = json.loads((run / LINEAGE).read_text())
     recipe = yaml.safe_load((run / RECIPE).read_text()) if (run / RECIPE).is_file() else {}

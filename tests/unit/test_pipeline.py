@@ -254,3 +254,15 @@ def test_cli_help_dry_run_and_errors(tmp_path, capsys):
     assert main(["pipeline", str(path), "dpo.train.micro_batch_size=3", "--dry-run"]) == 1
     err = capsys.readouterr().err
     assert "stage 2 'dpo': train.global_batch_size: must be a multiple of micro_batch_size (3)" in err
+
+
+def test_plan_resumes_from_the_newest_complete_checkpoint_not_a_partial_one(one_step):
+    _path, pipe = one_step
+    sft = pipe.steps[0]
+    fake_run(sft, complete=False, checkpoint=True)
+    (sft.dir / "checkpoints" / "checkpoint-5").mkdir()  # a save killed half-way (old code resumed from it)
+    (sft.dir / "checkpoints" / "checkpoint-5" / "adapter_model.safetensors").write_bytes(b"x")
+    action, _recipe, why = plan_stage(sft, pipe)
+    assert action == "resume" and "checkpoint-3" in why
+    shutil.rmtree(sft.dir / "checkpoints" / "checkpoint-3")
+    assert plan_stage(sft, pipe)[0] == "restart"  # only the partial one is left: nothing to resume

@@ -435,12 +435,14 @@ class PPOTrainer(CoreTrainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         load_adapters(self.accelerator.unwrap_model(self.model), Path(resume_from_checkpoint))
 
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        if self.is_world_process_zero():
-            ckpt = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
-            state = {"kl_coef": self.kl_ctl.value, "score_stats": self.score_stats.state_dict()}
-            (ckpt / PPO_STATE).write_text(json.dumps(state))
+    def save_extra_state(self, checkpoint: Path) -> None:
+        """The KL controller and the running score statistics, in the checkpoint before it is committed."""
+        state = {"kl_coef": self.kl_ctl.value, "score_stats": self.score_stats.state_dict()}
+        (checkpoint / PPO_STATE).write_text(json.dumps(state))
+
+    def can_stop_here(self) -> bool:
+        """A signal stops PPO only at the end of an iteration: a checkpoint inside one would lose its rollouts."""
+        return self.state.global_step % self.steps_per_iteration == 0
 
     def load_counters(self, checkpoint) -> None:
         super().load_counters(checkpoint)
