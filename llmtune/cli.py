@@ -31,7 +31,7 @@ def options_help() -> str:
             if section == "data" and name == "datasets":
                 for sub, sub_field in DatasetConfig.model_fields.items():
                     lines.append(_field_line(f"data.datasets[i].{sub}", sub_field, indent=6))
-    lines.append("\n  stage: sft | rm | dpo | ppo (optional; must match the command)")
+    lines.append("\n  stage: sft | rm | dpo | ppo | grpo (optional; must match the command)")
     lines.append("  base: path of a recipe to inherit from (relative to this recipe)")
     return "\n".join(lines)
 

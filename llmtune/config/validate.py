@@ -131,6 +131,8 @@ def cross_field_problems(doc: dict) -> list[tuple[str, str]]:
         problems.append(("data.packing", "packing needs sdpa/flash/flex attention to isolate rows; eager cannot"))
     if _get(doc, "stage") == "ppo":
         problems += ppo_problems(doc)
+    if _get(doc, "stage") == "grpo":
+        problems += grpo_problems(doc)
     problems += distributed_problems(doc)
     datasets = _get(doc, "data.datasets")
     if isinstance(datasets, list) and not datasets:
@@ -216,6 +218,39 @@ def ppo_problems(doc: dict) -> list[tuple[str, str]]:
             problems.append((key, f"must be a multiple of {per_iter} optimizer steps (one PPO iteration = ppo_epochs "
                              f"{epochs} x rollout_batch_size {rollout} / global_batch_size {glob}); got {value}, "
                              f"try {max(per_iter, round(value / per_iter) * per_iter)}"))
+    return problems
+
+
+def grpo_problems(doc: dict) -> list[tuple[str, str]]:
+    """GRPO's reward sources and batch arithmetic (see ``GRPOConfig``): whole groups in every rollout batch and
+    optimizer step, whole optimizer steps in every rollout batch, steps/saves/evals at iteration ends."""
+    problems: list[tuple[str, str]] = []
+    functions = _get(doc, "reward.functions") or []
+    if not (_get(doc, "reward.from_run") or _get(doc, "reward.function") or functions):
+        problems.append(("reward", "GRPO needs at least one reward source: reward.function (module:function, e.g. "
+                         "llmtune.rewards:gsm8k_reward), reward.functions ([{function, weight}, ...]) and/or "
+                         "reward.from_run (an `llmtune rm` run)"))
+    group, rollout = _get(doc, "grpo.num_generations", 4), _get(doc, "grpo.rollout_batch_size", 16)
+    glob, mu = _get(doc, "train.global_batch_size", 8), _get(doc, "grpo.num_iterations", 1)
+    if not all(isinstance(v, int) and v > 0 for v in (group, rollout, glob, mu)):
+        return problems
+    if glob % group:
+        problems.append(("train.global_batch_size", f"must be a multiple of grpo.num_generations ({group}: the "
+                         f"completions of one prompt); got {glob}"))
+    if rollout % glob:
+        problems.append(("grpo.rollout_batch_size", f"must be a multiple of train.global_batch_size ({glob}: "
+                         f"completions per optimizer step); got {rollout}"))
+        return problems
+    per_iter = mu * rollout // glob
+    if _get(doc, "train.max_steps") is None:
+        problems.append(("train.max_steps", f"GRPO needs max_steps (optimizer steps; one iteration = {per_iter} "
+                         "steps = num_iterations x rollout_batch_size / global_batch_size)"))
+    for key in ("train.max_steps", "train.save_steps", "train.eval_steps"):
+        value = _get(doc, key)
+        if isinstance(value, int) and value % per_iter:
+            problems.append((key, f"must be a multiple of {per_iter} optimizer steps (one iteration = num_iterations "
+                             f"{mu} x rollout_batch_size {rollout} / global_batch_size {glob}); got {value}, try "
+                             f"{max(per_iter, round(value / per_iter) * per_iter)}"))
     return problems
 
 
