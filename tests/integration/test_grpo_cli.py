@@ -18,7 +18,13 @@ from llmtune.utils import read_jsonl
 
 COMMON = {"adapter": {"lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0}}
 # a reward that varies between completions of a random model (so groups carry signal) + the shipped format reward
-REWARD_FILE = "def length_reward(prompts, completions):\n    return [float(len(c) % 7) for c in completions]\n"
+REWARD_FILE = """def length_reward(prompts, completions):
+    return [float(len(c) % 7) for c in completions]
+
+
+def only_ones(prompts, completions):  # signal for prompts 'What is 1 + b?' only: the other groups are all-equal
+    return [float(len(c) % 7) if p.startswith("What is 1 ") else 0.0 for p, c in zip(prompts, completions)]
+"""
 
 
 def write_recipe(root, name, stage, **sections):
@@ -140,3 +146,41 @@ def test_export_of_a_grpo_run_loads_in_plain_transformers(workspace, grpo_run):
     assert model.config.num_hidden_layers == 2
     ids = torch.tensor([[1, 5, 9]])
     assert torch.isfinite(model(ids).logits).all()
+
+
+@pytest.mark.parametrize("mode", ["drop", "resample"])
+def test_dynamic_sampling_counts_drops_and_resamples_all_equal_groups(workspace, mode):
+    name = f"grpo_{mode}"
+    recipe = grpo_recipe(workspace, name, grpo={"dynamic_sampling": mode, "max_resample_rounds": 3, "beta": 0.0},
+                         train={"max_steps": 2, "save_steps": None})
+    doc = yaml.safe_load(recipe.read_text())
+    doc["reward"] = {"function": str(workspace / "my_rewards.py") + ":only_ones"}
+    recipe.write_text(yaml.safe_dump(doc))
+    assert main(["grpo", str(recipe), "data.val_size=0"]) == 0
+    first = next(r for r in read_jsonl(workspace / name / "metrics.jsonl") if "reward_mean" in r)
+    assert 0 < first["all_equal_group_fraction"] < 1  # counted before anything is dropped or resampled
+    after = first.get("all_equal_group_fraction_after_resampling", first["all_equal_group_fraction"])
+    assert first["trained_completion_fraction"] == pytest.approx(1 - after)  # what is still all-equal is dropped
+    if mode == "resample":
+        assert first["resample_rounds"] >= 1 and after < first["all_equal_group_fraction"]
+
+
+def test_replace_groups_repads_prompts_left_and_completions_right():
+    from llmtune.stages.grpo.trainer import _replace_groups
+
+    groups = {"query_ids": torch.tensor([[0, 5], [0, 5], [6, 7], [6, 7]]), "query_mask": torch.tensor(
+        [[0, 1], [0, 1], [1, 1], [1, 1]]), "responses": torch.tensor([[8], [9], [8], [9]]),
+        "mask": torch.ones(4, 1, dtype=torch.long), "ended": torch.tensor([True] * 4),
+        "reward": torch.tensor([1.0, 1.0, 0.0, 1.0]), "per_source": {"r": torch.tensor([1.0, 1.0, 0.0, 1.0])},
+        "rows": ["a", "a", "b", "b"]}
+    extra = {"query_ids": torch.tensor([[1, 2, 3], [1, 2, 3]]), "query_mask": torch.ones(2, 3, dtype=torch.long),
+             "responses": torch.tensor([[4, 4, 0], [4, 0, 0]]), "mask": torch.tensor([[1, 1, 0], [1, 0, 0]]),
+             "ended": torch.tensor([False, True]), "reward": torch.tensor([2.0, 3.0]),
+             "per_source": {"r": torch.tensor([2.0, 3.0])}, "rows": ["c", "c"]}
+    out = _replace_groups(groups, extra, [(0, 0)], G=2, pad_id=0)
+    assert out["query_ids"].tolist() == [[1, 2, 3], [1, 2, 3], [0, 6, 7], [0, 6, 7]]
+    assert out["query_mask"].tolist() == [[1, 1, 1], [1, 1, 1], [0, 1, 1], [0, 1, 1]]
+    assert out["responses"].tolist() == [[4, 4, 0], [4, 0, 0], [8, 0, 0], [9, 0, 0]]
+    assert out["mask"].tolist() == [[1, 1, 0], [1, 0, 0], [1, 0, 0], [1, 0, 0]]
+    assert out["reward"].tolist() == [2.0, 3.0, 0.0, 1.0] and out["rows"] == ["c", "c", "b", "b"]
+    assert out["ended"].tolist() == [False, True, True, True] and out["per_source"]["r"].tolist()[:2] == [2.0, 3.0]
