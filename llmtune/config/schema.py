@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -356,6 +356,11 @@ class GRPOConfig(Section):
         "off", description="Groups whose rewards are all equal carry no signal (always counted: "
         "all_equal_group_fraction). drop: leave them out of the loss and its normaliser; resample (DAPO): sample "
         "more prompts in their place, up to max_resample_rounds, then drop what is left.")
+    @field_validator("dynamic_sampling", mode="before")
+    @classmethod
+    def _yaml_off(cls, value):
+        return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
+
     max_resample_rounds: int = Field(2, ge=1, description="dynamic_sampling resample: extra sampling rounds per "
                                      "rollout batch at most.")
     mask_truncated_completions: bool = Field(False, description="Leave completions cut at max_new_tokens out of "

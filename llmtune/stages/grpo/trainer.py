@@ -53,6 +53,18 @@ class GRPOTrainer(OnlineRLTrainer):
         super().__init__(*positional, stage=stage, **kwargs)
 
     def build_model(self, policy, recipe) -> PolicyModel:
+        """The policy wrapped with its reference (adapters disabled).
+
+        Raises:
+            ModelLoadError: the policy has no adapter (``adapter.type: none``): the reference would be the policy.
+        """
+        from peft import PeftModel
+
+        from llmtune.models import ModelLoadError
+
+        if not isinstance(policy, PeftModel):
+            raise ModelLoadError("GRPO's reference is the policy with its adapter disabled; adapter.type: none has "
+                                 "no adapter to disable (set adapter.type: lora)")
         return PolicyModel(policy)
 
     # ---- rollouts ---------------------------------------------------------------------------------

@@ -21,6 +21,10 @@ def test_defaults_validate_and_sources_combine():
         {"function": "llmtune.rewards:format_reward", "weight": 0.5}]}, "train": {"max_steps": 2}})
     assert recipe.grpo.num_generations == 4 and recipe.grpo.beta == 0.0 and recipe.grpo.kl_estimator == "k3"
     assert recipe.reward.functions[0].weight == 0.5
+    raw = yaml.safe_load("stage: grpo\nreward: {function: 'llmtune.rewards:gsm8k_reward'}\ntrain: {max_steps: 2}\n"
+                         "grpo: {dynamic_sampling: off}\n")
+    assert raw["grpo"]["dynamic_sampling"] is False  # YAML 1.1 reads a bare off as false ...
+    assert load_recipe(raw=raw).grpo.dynamic_sampling == "off"  # ... and the recipe means the mode "off"
 
 
 def test_batch_arithmetic_and_reward_source_problems():
