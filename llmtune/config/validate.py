@@ -195,7 +195,8 @@ def distributed_problems(doc: dict) -> list[tuple[str, str]]:
 def ppo_problems(doc: dict) -> list[tuple[str, str]]:
     """PPO's batch arithmetic and reward source (see ``PPOConfig``)."""
     problems: list[tuple[str, str]] = []
-    has_run, has_fn = bool(_get(doc, "reward.from_run")), bool(_get(doc, "reward.function"))
+    has_run = bool(_get(doc, "reward.from_run"))
+    has_fn = bool(_get(doc, "reward.function")) or bool(_get(doc, "reward.functions"))
     if has_run == has_fn:
         problems.append(("reward", "PPO needs exactly one score source: reward.from_run (an `llmtune rm` run) or "
                          "reward.function (module:function, e.g. llmtune.rewards:gsm8k_reward)"))

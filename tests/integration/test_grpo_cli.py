@@ -184,3 +184,11 @@ def test_replace_groups_repads_prompts_left_and_completions_right():
     assert out["mask"].tolist() == [[1, 1, 0], [1, 0, 0], [1, 0, 0], [1, 0, 0]]
     assert out["reward"].tolist() == [2.0, 3.0, 0.0, 1.0] and out["rows"] == ["c", "c", "b", "b"]
     assert out["ended"].tolist() == [False, True, True, True] and out["per_source"]["r"].tolist()[:2] == [2.0, 3.0]
+
+
+def test_grpo_help_lists_its_options(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["grpo", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "grpo.num_generations" in out and "grpo.loss_aggregation" in out and "reward.functions" in out

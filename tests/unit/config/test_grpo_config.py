@@ -57,3 +57,10 @@ def test_pipeline_accepts_a_grpo_step(tmp_path):
     assert grpo.recipe.reward.from_run == str(rm.dir) and grpo.inputs == ["sft", "rm"]  # the RM scores it
     assert grpo_fn.recipe.reward.from_run is None and grpo_fn.recipe.model.from_run == str(grpo.dir)
     assert pipe.export.step == "grpo_fn"  # a grpo step is a policy step: exported at the end
+
+
+def test_ppo_counts_reward_functions_as_its_function_source():
+    fns = {"functions": [{"function": "llmtune.rewards:gsm8k_reward"}]}
+    assert load_recipe(raw={"stage": "ppo", "reward": fns, "train": {"max_steps": 4}}).reward.functions
+    got = problems({"stage": "ppo", "reward": {**fns, "from_run": "runs/rm"}, "train": {"max_steps": 4}})
+    assert "exactly one score source" in got["reward"]
