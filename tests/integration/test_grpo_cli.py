@@ -133,6 +133,8 @@ def test_accumulation_4x1_equals_1x4(workspace):
         assert main(["grpo", str(recipe), "data.val_size=0"]) == 0
         runs[micro] = workspace / name
     assert _losses(runs[1]) == pytest.approx(_losses(runs[4]), abs=1e-5)
+    norms = [[r["grad_norm"] for r in read_jsonl(runs[m] / "metrics.jsonl") if "grad_norm" in r] for m in (1, 4)]
+    assert len(norms[0]) == 2 and norms[0] == pytest.approx(norms[1], rel=1e-5)  # the same gradients
     one, four = (load_file(runs[m] / "adapter" / "adapter_model.safetensors") for m in (1, 4))
     assert all(torch.allclose(one[k], four[k], atol=1e-5) for k in one)
     assert any(v.abs().sum() > 0 for k, v in one.items() if "lora_B" in k)
