@@ -1,7 +1,6 @@
 """``python -m llmtune ...`` = the ``llmtune`` command (also what launchers run: ``torchrun -m llmtune sft R.yaml``)."""
 
-import sys
-
 from llmtune.cli import main
+from llmtune.launch import exit_process
 
-sys.exit(main())
+exit_process(main())

@@ -39,6 +39,8 @@ def load_for_chat(path: str | Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
+    if not (path / rd.LINEAGE).is_file() and not (path / "config.json").is_file():
+        path = _pipeline_model(path)
     if (path / rd.LINEAGE).is_file():
         head = json.loads((path / rd.LINEAGE).read_text()).get("model_head", "causal_lm")
         if head == "score":
@@ -55,7 +57,27 @@ def load_for_chat(path: str | Path):
     architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
     if any(a.endswith("ForSequenceClassification") for a in architectures):
         _refuse_score_model(path, f"config.json architectures {architectures}")
+    from llmtune.models.checks import check_weight_files
+
+    check_weight_files(path)  # truncated / corrupt safetensors are named
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def _pipeline_model(path: Path) -> Path:
+    """A pipeline directory (``llmtune pipeline``'s ``pipeline.dir``): its exported ``merged/`` model; without one,
+    the directory itself (the caller reports it).
+
+    Raises:
+        ChatError: a pipeline directory whose export has not run (names its finished policy steps).
+    """
+    if (path / "merged" / "config.json").is_file():
+        return path / "merged"
+    steps = sorted(p.name for p in path.iterdir() if (p / rd.LINEAGE).is_file()) if path.is_dir() else []
+    if steps:
+        raise ChatError(f"{path} is a pipeline directory without an exported merged/ model (the pipeline stopped "
+                        f"before its export?); rerun the pipeline, or chat with one of its runs: "
+                        + ", ".join(f"llmtune chat {path / s}" for s in steps))
+    return path
 
 
 def stop_ids(model, tokenizer) -> list[int]:

@@ -1,6 +1,7 @@
 """Command line: ``llmtune {sft,validate,export,chat} RECIPE [section.key=value ...]``.
 
-Stage commands come from the stage registry (``llmtune.stages.STAGES``); each takes a recipe and
+Stage commands are the schema's ``stage:`` values (the registry ``llmtune.stages.STAGES`` is imported only to run one,
+so ``--help`` does not load the trainer); each takes a recipe and
 ``section.key=value`` overrides. Every recipe option is listed in ``llmtune <stage> --help``, generated
 from the schema's field descriptions (one source of that text).
 """
@@ -19,44 +20,88 @@ from pydantic import BaseModel
 EXIT_USAGE = 2
 
 
-def options_help() -> str:
-    """Every recipe option as ``section.key  (type, default)  help`` lines, from the schema."""
+# recipe sections a stage reads (llmtune <stage> --help lists these); validate lists them all
+# a stage reads the common sections, its own (named like the stage, when the schema has one) and these:
+STAGE_SECTIONS = {"ppo": ("reward",), "grpo": ("reward",)}
+COMMON_SECTIONS = ("model", "data", "adapter", "train", "precision", "distributed", "output")
+
+
+def stage_names() -> list[str]:
+    """Stage commands, from the schema's ``stage:`` values (no stage module is imported: ``--help`` stays fast)."""
+    from llmtune.config.schema import Recipe
+
+    literal = next(a for a in typing.get_args(Recipe.model_fields["stage"].annotation)
+                   if typing.get_origin(a) is typing.Literal)
+    return list(typing.get_args(literal))
+
+
+def options_help(stage: str | None = None) -> str:
+    """Recipe options as ``section.key  (type; default)  help`` lines, from the schema: the common sections plus
+    ``stage``'s own (every section when ``stage`` is None)."""
     from llmtune.config.schema import SECTIONS, DatasetConfig
 
-    lines = ["recipe options (set in the YAML or as section.key=value overrides):"]
-    for section, cls in SECTIONS.items():
+    if stage is None:
+        sections = list(SECTIONS)
+    else:
+        sections = [s for s in SECTIONS if s in COMMON_SECTIONS or s == stage or s in STAGE_SECTIONS.get(stage, ())]
+    lines = ["recipe options (set in the YAML or as section.key=value overrides; list items by index, "
+             "e.g. data.datasets.0.path):"]
+    for section in sections:
+        cls = SECTIONS[section]
         lines.append(f"\n  {section}:  {(cls.__doc__ or '').strip().splitlines()[0]}")
         for name, field in cls.model_fields.items():
             lines.append(_field_line(f"{section}.{name}", field))
             if section == "data" and name == "datasets":
                 for sub, sub_field in DatasetConfig.model_fields.items():
-                    lines.append(_field_line(f"data.datasets[i].{sub}", sub_field, indent=6))
-    lines.append("\n  stage: sft | rm | dpo | ppo | grpo (optional; must match the command)")
+                    lines.append(_field_line(f"data.datasets.N.{sub}", sub_field, indent=6))
+    names = stage_names()
+    lines.append(f"\n  stage: {' | '.join(names)} (optional; must match the command)")
     lines.append("  base: path of a recipe to inherit from (relative to this recipe)")
     return "\n".join(lines)
 
 
+def type_name(ann) -> str:
+    """Readable type of a schema annotation: ``int or null``, ``list of str``, ``a | b`` for choices."""
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin is typing.Literal:
+        return " | ".join(str(a) for a in args)
+    if origin is typing.Annotated:
+        return type_name(args[0])
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        names = [type_name(a) for a in args if a is not type(None)]
+        return " or ".join(names) + (" or null" if type(None) in args else "")
+    if origin is list:
+        return f"list of {type_name(args[0])}" if args else "list"
+    if origin is dict:
+        return "mapping" + (f" of {type_name(args[1])}" if len(args) == 2 and args[1] is not object else "")
+    if ann is object:
+        return "any"
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return "mapping"
+    return getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
+
+
 def _field_line(path: str, field, indent: int = 4) -> str:
-    ann = field.annotation
-    type_name = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
-    if typing.get_origin(ann) is typing.Literal:
-        type_name = " | ".join(str(a) for a in typing.get_args(ann))
+    kind = type_name(field.annotation)
     if field.is_required():
-        return f"{' ' * indent}{path}  ({type_name}; required)\n{' ' * (indent + 4)}{field.description}"
+        return f"{' ' * indent}{path}  ({kind}; required)\n{' ' * (indent + 4)}{field.description}"
     default = field.get_default(call_default_factory=True)
-    if isinstance(default, BaseModel) or (isinstance(default, list) and default and isinstance(default[0], BaseModel)):
-        default = "..."
-    return f"{' ' * indent}{path}  ({type_name}; default {default!r})\n{' ' * (indent + 4)}{field.description}"
+    if isinstance(default, BaseModel):
+        default = default.model_dump(exclude_defaults=True)
+    elif isinstance(default, list) and default and isinstance(default[0], BaseModel):
+        default = [d.model_dump(exclude_defaults=True) for d in default]
+    return f"{' ' * indent}{path}  ({kind}; default {default!r})\n{' ' * (indent + 4)}{field.description}"
 
 
 def build_parser() -> argparse.ArgumentParser:
     from llmtune import __version__
-    from llmtune.stages import STAGES
 
+    stages = stage_names()
     parser = argparse.ArgumentParser(
         prog="llmtune",
-        description="Staged fine-tuning of causal language models (SFT now; RM, DPO, PPO on the same core) "
-        "from YAML recipes. Every stage writes a PEFT adapter into its run directory; `export` merges it.",
+        description=f"Staged fine-tuning of causal language models from YAML recipes: {', '.join(s.upper() for s in stages)} "
+        "on one trainer core, chained by `pipeline`. Every stage writes a PEFT adapter into its run directory; "
+        "`export` merges the chain into the base (or writes it as one adapter) and verifies the result.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  llmtune validate recipes/quickstart_sft.yaml\n  llmtune sft recipes/quickstart_sft.yaml "
         "train.max_steps=20\n  llmtune export runs/quickstart_sft\n\n`llmtune sft --help` lists every recipe option.",
@@ -66,13 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_local_rank_arg(parser)  # `deepspeed --module llmtune ...` passes --local_rank=I first
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, cls in STAGES.items():
+    for name in stages:
         p = sub.add_parser(
             name,
             help=f"train the {name.upper()} stage from a recipe",
-            description=f"{_stage_summary(cls)}\n\nRuns the {name} stage and writes the run directory "
+            description=f"{_stage_summary(name)}\n\nRuns the {name} stage and writes the run directory "
             "(recipe.resolved.yaml, data_report.json, metrics.jsonl, loss.png, checkpoints/, adapter/, lineage.json).",
-            epilog=options_help(),
+            epilog=options_help(name),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         _recipe_args(p)
@@ -89,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _recipe_args(v)
-    v.add_argument("--stage", default=None, choices=sorted(STAGES), help="stage to validate for (default: the "
+    v.add_argument("--stage", default=None, choices=sorted(stages), help="stage to validate for (default: the "
                    "recipe's stage:, else sft)")
     v.add_argument("--example", type=int, default=0, help="index of the training row to render (default 0)")
     e = sub.add_parser(
@@ -108,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the saved weights (auto: the training precision)")
     e.add_argument("--out", default=None, help="output directory (default RUN_DIR/merged)")
     e.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard (default 2GB)")
+    e.add_argument("--adapter", action="store_true",
+                   help="instead of a merged model, write ONE peft adapter equal to the whole adapter chain on the "
+                   "original base (LoRA updates concatenated along the rank; exact) into RUN_DIR/exported_adapter "
+                   "(or --out), verified with plain PeftModel.from_pretrained against llmtune's chain model")
     pl = sub.add_parser(
         "pipeline",
         help="run a list of stages (sft, rm, dpo, ppo, on-policy pairs) into one directory, then export",
@@ -136,10 +185,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _stage_summary(cls) -> str:
-    """First paragraph of the stage module's docstring, for ``llmtune <stage> --help``."""
-    doc = (sys.modules[cls.__module__].__doc__ or cls.__doc__ or "").strip()
-    return doc.split("\n\n")[0].replace("``", "")
+def _stage_summary(name: str) -> str:
+    """First paragraph of the stage module's docstring, for ``llmtune <stage> --help``; read from the source file
+    (``llmtune/stages/<name>.py`` or ``<name>/__init__.py``) without importing the stage (and the trainer)."""
+    import ast
+
+    root = Path(__file__).parent / "stages"
+    for path in (root / f"{name}.py", root / name / "__init__.py"):
+        if path.is_file():
+            doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+            return doc.strip().split("\n\n")[0].replace("``", "")
+    return f"The {name} stage."
 
 
 def _recipe_args(p: argparse.ArgumentParser) -> None:
@@ -159,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
             from llmtune.validate import validate_command
 
             return validate_command(args.recipe, args.overrides, stage=args.stage, example=args.example)
+        if args.command == "export" and args.adapter:
+            from llmtune.export_adapter import export_adapter
+
+            return 0 if export_adapter(args.run_dir, out_dir=args.out)["passed"] else 1
         if args.command == "export":
             from llmtune.export import export_run
 
@@ -185,14 +245,20 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except RuntimeError as exc:  # out of GPU memory outside a stage (export, pairs, chat): figures and advice
+        import torch
+
+        if not isinstance(exc, torch.cuda.OutOfMemoryError):
+            raise
+        from llmtune.core.guard import OutOfMemoryError, oom_message
+
+        print(f"error: {oom_message(exc)}", file=sys.stderr)
+        return OutOfMemoryError.exit_code
 
 
 def run_stage_command(command: str, recipe_path: str, overrides: list[str], launch: list[str] = ()) -> int:
     """Train one stage; ``launch`` = the launch flags as ``distributed.*`` overrides. Re-runs itself through torchrun
     when more processes or DeepSpeed are asked for and no launcher started it (:mod:`llmtune.launch`)."""
-    from rich.console import Console
-    from rich.table import Table
-
     from llmtune import launch as launcher
     from llmtune.config import load_recipe
     from llmtune.stages import STAGES
@@ -205,10 +271,20 @@ def run_stage_command(command: str, recipe_path: str, overrides: list[str], laun
     from llmtune.core.runner import run_stage
 
     summary = run_stage(STAGES[command](recipe), base_dir=Path.cwd())
+    if is_main_process():
+        print_summary(command, summary)
     if launcher.under_launcher():
-        launcher.finish()  # every rank leaves together, after rank 0 has written the run directory
-    if not is_main_process():
-        return 0
+        launcher.finish(0)  # every rank leaves together, after rank 0 has written the run directory
+    return 0
+
+
+def print_summary(command: str, summary: dict) -> None:
+    """The end-of-run table of one stage (stderr)."""
+    from rich.table import Table
+
+    from llmtune.stages import STAGES
+    from llmtune.utils import make_console
+
     table = Table(title=f"llmtune {command}: done")
     trained = next(k for k in summary if k.startswith("trained_"))  # trained_tokens (SFT), trained_pairs (RM, DPO)
     for key in ("run_dir", "steps", "train_loss", trained, "wall_s", "adapter"):
@@ -218,9 +294,10 @@ def run_stage_command(command: str, recipe_path: str, overrides: list[str], laun
         if summary.get(when):
             table.add_row(f"{when} {key_metric.removeprefix('eval_')}",
                           f"{summary[when].get(key_metric, float('nan')):.4f}")
-    Console(stderr=True).print(table)
-    return 0
+    make_console(stderr=True).print(table)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from llmtune.launch import exit_process
+
+    exit_process(main())

@@ -19,7 +19,12 @@ both are saved (peft #2777: a merged model whose config still said "tied" lost i
 The saved model is reloaded with the plain ``Auto*`` class of its head and compared with the adapter model on
 sample prompts: logits and greedy generations for a causal LM (``AutoModelForCausalLM``); for a reward model
 (``model_head: score``) the one score per sequence (``AutoModelForSequenceClassification``, which must find every
-weight, the trained head included: trl #368 lost the head by saving an RM as a causal LM). The output directory
+weight, the trained head included: trl #368 lost the head by saving an RM as a causal LM), on sample conversations
+as a consumer scores them (:func:`score_inputs`: ``apply_chat_template(..., tokenize=True)``, also ending in EOS),
+both with llmtune's last-real-token reading and with the reload's own ``forward`` (``logits[:, 0]``) unpadded and
+in right- and left-padded batches. A reward model is saved with a pad token no sequence contains
+(:func:`llmtune.models.heads.use_dedicated_pad`), since transformers pools at the last token that is not the pad
+(with pad == EOS a sequence ending in EOS was read one token early). The output directory
 also gets ``generation_config.json`` (stopping at every EOS of the chat template), the tokenizer with the training
 chat template, ``verification.json`` and a model card (``README.md``) with the lineage.
 """
@@ -35,6 +40,8 @@ import yaml
 from llmtune.config import Recipe, load_recipe
 from llmtune.core import rundir as rd
 from llmtune.data.templates import template_eos_ids  # noqa: F401  (re-exported: export/chat users)
+from llmtune.models.heads import use_dedicated_pad
+from llmtune.models.quant import compute_dtype_4bit, dequantize_to_fp32  # noqa: F401  (re-exported)
 from llmtune.utils import get_logger, setup_logging, write_json
 from llmtune.errors import LlmtuneError
 
@@ -89,6 +96,54 @@ def sample_inputs(tokenizer, max_prompts: int = 3) -> list[torch.Tensor]:
         else:
             ids = tokenizer(text)["input_ids"]
         out.append(torch.tensor([ids]))
+    return out
+
+
+SAMPLE_ANSWERS = ["She sold 48 / 2 = 24 clips in May, so 48 + 24 = 72 clips in all. #### 72",
+                  "The sea is wide and blue.", "12 * 7 = 84."]
+
+
+def score_inputs(tokenizer) -> list[torch.Tensor]:
+    """Token ids (1, T) a consumer scores a reward model on: each sample conversation (prompt + answer) as
+    ``apply_chat_template(conversation, tokenize=True)`` gives it, and the same ids cut after their last
+    end-of-turn token, so they END IN EOS (where pad == EOS misled transformers' pooling). Without a chat
+    template: prompt + answer + EOS."""
+    ends = set(template_eos_ids(tokenizer))
+    out = []
+    for prompt, answer in zip(SAMPLE_PROMPTS, SAMPLE_ANSWERS):
+        if not tokenizer.chat_template:
+            out.append(torch.tensor([tokenizer(prompt + " " + answer)["input_ids"] + [tokenizer.eos_token_id]]))
+            continue
+        conversation = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+        ids = list(tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=True)["input_ids"])
+        out.append(torch.tensor([ids]))
+        last = max((i for i, t in enumerate(ids) if t in ends), default=len(ids) - 1)
+        if last < len(ids) - 1:
+            out.append(torch.tensor([ids[:last + 1]]))
+    return out
+
+
+def padded_batch(inputs: list[torch.Tensor], pad_id: int, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)``, each (B, T): the (1, T_i) rows padded with ``pad_id`` on ``side``."""
+    T = max(x.shape[1] for x in inputs)
+    ids = torch.full((len(inputs), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(inputs), T), dtype=torch.long)
+    for b, x in enumerate(inputs):
+        span = slice(0, x.shape[1]) if side == "right" else slice(T - x.shape[1], T)
+        ids[b, span], mask[b, span] = x[0], 1
+    return ids, mask
+
+
+@torch.no_grad()
+def plain_transformers_scores(model, inputs: list[torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]:
+    """Scores of a reloaded sequence classifier used as plain transformers code uses it: its own ``forward`` and
+    ``logits[:, 0]`` (TRL / OpenRLHF style), on each row alone and on right- and left-padded batches of all rows
+    (``pad_id``, with the attention mask). Returns ``{"unpadded" | "right" | "left": (B,) fp32}``."""
+    model.eval()
+    out = {"unpadded": torch.cat([model(input_ids=x).logits[:, 0].float() for x in inputs])}
+    for side in ("right", "left"):
+        ids, mask = padded_batch(inputs, pad_id, side)
+        out[side] = model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
     return out
 
 
@@ -174,28 +229,6 @@ def refuse_partitioned_merge(model) -> None:
         raise ExportError(str(err)) from None
 
 
-def dequantize_to_fp32(model):
-    """Replace every bitsandbytes 4/8-bit linear layer of ``model`` by an ``nn.Linear`` holding its dequantized
-    weight, computed in fp32, and cast every other floating parameter to fp32.
-
-    transformers' ``model.dequantize`` does the replacement; 4-bit weights are dequantized in their quantization
-    state's dtype (the load dtype, often bf16), so that dtype is set to fp32 first: ``code[q] * absmax`` in fp32 is
-    the value the 4-bit weight stands for, and the one the training matmuls rounded to their compute dtype.
-
-    Returns:
-        The dequantized model (a plain ``PreTrainedModel``; its quantizer and ``quantization_config`` are removed).
-    """
-    for param in model.parameters():
-        if type(param).__name__ == "Params4bit" and param.quant_state is not None:
-            param.quant_state.dtype = torch.float32
-    model = model.dequantize(dtype=torch.float32)
-    for attr in ("is_loaded_in_4bit", "is_loaded_in_8bit"):
-        if attr in vars(model):
-            setattr(model, attr, False)
-    model.is_quantized = False
-    return model.to(torch.float32)
-
-
 # ---- building and merging ------------------------------------------------------------------------------------
 
 def load_adapter_model(run_dir: Path, recipe: Recipe, lineage: dict | None = None):
@@ -231,6 +264,9 @@ def load_adapter_model(run_dir: Path, recipe: Recipe, lineage: dict | None = Non
         lineage = json.loads((run_dir / rd.LINEAGE).read_text())
     head = lineage.get("model_head", "causal_lm")
     adapter_dir = run_dir / rd.ADAPTER
+    from llmtune.models.checks import check_weight_files
+
+    check_weight_files(adapter_dir)  # a truncated/corrupt adapter file is named
     tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
     info = {"name_or_path": recipe.model.name_or_path, "path": lineage.get("base_model", {}).get("path")}
     if recipe.adapter.type == "none":  # full fine-tuning: the adapter dir is the whole model
@@ -258,6 +294,24 @@ def load_adapter_model(run_dir: Path, recipe: Recipe, lineage: dict | None = Non
         base.config.pad_token_id = tokenizer.pad_token_id
     fit_vocab_to_adapter(base, adapter_dir)
     return PeftModel.from_pretrained(base, adapter_dir, is_trainable=False), tokenizer, info
+
+
+def refuse_nonfinite_weights(model, run_dir: Path) -> None:
+    """Refuse to export a model holding NaN/inf weights, naming the tensors.
+
+    Raises:
+        ExportError: some (adapter or base) tensors are not finite.
+    """
+    from llmtune.core.guard import nonfinite_tensors
+
+    bad = nonfinite_tensors(model.named_parameters())
+    if bad:
+        shown = ", ".join(bad[:8]) + (f", ... ({len(bad)} tensors)" if len(bad) > 8 else "")
+        raise ExportError(
+            f"cannot export {run_dir}: its weights hold NaN/inf values in {len(bad)} tensor(s): {shown}. The run "
+            "trained on non-finite numbers (see the nonfinite_step records in its metrics.jsonl); train it again "
+            "with a lower train.learning_rate (or precision.bf16 instead of fp16)."
+        )
 
 
 def merge_in_fp32(model, adapter_dir: Path):
@@ -360,7 +414,8 @@ def export_run(run_dir: str | Path, dtype: str = "auto", out_dir: str | Path | N
         decides: rounding every weight to 8 mantissa bits (bf16) legitimately flips greedy choices between tokens
         whose logits are closer than that rounding, so a differing generation there is not evidence of a wrong
         merge. For a reward model: ``newly_initialized`` (weights the plain reload had to initialise; must be
-        empty) and ``hf_max_abs_diff`` (the reload's own ``forward`` scores vs the adapter model's).
+        empty), ``hf_max_abs_diff`` (the reload's own ``forward`` scores vs the adapter model's, worst of
+        unpadded / right- / left-padded, each in ``hf_max_abs_diff_by_padding``) and the ``pad_token`` saved.
 
     Raises:
         ExportError: the run is not finished, or a merge would go into a quantized or ZeRO-3 partitioned model.
@@ -375,18 +430,25 @@ def export_run(run_dir: str | Path, dtype: str = "auto", out_dir: str | Path | N
         dtype = "bf16" if recipe.precision.bf16 else "fp16" if recipe.precision.fp16 else "fp32"
     out = Path(out_dir) if out_dir else run_dir / "merged"
     model, tokenizer, base_info = load_adapter_model(run_dir, recipe, lineage)
+    refuse_nonfinite_weights(model, run_dir)
     quantized = is_quantized(model)
-    inputs = sample_inputs(tokenizer)
+    inputs = sample_inputs(tokenizer) if head == "causal_lm" else score_inputs(tokenizer)
     eos_ids = template_eos_ids(tokenizer)
     reference = _outputs(model, inputs, head)  # the adapter model, unmerged (quantized base for QLoRA)
     ref_gens = _generate(model, inputs, eos_ids, tokenizer.pad_token_id, max_new_tokens) if head == "causal_lm" else []
+    reference_compute = compute_dtype_4bit(model)  # what the 4-bit layers really computed in (CPU packed: bf16)
     merged = merge_in_fp32(model, run_dir / rd.ADAPTER)  # fp32 arithmetic; `model` is merged in place from here on
     del model
     merged = merged.to(DTYPES[dtype])  # the one cast
     merged.config.use_cache = True
+    if head == "score":  # transformers pools at the last token != pad_token_id: pad with a token no sequence has
+        use_dedicated_pad(merged, tokenizer, add=True)
     out.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
     tokenizer.save_pretrained(out)
+    from llmtune.models.portable import clean_tokenizer_config, model_max_length
+
+    clean_tokenizer_config(out, model_max_length(out))  # loads elsewhere; the model's real context length
     if head == "causal_lm":
         _save_generation_config(merged, tokenizer, eos_ids, out)
     del merged
@@ -396,11 +458,11 @@ def export_run(run_dir: str | Path, dtype: str = "auto", out_dir: str | Path | N
     max_diff = max(float((a - b).abs().max()) for a, b in zip(got, reference))
     scale = max(float(r.abs().max()) for r in reference)
     atol, rtol = TOLERANCE[dtype]
-    if quantized:  # the reference ran its 4-bit matmuls in the compute dtype (8-bit: int8): allow that rounding too
+    if quantized:  # the reference ran its 4-bit matmuls in their compute dtype (8-bit: int8): allow that rounding
         from llmtune.models.load import resolve_compute_dtype
 
         compute = "int8" if recipe.model.load_in_8bit else {v: k for k, v in DTYPES.items()}[
-            resolve_compute_dtype(recipe.model, recipe.precision)]
+            reference_compute or resolve_compute_dtype(recipe.model, recipe.precision)]
         catol, crtol = TOLERANCE_INT8 if compute == "int8" else TOLERANCE[compute]
         atol, rtol = max(atol, catol), max(rtol, crtol)
         base_info["compute_dtype"] = compute
@@ -432,11 +494,15 @@ def export_run(run_dir: str | Path, dtype: str = "auto", out_dir: str | Path | N
         summary = (f"max |logit diff| {max_diff:.3g} (tolerance {tolerance:.3g}), argmax agreement "
                    f"{agree / total:.4f}, greedy generations identical {same}/{len(gens)}")
     else:  # plain transformers use of the export: every weight found, its own forward gives the same scores
-        with torch.no_grad():
-            hf = [reloaded(input_ids=x).logits[:, 0].float() for x in inputs]
-        hf_diff = max(float((a - b).abs().max()) for a, b in zip(hf, reference))
+        hf = plain_transformers_scores(reloaded, inputs, tokenizer.pad_token_id)
+        expected = torch.cat(reference)
+        hf_diffs = {k: float((v - expected).abs().max()) for k, v in hf.items()}
+        hf_diff = max(hf_diffs.values())
         report.update(newly_initialized=sorted(info.get("missing_keys", [])), hf_max_abs_diff=hf_diff,
-                      scores=[float(r[0]) for r in reference])
+                      hf_max_abs_diff_by_padding=hf_diffs, scores=expected.tolist(),
+                      pad_token=tokenizer.pad_token, pad_token_id=tokenizer.pad_token_id,
+                      score_inputs="apply_chat_template(conversation, tokenize=True), also cut after its last "
+                                   "end-of-turn token (ends in EOS); unpadded, right- and left-padded batches")
         report["passed"] = report["passed"] and not report["newly_initialized"] and hf_diff <= tolerance
         summary = (f"max |score diff| {max_diff:.3g}, plain-transformers forward {hf_diff:.3g} (tolerance "
                    f"{tolerance:.3g}), newly initialised weights: {report['newly_initialized'] or 'none'}")
@@ -493,17 +559,27 @@ def _key_metrics(summary: dict) -> dict:
 def model_card(run_dir: Path, lineage: dict, report: dict) -> str:
     """Markdown model card (YAML front matter for the hub) with the lineage: base model, each merged stage with its
     run dir, adapter type, datasets with sha256 and key eval metrics, the export dtype and the verification."""
+    from llmtune.core.artifacts import hub_datasets, portable_of, usage_snippet, versions_lines
+
     base = lineage.get("base_model", {})
+    portable = portable_of(base)
     stages = _stage_lineages(run_dir, lineage)
-    front = {"library_name": "transformers", "base_model": base.get("name_or_path"),
+    front = {"library_name": "transformers", "base_model": portable["name_or_path"],
+             "license": portable.get("license"),
+             "datasets": hub_datasets([d for _, lin in stages for d in lin.get("data", [])]),
              "pipeline_tag": "text-classification" if report["model_head"] == "score" else "text-generation",
              "tags": ["llmtune", *dict.fromkeys(str(e.get("stage")) for e, _ in stages), "merged-adapter"]}
+    front = {k: v for k, v in front.items() if v not in (None, [])}
     kind = "Reward model (sequence classification, one score)" if report["model_head"] == "score" else "Causal LM"
     lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
              f"# {Path(report['out_dir']).name} — merged by llmtune", "",
              f"{kind} exported from `{run_dir}` in **{report['dtype']}** (merged in fp32, cast once).", "",
+             *usage_snippet(portable, "path/to/this/model", report["model_head"], "merged"),
              "## Lineage", "",
-             f"- Base model: `{base.get('name_or_path')}` ({base.get('kind', '?')}, `{base.get('path')}`)",
+             f"- Base model: `{portable['name_or_path']}`" + (f" (revision `{portable['revision']}`)"
+                                                              if portable.get("revision") else ""),
+             f"- Trained against: {portable.get('weights')}",
+             f"- Recipe name: `{base.get('name_or_path')}` ({base.get('kind', '?')})",
              f"- Merged into: {report['base'].get('weights')}", ""]
     for i, (entry, stage_lineage) in enumerate(stages, 1):
         lines += [f"### {i}. {entry.get('stage')} (`{entry.get('run_dir')}`)", "",
@@ -527,4 +603,5 @@ def model_card(run_dir: Path, lineage: dict, report: dict) -> str:
         lines.append(f"- Greedy generations ({report['generation_tokens']} tokens) identical: "
                      f"{report['generation_agreement']:.0%}; argmax agreement {report['argmax_agreement']:.4f}")
     lines += ["- Details: `verification.json`", ""]
+    lines += ["## Versions", "", *versions_lines(lineage), ""]
     return "\n".join(lines)

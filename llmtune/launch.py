@@ -20,7 +20,7 @@ import os
 import shlex
 import subprocess
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from llmtune.utils import get_logger
 
@@ -141,16 +141,32 @@ def torchrun_command(command: str, recipe_path: str, overrides: list[str], dist:
             "-m", "llmtune.cli", command, recipe_path, *overrides, *shape]
 
 
-def finish() -> None:
-    """End a launched process cleanly: wait until every rank is done (rank 0 writes the run directory last), then
-    tear down the process group. A rank that exits while others still hold the group can abort in the
-    communication threads' destructors ("terminate called without an active exception"), and torchrun then
-    kills the whole job."""
+def finish(code: int = 0) -> NoReturn:
+    """End a launched process: wait until every rank is done (rank 0 has written the run directory), then leave at
+    once with ``code``.
+
+    A rank whose communication threads are still alive when the interpreter tears down (gloo/DeepSpeed shm on CPU,
+    NCCL watchdogs on GPU) can abort in their C++ destructors ("terminate called without an active exception",
+    SIGABRT), even after ``destroy_process_group``; torchrun then reports the finished job as failed. After the
+    barrier nothing is left to do, so we flush stdio and ``os._exit`` instead of running those destructors.
+    """
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def exit_process(code: int) -> NoReturn:
+    """Leave with ``code``; a launched rank leaves through ``os._exit`` (see :func:`finish`), e.g. after an error
+    that every rank raised, so that torchrun reports the error and not an abort in a destructor."""
+    if under_launcher():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def relaunch(command: str, recipe_path: str, overrides: list[str], recipe: Any) -> int:

@@ -53,7 +53,7 @@ class PairsConfig(BaseModel):
     counted with their reason in ``pairs_report.json``.
     """
 
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), strict=True, allow_inf_nan=False)
 
     data: DataConfig = Field(default_factory=DataConfig, description="Prompts (any prompt-giving format; the "
                              "reference answer comes with them, e.g. builtin:gsm8k answers).")
@@ -68,7 +68,8 @@ class PairsConfig(BaseModel):
     use_reference_as_chosen: bool = Field(True, description="Chosen = the reference answer when no two "
                                           "completions differ in score.")
     min_score_gap: float = Field(0.0, ge=0, description="chosen score - rejected score must exceed this.")
-    seed: int = Field(42, description="Sampling seed (batch b uses seed + its first prompt index).")
+    seed: int = Field(42, ge=0, le=2**32 - 1, description="Sampling seed (batch b uses seed + its first prompt "
+                      "index), 0 .. 2**32-1.")
 
 
 def choose_pair(scores: list[float], completions: list[str], reference: str | None, reference_score: float | None,

@@ -83,14 +83,15 @@ class PipelineError(LlmtuneError, RuntimeError):
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=(), strict=True,
+                              allow_inf_nan=False)
 
 
 class StageStep(_Spec):
     """A training step: one ``llmtune sft|rm|dpo|ppo|grpo`` run."""
 
     name: str = Field(..., description="Step name: its directory under pipeline.dir and its {name} reference.")
-    stage: Literal["sft", "rm", "dpo", "ppo", "grpo"] | None = Field(
+    stage: Literal["sft", "rm", "dpo", "ppo", "grpo", "orpo", "simpo", "kto"] | None = Field(
         None, description="Stage to run (default: the recipe's stage:, else the step name if it is a stage).")
     recipe: str | dict[str, Any] | None = Field(
         None, description="A recipe file (relative to the pipeline file) or an inline recipe mapping (may use base:).")
@@ -101,7 +102,8 @@ class StageStep(_Spec):
 class PairsStep(PairsConfig):
     """A pairs step: on-policy preference pairs from an earlier policy step (see :class:`PairsConfig`)."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=(), strict=True,
+                              allow_inf_nan=False)
 
     name: str = Field(..., description="Step name; {name} refers to its pairs.jsonl.")
     kind: Literal["pairs"] = Field("pairs", description="pairs: build on-policy preference pairs.")
@@ -396,9 +398,9 @@ def _stage_step(entry, i, name, pipe, known, later, cli, problems, where, stages
         problems += [(f"{where}{p}", m) for p, m in exc.problems]
         return None
     overrides = {**spec.overrides, **cli}
-    kind = spec.stage or doc.get("stage") or (name if name in ("sft", "rm", "dpo", "ppo", "grpo") else None)
+    kind = spec.stage or doc.get("stage") or (name if name in stages else None)
     if kind is None:
-        problems.append((f"pipeline.stages.{i}.stage", "which stage? set stage: sft | rm | dpo | ppo | grpo (or kind: "
+        problems.append((f"pipeline.stages.{i}.stage", f"which stage? set stage: {' | '.join(stages)} (or kind: "
                          "pairs)"))
         return None
     if doc.get("stage") not in (None, kind):
@@ -641,10 +643,10 @@ def run_pipeline(pipe: Pipeline, console=None) -> list[dict]:
         PipelineError: see :func:`plan_stage`; a pairs step without any pair; a failed export verification.
         RecipeError, DataError, ModelLoadError: from the stages.
     """
-    from rich.console import Console
+    from llmtune.utils import make_console
 
     setup_logging()
-    console = console or Console(stderr=True)
+    console = console or make_console(stderr=True)
     pipe.dir.mkdir(parents=True, exist_ok=True)
     _print_plan(pipe, console)
     rows, t_start = [], time.perf_counter()
@@ -836,9 +838,9 @@ def pipeline_command(recipe_path: str, overrides: list[str], dry_run: bool = Fal
     """
     import sys
 
-    from rich.console import Console
+    from llmtune.utils import make_console
 
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     pipe = load_pipeline(recipe_path, overrides, base_dir=Path("."))
     if dry_run:
         _print_plan(pipe, console)

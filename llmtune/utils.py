@@ -20,15 +20,29 @@ def get_logger(name: str = LOGGER_NAME) -> logging.Logger:
     return logging.getLogger(name if name.startswith(LOGGER_NAME) else f"{LOGGER_NAME}.{name}")
 
 
+FILE_WIDTH = 200  # columns of rich output that goes to a file or pipe (rich would cut it at 80)
+
+
+def make_console(stderr: bool = True, **kwargs):
+    """A rich ``Console`` for llmtune's tables and logs: the terminal's width on a terminal, ``FILE_WIDTH`` columns
+    when the output is redirected (a log file must not cut table cells)."""
+    import sys
+
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if getattr(stream, "isatty", lambda: False)() else FILE_WIDTH
+    return Console(stderr=stderr, width=width, **kwargs)
+
+
 def setup_logging(level: int = logging.INFO) -> None:
     """Send llmtune logs to stderr through rich; quiet on ranks other than 0."""
-    from rich.console import Console
     from rich.logging import RichHandler
 
     root = logging.getLogger(LOGGER_NAME)
     if root.handlers:
         return
-    handler = RichHandler(console=Console(stderr=True), show_path=False, rich_tracebacks=False, markup=False)
+    handler = RichHandler(console=make_console(stderr=True), show_path=False, rich_tracebacks=False, markup=False)
     handler.setFormatter(logging.Formatter("%(message)s"))
     root.addHandler(handler)
     root.setLevel(level if is_main_process() else logging.WARNING)

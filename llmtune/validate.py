@@ -18,7 +18,7 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
     Raises:
         RecipeError, DataError, ModelLoadError: reported by the CLI as one error message each.
     """
-    from rich.console import Console
+    from llmtune.utils import make_console
 
     from llmtune.config.load import read_yaml
     from llmtune.core.runner import prepare_tokenizer
@@ -28,7 +28,7 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
     from llmtune.models import resolve_model_source
     from llmtune.stages import STAGES
 
-    console = Console(stderr=False, highlight=False)
+    console = make_console(stderr=False, highlight=False)
     doc = read_yaml(recipe_path)
     if "pipeline" in doc:  # a pipeline recipe: its dry run validates every step
         from llmtune.pipeline import pipeline_command
@@ -50,8 +50,15 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
     late += STAGES[stage_name](recipe).preflight(".")
     source = resolve_model_source(recipe.model, convert=False)
     console.print(f"model: {recipe.model.name_or_path} ({source.kind})")
+    from llmtune.models.checks import check_weight_files
+
+    check_weight_files(source.path, source.original)  # headers only: truncated / corrupt safetensors are named
     tokenizer = prepare_tokenizer(recipe)
     stage_obj = STAGES[stage_name](recipe)
+    from llmtune.models.checks import model_fit_problems
+
+    late += model_fit_problems(recipe, tokenizer, stage_obj.model_head, stage_name,
+                               check_vocab=not recipe.model.from_run)
     data = stage_obj.build_data(tokenizer, ".")
     console.print(data.report.summary())
 
@@ -59,6 +66,9 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
     if n_train == 0:
         console.print("[red]no training rows left[/red]")
         return 1
+    from llmtune.config.validate import data_size_problems
+
+    late += data_size_problems(recipe, n_train)
     accum = accumulation_steps(recipe)
     steps_per_epoch = math.ceil(n_train / recipe.train.global_batch_size)
     steps = recipe.train.max_steps or math.ceil(steps_per_epoch * recipe.train.num_epochs)

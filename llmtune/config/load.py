@@ -19,6 +19,52 @@ from llmtune.config.validate import RecipeError, validate_recipe
 MAX_INHERITANCE_DEPTH = 16
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A key appears twice in one YAML mapping (PyYAML would silently keep the last)."""
+
+
+class RecipeLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` for recipes and overrides: a key given twice in one mapping is an error (with both
+    line numbers), and exponent floats without a dot (``3e-4``, ``1e5``) are numbers as in YAML 1.2 (PyYAML's YAML
+    1.1 rules read them as strings, which strict number fields would then refuse)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):  # explicit keys only: a key overriding a `<<:` merge is fine
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    first = seen.get(key)
+                    seen.setdefault(key, line)
+                except TypeError:  # unhashable key: PyYAML reports it below
+                    continue
+                if first is not None:
+                    raise DuplicateKeyError(
+                        f"duplicate key {key!r} at line {line} (first at line {first}) of {key_node.start_mark.name}: "
+                        "a key may appear once per mapping (YAML would silently keep the last); delete one"
+                    )
+        return super().construct_mapping(node, deep=deep)
+
+
+RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def load_yaml_text(stream) -> Any:
+    """Parse YAML text or a file object with :class:`RecipeLoader`.
+
+    Raises:
+        yaml.YAMLError: syntax errors and :class:`DuplicateKeyError`.
+    """
+    return yaml.load(stream, Loader=RecipeLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def deep_merge(base: dict, override: dict) -> dict:
     """Return ``base`` updated by ``override``; nested dicts merge, everything else (lists too) replaces."""
     out = copy.deepcopy(base)
@@ -48,10 +94,19 @@ def read_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
         where = f" (named by base: in {_chain[-1]})" if _chain else ""
         raise RecipeError([("", f"recipe file not found: {path}{where}")], source=str(path))
     try:
-        with open(path) as fh:  # a file object: YAML errors then name the file, not "<unicode string>"
-            doc = yaml.safe_load(fh) or {}
+        with open(path, encoding="utf-8") as fh:  # a file object: YAML errors name the file, not "<unicode string>"
+            doc = load_yaml_text(fh)
+    except DuplicateKeyError as exc:
+        raise RecipeError([("", str(exc))], source=str(path)) from None
     except yaml.YAMLError as exc:
         raise RecipeError([("", f"YAML syntax error: {exc}")], source=str(path)) from None
+    except UnicodeDecodeError as exc:
+        raise RecipeError([("", f"not UTF-8 text ({exc.reason} at byte {exc.start}); save the recipe as UTF-8")],
+                          source=str(path)) from None
+    if doc is None:
+        raise RecipeError([("", "the recipe file is empty (nothing but blank lines or comments); write at least "
+                           "`stage:` and the values that differ from the defaults (see recipes/quickstart_sft.yaml)")],
+                          source=str(path))
     if not isinstance(doc, dict):
         raise RecipeError([("", f"a recipe must be a mapping of sections, got {type(doc).__name__}")], source=str(path))
     parent = doc.pop("base", None)
@@ -77,7 +132,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
                             f"{key.strip()}=null)")])
     key = re.sub(r"\[(\d+)\]", r".\1", key)  # data.datasets[0].path == data.datasets.0.path
     try:
-        value = yaml.safe_load(raw)
+        value = load_yaml_text(raw)
     except yaml.YAMLError:
         value = raw
     return key.strip().split("."), value

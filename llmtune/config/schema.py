@@ -17,10 +17,17 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
-class Section(BaseModel):
-    """Base of every recipe section: unknown keys are errors (``extra='forbid'``)."""
+SEED_MAX = 2**32 - 1  # numpy.random.seed accepts 0 .. 2**32-1
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+class Section(BaseModel):
+    """Base of every recipe section: unknown keys are errors (``extra='forbid'``), types are strict and numbers
+    finite."""
+
+    # strict: no bool -> number and no str -> number coercion (`learning_rate: yes` is an error, not 1.0);
+    # allow_inf_nan=False: `1.0e+400` (read as inf) and `.nan` are errors. YAML ints still fill float fields.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), strict=True,
+                              allow_inf_nan=False)
 
 
 class ModelConfig(Section):
@@ -68,7 +75,7 @@ class DatasetConfig(Section):
     )
     format: Literal[
         "auto", "alpaca", "sharegpt", "messages", "text", "prompt_completion", "prompt", "preference",
-        "preference_messages", "hh"
+        "preference_messages", "hh", "unpaired"
     ] = Field(
         "auto",
         description="Row format; auto detects it from the columns of the first row. SFT: alpaca, sharegpt, messages, "
@@ -76,7 +83,8 @@ class DatasetConfig(Section):
         "preference_messages ({chosen, rejected} message lists sharing a prompt prefix, optional prompt), "
         "hh (HH-RLHF transcripts; prompt = text before the last Assistant turn). PPO prompts: any of these (a "
         "final assistant turn / completion / chosen response becomes the reference answer) or prompt ({prompt} "
-        "string or message list, optional reference).",
+        "string or message list, optional reference). KTO: unpaired ({prompt | messages, completion, label: "
+        "true|false}) or any preference format (each pair becomes a desirable and an undesirable row).",
     )
     columns: dict[str, str] = Field(
         default_factory=dict,
@@ -111,7 +119,10 @@ class DataConfig(Section):
     )
     max_length: int = Field(1024, ge=8, description="Maximum tokens per training sequence.")
     truncation: Literal["truncate", "drop"] = Field(
-        "truncate", description="Rows longer than max_length: truncate them (keep the start) or drop them."
+        "truncate", description="Rows longer than max_length: truncate them or drop them (counted). SFT truncate: "
+        "the context (everything before the last assistant turn) is cut to max_prompt_length as truncation_mode "
+        "says, then the response is cut at its end; text rows keep their first max_length tokens. Pairs and PPO "
+        "prompts: see max_prompt_length."
     )
     bad_rows: Literal["error", "skip"] = Field(
         "error", description="Malformed rows: stop with an error naming them, or skip and count them."
@@ -126,21 +137,31 @@ class DataConfig(Section):
     val_size: float = Field(
         0.0, ge=0, description="Held-out validation rows: a fraction in (0, 1) or an absolute count >= 1."
     )
-    seed: int = Field(42, description="Seed for mixing, shuffling and the validation split.")
+    seed: int = Field(42, ge=0, le=SEED_MAX, description="Seed for mixing, shuffling and the validation split "
+                      "(0 .. 2**32-1, numpy's range).")
     num_proc: int | None = Field(None, ge=1, description="Processes for tokenization (default: one).")
     max_prompt_length: int | None = Field(
         None,
         ge=1,
-        description="Preference pairs (rm, dpo): cut prompts to at most this many tokens (truncation_mode picks the "
-        "end kept); must be < max_length. null = prompts are not cut, and a pair whose prompt leaves no completion "
-        "token within max_length is dropped and counted. PPO prompts: the same limit (default max_length); the "
-        "generation prompt is always kept.",
+        description="SFT rows and preference pairs (rm, dpo) longer than max_length keep at most this many prompt "
+        "tokens (SFT: the context before the last assistant turn: system, earlier turns, last user turn, generation "
+        "prompt), cut as truncation_mode says, then the response/completions are cut at their end; must be < "
+        "max_length. null = max_length - min(response tokens (pairs: the longer completion), max_length // 2): the "
+        "response keeps all its tokens or at least half of max_length, and a prompt that fits in the rest is never "
+        "cut. PPO prompts: the prompt limit (default max_length); the generation prompt is always kept.",
     )
     truncation_mode: Literal["keep_end", "keep_start"] = Field(
         "keep_end",
-        description="Preference pairs and PPO prompts: which end of a prompt longer than max_prompt_length is kept: keep_end (the "
-        "last turns and the generation prompt, as TRL; the BOS stays first) or keep_start. Completions are always "
-        "cut at their end.",
+        description="Preference pairs, PPO prompts and the context of SFT rows: which end of a prompt longer than "
+        "max_prompt_length is kept: keep_end (the last turns and the generation prompt, as TRL; the oldest turns go "
+        "first, the BOS stays first) or keep_start (SFT and PPO: the generation prompt stays at the end). "
+        "Completions/responses are always cut at their end.",
+    )
+    truncation_keep_system: bool = Field(
+        False,
+        description="truncation_mode keep_end: keep the system message in front of a cut prompt/context (SFT, pairs, "
+        "PPO); a row whose system message alone does not fit, or whose template cannot render it on its own, is "
+        "dropped and counted.",
     )
 
 
@@ -171,11 +192,28 @@ class TrainConfig(Section):
     num_epochs: float = Field(1.0, gt=0, description="Passes over the training rows (ignored when max_steps is set).")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
     learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate.")
-    lr_scheduler: Literal["linear", "cosine", "constant"] = Field(
-        "cosine", description="Decay after warmup (constant keeps the warmup then a flat rate)."
+    lr_scheduler: Literal["linear", "cosine", "constant", "cosine_with_min_lr", "warmup_stable_decay",
+                          "cosine_with_restarts", "polynomial", "inverse_sqrt"] = Field(
+        "cosine", description="transformers schedule after warmup (constant keeps the warmup then a flat rate; "
+        "cosine_with_min_lr needs lr_scheduler_kwargs {min_lr_rate: 0.1} or {min_lr}; warmup_stable_decay needs "
+        "{num_decay_steps: N})."
+    )
+    lr_scheduler_kwargs: dict[str, float | int | str] = Field(
+        default_factory=dict, description="Extra arguments of the schedule (transformers' lr_scheduler_kwargs), "
+        "checked against the schedule's signature, e.g. {min_lr_rate: 0.1}; steps are optimizer steps."
+    )
+    optim: str = Field(
+        "adamw_torch", description="transformers optimizer name: adamw_torch, adamw_torch_fused (fused kernel), "
+        "adamw_8bit / paged_adamw_8bit / paged_adamw_32bit (bitsandbytes; the usual QLoRA choice), adafactor, ..."
+    )
+    extra_args: dict[str, object] = Field(
+        default_factory=dict, description="Any other transformers TrainingArguments field, e.g. "
+        "{torch_compile: true}; fields llmtune sets from the recipe are refused with the key to use instead."
     )
     warmup_steps: int = Field(0, ge=0, description="Linear warmup length in optimizer steps.")
-    warmup_ratio: float = Field(0.0, ge=0, le=1, description="Warmup as a fraction of all steps (used if warmup_steps=0).")
+    warmup_ratio: float = Field(
+        0.0, ge=0, le=1, description="Warmup as a fraction of all optimizer steps, ceil(ratio x steps) steps (used if "
+        "warmup_steps=0; 1.0 = warm up over the whole run).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay; never applied to biases and norm weights.")
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
@@ -187,7 +225,8 @@ class TrainConfig(Section):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward (non-reentrant; saves memory, ~30% slower)."
     )
-    seed: int = Field(42, description="Seed for initialisation, dropout and data order.")
+    seed: int = Field(42, ge=0, le=SEED_MAX, description="Seed for initialisation, dropout and data order "
+                      "(0 .. 2**32-1, numpy's range).")
     eval_steps: int | None = Field(None, ge=1, description="Evaluate every N optimizer steps (null: only at start/end).")
     eval_at_start: bool = Field(True, description="Evaluate once before the first step (baseline for comparison).")
     eval_batch_size: int | None = Field(None, ge=1, description="Samples per device per eval forward (default micro_batch_size).")
@@ -200,6 +239,10 @@ class TrainConfig(Section):
         None, description="Resume: a checkpoint directory, or 'latest' for the newest one in the run dir."
     )
     logging_steps: int = Field(1, ge=1, description="Log metrics every N optimizer steps.")
+    max_nonfinite_steps: int = Field(
+        3, ge=1, description="Stop the run after this many optimizer steps in a row whose loss or gradient norm is "
+        "NaN/inf (such steps are never applied: skipped, counted and logged in metrics.jsonl).",
+    )
     dataloader_num_workers: int = Field(0, ge=0, description="Data loader worker processes.")
 
 
@@ -278,6 +321,37 @@ class DPOConfig(Section):
         if self.loss_type == "robust" and self.label_smoothing == 0:
             raise ValueError("loss_type robust needs label_smoothing in (0, 0.5) (the assumed label-flip rate)")
         return self
+
+
+class ORPOConfig(Section):
+    """ORPO (`llmtune orpo`; Hong et al. 2024): SFT loss on chosen + beta x odds-ratio term; no reference model."""
+
+    beta: float = Field(0.1, ge=0, description="Weight lambda of the odds-ratio term -log sigmoid(log odds(chosen) "
+                        "- log odds(rejected)) added to the chosen NLL (odds from token-mean log-probs; 0 = SFT on "
+                        "chosen); rewards are beta * token-mean logp.")
+
+
+class SimPOConfig(Section):
+    """SimPO (`llmtune simpo`; Meng et al. 2024): length-normalised log-prob margin with a target margin; no
+    reference model."""
+
+    beta: float = Field(2.0, gt=0, description="Reward scale beta: reward = beta * token-mean logp of a completion "
+                        "(the paper uses 2.0-10).")
+    gamma: float = Field(0.5, ge=0, description="Target reward margin gamma in -log sigmoid(r_chosen - r_rejected - "
+                         "gamma), in reward units (the paper uses 0.3-1.6; gamma / beta ~ 0.5 is a good start).")
+    length_normalize: bool = Field(True, description="Divide each completion's summed log-prob by its token count "
+                                   "(SimPO); false = summed log-probs (a reference-free DPO with a margin).")
+
+
+class KTOConfig(Section):
+    """KTO (`llmtune kto`; Ethayarajh et al. 2024): desirable / undesirable completions against a KL reference
+    point estimated from mismatched prompt/completion pairs of each optimizer step; reference = adapter disabled."""
+
+    beta: float = Field(0.1, gt=0, description="Strength beta: reward = beta * (logp - ref_logp).")
+    desirable_weight: float = Field(1.0, gt=0, description="Loss weight lambda_D of desirable rows (label true). "
+                                    "With imbalanced data keep desirable_weight x n_desirable / (undesirable_weight "
+                                    "x n_undesirable) in [1, 4/3] (paper, Eq. 8; see data_report.json kto_balance).")
+    undesirable_weight: float = Field(1.0, gt=0, description="Loss weight lambda_U of undesirable rows (label false).")
 
 
 class PPOConfig(Section):
@@ -404,16 +478,22 @@ class OutputConfig(Section):
 
     dir: str = Field("runs/sft", description="Run directory (recipe, data report, metrics, checkpoints, adapter).")
     overwrite: bool = Field(False, description="Allow writing into a non-empty run directory that holds another run.")
-    report_to: list[Literal["tensorboard"]] = Field(
-        default_factory=list, description="Extra loggers (tensorboard); metrics.jsonl is always written."
+    report_to: list[str] = Field(
+        default_factory=list, description="Extra loggers, any transformers integration that is installed "
+        "(tensorboard, wandb, mlflow, trackio, comet_ml, ...); metrics.jsonl is always written."
     )
     plot: bool = Field(True, description="Draw loss.png at the end.")
+    push_to_hub: bool = Field(False, description="Upload adapter/ (with its model card) to the hub repo "
+                              "hub_model_id when the stage finishes (needs network and a hub login).")
+    hub_model_id: str | None = Field(None, description="Hub repo (org/name) for push_to_hub; created if missing.")
+    hub_private: bool = Field(True, description="Create the hub repo private (an existing repo keeps its "
+                              "visibility).")
 
 
 class Recipe(Section):
     """A whole recipe: the sections nest like the YAML."""
 
-    stage: Literal["sft", "rm", "dpo", "ppo", "grpo"] | None = Field(
+    stage: Literal["sft", "rm", "dpo", "ppo", "grpo", "orpo", "simpo", "kto"] | None = Field(
         None, description="Stage this recipe is for; the CLI command must agree when it is set."
     )
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -426,6 +506,9 @@ class Recipe(Section):
     dpo: DPOConfig = Field(default_factory=DPOConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    orpo: ORPOConfig = Field(default_factory=ORPOConfig)
+    simpo: SimPOConfig = Field(default_factory=SimPOConfig)
+    kto: KTOConfig = Field(default_factory=KTOConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
 

@@ -77,6 +77,19 @@ def _format_pydantic(err: dict) -> tuple[str, str]:
             return path, f"unknown key here; {key!r} belongs in {elsewhere!r}"
         return path, f"unknown key; valid keys here: {', '.join(names)}"
     msg = err["msg"]
+    value = err.get("input")
+    numeric = err["type"] in ("int_type", "float_type", "int_from_float")
+    if numeric and isinstance(value, bool):
+        return path, (f"{msg}, got the boolean {value!r} (YAML reads yes/no/on/off/true/false as booleans); write a "
+                      "number, e.g. 2.0e-4 or 8")
+    if numeric and isinstance(value, str):
+        return path, f"{msg}, got the string {value!r}; write a plain number without quotes (e.g. 2.0e-4 or 8)"
+    if err["type"] == "finite_number":
+        return path, (f"{msg}, got {value!r} (a YAML number too large for a float, such as 1.0e+400, reads as "
+                      "inf); write a finite number")
+    if err["type"] in ("string_type", "bool_type") and value is not None:
+        want = "a string (quote it)" if err["type"] == "string_type" else "a boolean (true or false)"
+        return path, f"{msg}: expected {want}, got {value!r} of type {type(value).__name__}"
     if "input" in err and err["type"] not in ("missing",):
         msg = f"{msg} (got {err['input']!r})"
     return path, msg
@@ -134,6 +147,9 @@ def cross_field_problems(doc: dict) -> list[tuple[str, str]]:
     if _get(doc, "stage") == "grpo":
         problems += grpo_problems(doc)
     problems += distributed_problems(doc)
+    from llmtune.config.surface import surface_problems
+
+    problems += surface_problems(doc)  # report_to, optim, schedules, extra_args, push_to_hub
     datasets = _get(doc, "data.datasets")
     if isinstance(datasets, list) and not datasets:
         problems.append(("data.datasets", "at least one data source is needed"))
@@ -253,6 +269,29 @@ def grpo_problems(doc: dict) -> list[tuple[str, str]]:
                              f"{mu} x rollout_batch_size {rollout} / global_batch_size {glob}); got {value}, try "
                              f"{max(per_iter, round(value / per_iter) * per_iter)}"))
     return problems
+
+
+def data_size_problems(recipe: Recipe, n_train: int) -> list[tuple[str, str]]:
+    """Batch sizes that the training rows cannot fill (once the data is read): the global batch (PPO: the rollout
+    batch of prompts) must not exceed the number of training rows."""
+    if recipe.stage == "ppo":
+        if recipe.ppo.rollout_batch_size > n_train:
+            return [("ppo.rollout_batch_size", f"{recipe.ppo.rollout_batch_size} prompts per PPO iteration but the data "
+                     f"has only {n_train} training prompts; lower ppo.rollout_batch_size (and train.global_batch_size) "
+                     "or add prompts")]
+        return []
+    if recipe.stage == "grpo":
+        prompts = recipe.grpo.rollout_batch_size // recipe.grpo.num_generations
+        if prompts > n_train:
+            return [("grpo.rollout_batch_size", f"{recipe.grpo.rollout_batch_size} completions = {prompts} prompts per "
+                     f"iteration but the data has only {n_train} training prompts; lower grpo.rollout_batch_size or "
+                     "add prompts")]
+        return []
+    if recipe.train.global_batch_size > n_train:
+        return [("train.global_batch_size", f"{recipe.train.global_batch_size} samples per optimizer step but the "
+                 f"data has only {n_train} training rows (after the validation split and dropped rows); lower "
+                 f"train.global_batch_size to at most {n_train} (a multiple of micro_batch_size) or add data")]
+    return []
 
 
 def validate_recipe(doc: dict, source: str | None = None) -> Recipe:

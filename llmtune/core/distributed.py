@@ -102,10 +102,17 @@ def deepspeed_config(recipe: Recipe) -> dict[str, Any] | None:
         raise RecipeError([("distributed.deepspeed", f"DeepSpeed config {path} not found (looked at {path.resolve()}); "
                             "paths are relative to the working directory, e.g. deepspeed_configs/zero3.json, or set "
                             "distributed.zero_stage instead")])
+    def no_duplicates(pairs: list) -> dict:
+        keys = [k for k, _ in pairs]
+        dup = next((k for k in keys if keys.count(k) > 1), None)
+        if dup is not None:
+            raise ValueError(f"duplicate key {dup!r} in one object (JSON would silently keep the last); delete one")
+        return dict(pairs)
+
     try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise RecipeError([("distributed.deepspeed", f"{path} is not valid JSON: {exc}")]) from None
+        config = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=no_duplicates)
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise RecipeError([("distributed.deepspeed", f"{path} is not valid JSON (UTF-8): {exc}")]) from None
     if not isinstance(config, dict):
         raise RecipeError([("distributed.deepspeed", f"{path} must hold a JSON object, got {type(config).__name__}")])
     return config

@@ -116,7 +116,7 @@ class RunDir:
         old = yaml.safe_load(path.read_text()) or {}
         free = {"train.max_steps", "train.num_epochs", "train.eval_steps", "train.save_steps", "train.logging_steps",
                 "train.resume_from", "train.save_total_limit", "train.eval_batch_size", "train.eval_at_start",
-                "train.early_stopping_patience", "train.dataloader_num_workers",
+                "train.early_stopping_patience", "train.dataloader_num_workers", "train.max_nonfinite_steps",
                 # where this process sits in the job (differs per node of one job), what PPO writes as samples
                 "distributed.node_rank", "distributed.master_addr", "distributed.master_port", "ppo.sample_every",
                 "grpo.sample_every"}

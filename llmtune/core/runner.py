@@ -18,6 +18,8 @@ from llmtune.config import Recipe, dump_recipe
 from llmtune.core import rundir as rd
 from llmtune.core.callbacks import MetricsJsonlCallback, plot_losses
 from llmtune.core.distributed import batch_layout, no_zero3_init, zero_stage
+from llmtune.config.validate import data_size_problems
+from llmtune.core.guard import check_trainable_weights
 from llmtune.core.stage import Stage
 from llmtune.core.trainer import (
     CoreTrainer,
@@ -33,6 +35,7 @@ from llmtune.models import (
     load_tokenizer,
     resolve_model_source,
 )
+from llmtune.models.checks import model_fit_problems
 from llmtune.utils import get_logger, is_main_process, setup_logging, write_json
 
 log = get_logger("runner")
@@ -49,6 +52,20 @@ def prepare_tokenizer(recipe: Recipe):
 
 
 def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
+    """Train ``stage`` as its recipe says and write the run directory (see :func:`_run_stage`).
+
+    Raises:
+        OutOfMemoryError: the GPU ran out of memory anywhere in loading, training or evaluation (exit code 4;
+            the message has the memory figures and what to change in the recipe).
+        NonFiniteError: too many non-finite optimizer steps in a row, or non-finite trained weights (exit code 3).
+    """
+    from llmtune.core.guard import oom_guard
+
+    with oom_guard(stage.recipe):
+        return _run_stage(stage, base_dir)
+
+
+def _run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
     """Train ``stage`` as its recipe says and write the run directory.
 
     Args:
@@ -86,10 +103,20 @@ def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
         dump_recipe(recipe, run / rd.RECIPE)
 
     tokenizer = prepare_tokenizer(recipe)
+    fit = model_fit_problems(recipe, tokenizer, stage.model_head, stage.name, check_vocab=not chain)
+    if fit:  # max_length vs positions, tokenizer vs embedding rows, adapter module names (config only)
+        from llmtune.config import RecipeError
+
+        raise RecipeError(fit)
     data = stage.build_data(tokenizer, str(base_dir))
     if is_main_process():
         data.report.save(run / rd.DATA_REPORT)
     log.info("data:\n%s", data.report.summary())
+    sizes = data_size_problems(recipe, len(data.train))
+    if sizes:
+        from llmtune.config import RecipeError
+
+        raise RecipeError(sizes)
 
     has_eval = data.eval is not None and len(data.eval) > 0
     # Before the model: a ZeRO-3 TrainingArguments makes from_pretrained load each rank's partition only, and it
@@ -137,6 +164,7 @@ def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
         eval_before = next((r for r in trainer.state.log_history if any(k.startswith("eval_") for k in r)), None)
     eval_after = trainer.evaluate() if has_eval else None
 
+    check_trainable_weights(trainer)  # a run never ends "done" with NaN/inf weights (no adapter, no lineage)
     adapter_dir = run / rd.ADAPTER
     trainer.save_model(str(adapter_dir))
     summary = {
@@ -145,6 +173,7 @@ def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
         "steps": trainer.state.global_step,
         "train_loss": result.training_loss,
         f"trained_{stage.item_unit}": trainer.trained_tokens,
+        "nonfinite_steps": trainer.nonfinite_steps,  # optimizer steps skipped for a NaN/inf loss or gradient norm
         "eval_before": eval_before,
         "eval_after": eval_after,
         "wall_s": round(time.perf_counter() - t0, 1),
@@ -159,8 +188,17 @@ def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
 
             verify_saved_adapter(adapter_dir, model)
         if recipe.output.plot:
-            plot_losses(run / rd.METRICS, run / rd.LOSS_PLOT)
-        write_json(run / rd.LINEAGE, lineage(recipe, stage, data.sources, summary, chain))
+            plot_losses(run / rd.METRICS, run / rd.LOSS_PLOT, title=f"llmtune {stage.name}: {run.root}")
+        record = lineage(recipe, stage, data.sources, summary, chain)
+        from llmtune.core.artifacts import finalize_adapter_dir
+
+        finalize_adapter_dir(adapter_dir, record)  # portable base in adapter_config.json, model card, tokenizer
+        write_json(run / rd.LINEAGE, record)
+        if recipe.output.push_to_hub:  # after the lineage: a failed upload leaves a complete run
+            from llmtune.core.artifacts import push_to_hub
+
+            push_to_hub(adapter_dir, recipe.output.hub_model_id, private=recipe.output.hub_private,
+                        message=f"llmtune {stage.name} adapter ({trainer.state.global_step} steps)")
     return summary
 
 
@@ -177,12 +215,21 @@ def by_length(rows):
 def lineage(recipe: Recipe, stage: Stage, sources: list[dict], summary: dict, chain: list[dict] = ()) -> dict:
     """What this run was made from: base model, earlier adapters (``chain``, oldest first, merged into the base
     before this run's adapter), the model head, data with hashes, final metrics."""
+    from llmtune.core.artifacts import llmtune_commit, package_versions
+    from llmtune.models.portable import model_max_length, portable_base
+
     source = resolve_model_source(recipe.model)
     return {
         "llmtune_version": __version__,
+        "llmtune_commit": llmtune_commit(),
+        "versions": package_versions(),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "stage": stage.name,
-        "base_model": {"name_or_path": recipe.model.name_or_path, "kind": source.kind, "path": str(source.path)},
+        "base_model": {"name_or_path": recipe.model.name_or_path, "kind": source.kind, "path": str(source.path),
+                       "revision": source.revision, "fingerprint": source.fingerprint,
+                       "model_max_length": model_max_length(source.path),
+                       "portable": portable_base(recipe.model.name_or_path, source.kind, str(source.path),
+                                                 source.revision)},
         "from_run": recipe.model.from_run,
         "previous_adapters": list(chain),
         "model_head": stage.model_head,

@@ -96,6 +96,11 @@ class Stage:
         """Items in this micro-batch that the loss averages over (scalar tensor)."""
         raise NotImplementedError
 
+    def prepare_step(self, trainer: Any, batches: list[dict[str, torch.Tensor]]) -> None:
+        """Called once per optimizer step with all its micro-batches (this rank's, not yet on the device), before
+        their losses; on every rank (collectives are allowed). For statistics of a whole step (KTO's KL reference
+        point), so that they do not depend on how the step is split into micro-batches. Default: nothing."""
+
     def loss(
         self, model: torch.nn.Module, batch: dict[str, torch.Tensor], num_items: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -126,11 +131,15 @@ class PairwiseStage(Stage):
 
     data_kind = "pairwise"
     item_unit = "pairs"
+    # Sequences are the chat template's exact output (reward models: scored where consumers read them), or the
+    # prompt + the assistant turn up to its end-of-turn token (DPO: what the policy generates).
+    exact_template: ClassVar[bool] = False
 
     def build_data(self, tokenizer, base_dir: str) -> StageData:
         from llmtune.data import PreferenceCollator, build_preference_data
 
-        data = build_preference_data(self.recipe.data, tokenizer, base_dir=base_dir)
+        data = build_preference_data(self.recipe.data, tokenizer, base_dir=base_dir,
+                                     exact_template=self.exact_template)
         train, evals = with_pair_length(data.train), with_pair_length(data.eval)
         return StageData(train, evals, data.report, PairCollator(PreferenceCollator(tokenizer)),
                          data.report.sources_lineage())

@@ -30,9 +30,9 @@ from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from llmtune.config import Recipe, RecipeError
+from llmtune.core.guard import NonFiniteGuard
+from llmtune.core.schedule import SCHEDULERS, apply_schedule_lr, build_scheduler
 from llmtune.core.stage import Stage
-
-SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
 
 
 def world_size() -> int:
@@ -98,13 +98,14 @@ def build_training_args(recipe: Recipe, run_dir: Path, has_eval: bool) -> Traini
         max_steps=t.max_steps or -1,
         learning_rate=t.learning_rate,
         lr_scheduler_type=SCHEDULERS[t.lr_scheduler],
+        lr_scheduler_kwargs=dict(t.lr_scheduler_kwargs),
         warmup_steps=warmup,
         weight_decay=t.weight_decay,
         adam_beta1=t.adam_beta1,
         adam_beta2=t.adam_beta2,
         adam_epsilon=t.adam_epsilon,
         max_grad_norm=t.max_grad_norm,
-        optim="adamw_torch",
+        optim=t.optim,
         seed=t.seed,
         data_seed=t.seed,
         bf16=p.bf16,
@@ -120,6 +121,7 @@ def build_training_args(recipe: Recipe, run_dir: Path, has_eval: bool) -> Traini
         save_steps=t.save_steps or 500,
         save_total_limit=t.save_total_limit,
         logging_steps=t.logging_steps,
+        logging_nan_inf_filter=False,  # never hide a NaN loss; llmtune.core.guard skips and reports such steps
         report_to=list(recipe.output.report_to) or "none",
         remove_unused_columns=False,
         dataloader_num_workers=t.dataloader_num_workers,
@@ -130,11 +132,15 @@ def build_training_args(recipe: Recipe, run_dir: Path, has_eval: bool) -> Traini
         gradient_checkpointing=False,  # enabled (non-reentrant) by the model helpers, never here
         disable_tqdm=False,
         label_names=["labels"],
+        **dict(t.extra_args),  # validated: only fields llmtune does not set (llmtune.config.surface)
     )
 
 
-class CoreTrainer(Trainer):
+class CoreTrainer(NonFiniteGuard, Trainer):
     """``transformers.Trainer`` driven by a :class:`~llmtune.core.stage.Stage`.
+
+    Optimizer steps with a non-finite loss or gradient norm are skipped and counted
+    (:class:`~llmtune.core.guard.NonFiniteGuard`; ``train.max_nonfinite_steps`` in a row stop the run).
 
     Args:
         stage: supplies ``count_items``, ``loss``, ``eval_stats`` and ``eval_metrics``.
@@ -152,6 +158,8 @@ class CoreTrainer(Trainer):
         self.seen_tokens = 0  # all non-pad tokens on this rank
         self._last_log_time = time.perf_counter()
         self._last_log_tokens = 0
+        self.max_nonfinite_steps = stage.recipe.train.max_nonfinite_steps
+        self._guard_state()
         super().__init__(*args, compute_metrics=self._compute_metrics, **kwargs)
         # Older transformers decide "already scaled" from this flag instead of `loss_is_scaled_for_ga`.
         self.model_accepts_loss_kwargs = True
@@ -165,7 +173,8 @@ class CoreTrainer(Trainer):
             import json
 
             ckpt = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
-            (ckpt / self.COUNTERS).write_text(json.dumps({"trained": self.trained_tokens, "seen": self.seen_tokens}))
+            (ckpt / self.COUNTERS).write_text(json.dumps({"trained": self.trained_tokens, "seen": self.seen_tokens,
+                                                        "nonfinite": self.nonfinite_steps}))
             if (ckpt / "adapter_config.json").is_file():  # every saved adapter is checked (ZeRO-3: DeepSpeed #4295)
                 from llmtune.models.verify import verify_saved_adapter
 
@@ -179,11 +188,18 @@ class CoreTrainer(Trainer):
         counters = json.loads(path.read_text()) if path.is_file() else {}
         self.trained_tokens = int(counters.get("trained", 0))
         self.seen_tokens = int(counters.get("seen", 0))
+        self.nonfinite_steps = int(counters.get("nonfinite", 0))
         self._last_log_tokens = self.seen_tokens * self.args.world_size
 
     def train(self, *args, **kwargs):
         self._last_log_time = time.perf_counter()  # throughput counts training time, not loading or eval
-        return super().train(*args, **kwargs)
+        skipped_before = self.nonfinite_steps
+        result = super().train(*args, **kwargs)
+        skipped = self.nonfinite_steps - skipped_before
+        steps = self.state.global_step - getattr(self, "_initial_global_step", 0)
+        if skipped and steps > skipped:  # transformers averages over all steps; skipped ones added no loss
+            result = result._replace(training_loss=result.training_loss * steps / (steps - skipped))
+        return result
 
     def evaluate(self, *args, **kwargs):
         start = time.perf_counter()
@@ -191,6 +207,22 @@ class CoreTrainer(Trainer):
             return super().evaluate(*args, **kwargs)
         finally:  # evaluations inside train() (eval_steps, eval_on_start) do not count as training time
             self._last_log_time += time.perf_counter() - start
+
+    # ---- schedule (llmtune.core.schedule) ----------------------------------------------------------
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """transformers' schedule over ``num_training_steps`` optimizer steps, with the exact warm-up length."""
+        if self.lr_scheduler is None:
+            optimizer = optimizer if optimizer is not None else self.optimizer
+            self.lr_scheduler = build_scheduler(self.stage.recipe.train, optimizer, num_training_steps)
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """Load the checkpoint's optimizer and scheduler state, then put the optimizer at the LR the (possibly
+        longer) schedule of this run has at the resumed step: the checkpoint holds the interrupted schedule's."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None:
+            apply_schedule_lr(self.lr_scheduler)
 
     # ---- training -------------------------------------------------------------------------------
     def _get_train_sampler(self, train_dataset=None):
@@ -207,7 +239,9 @@ class CoreTrainer(Trainer):
         return sampler
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
-        """Items of the whole optimizer step: summed over its micro-batches and over all ranks."""
+        """Items of the whole optimizer step: summed over its micro-batches and over all ranks (and the stage's
+        once-per-step statistics, :meth:`Stage.prepare_step`)."""
+        self.stage.prepare_step(self, batch_samples)
         count = sum(self.stage.count_items(b).to(device) for b in batch_samples)
         count = torch.as_tensor(count, device=device)
         if self.args.world_size > 1:

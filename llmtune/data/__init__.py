@@ -76,13 +76,14 @@ def build_sft_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".") ->
     Raises:
         DataError: a source cannot be read, a format cannot be detected, no valid rows in a source,
             bad rows under ``bad_rows: error`` (first 10 listed with file, row index and reason), no chat
-            template, ``val_size`` too large, or no rows left at all.
+            template, ``max_prompt_length >= max_length``, ``val_size`` too large, or no rows left at all.
     """
     report = DataReport(max_length=cfg.max_length, packing=cfg.packing, seed=cfg.seed)
     pools = read_sources(cfg, base_dir, report)
     if any(row_kind(row) == "chat" for pool in pools for _, row in pool):
         apply_chat_template_config(cfg, tokenizer)
-    fn = SFTTokenizer(tokenizer, cfg.max_length, cfg.truncation, cfg.train_on)
+    fn = SFTTokenizer(tokenizer, cfg.max_length, cfg.truncation, cfg.train_on, cfg.max_prompt_length,
+                      cfg.truncation_mode, cfg.truncation_keep_system)
     train_rows, eval_rows = tokenize_and_split(cfg, pools, fn, report)
     train, evals = _sequences(cfg, train_rows), _sequences(cfg, eval_rows)
     report.train_sequences, report.eval_sequences = len(train), len(evals)

@@ -13,6 +13,10 @@ Canonical rows (plain dicts, so they can be stored as JSON or Arrow):
   ``kind="preference"``). An empty completion is kept (with a chat template it still renders the
   end-of-turn token: "say nothing" is a legitimate preferred answer in HH-RLHF).
 
+* unpaired (``kind="unpaired"``, KTO): ``{"prompt": str | messages, "completion": str, "label": bool}`` (format
+  ``unpaired``); the preference formats are read as pairs there and split into a desirable and an undesirable
+  row by :mod:`llmtune.data.unpaired`.
+
 * prompt-only (``kind="prompt"``, PPO): ``{"prompt": messages, "reference": str | None}``: the conversation to
   generate from (optional system, user/assistant alternating, ending with a non-empty user turn) and what the
   data says the answer is (the dropped final assistant turn, alpaca ``output``, ``completion``, the chosen
@@ -48,6 +52,10 @@ FORMAT_FIELDS: dict[str, dict[str, str]] = {
     },
     "hh": {"chosen": "chosen", "rejected": "rejected"},
     "prompt": {"prompt": "prompt", "reference": "reference", "role": "role", "content": "content", "system": "system"},
+    "unpaired": {
+        "prompt": "prompt", "messages": "messages", "completion": "completion", "label": "label", "role": "role",
+        "content": "content", "system": "system",
+    },
 }
 REQUIRED: dict[str, tuple[str, ...]] = {
     "alpaca": ("instruction", "output"),
@@ -59,6 +67,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "preference_messages": ("chosen", "rejected"),
     "hh": ("chosen", "rejected"),
     "prompt": ("prompt",),
+    "unpaired": ("completion", "label"),
 }
 KIND_FORMATS: dict[str, tuple[str, ...]] = {
     "sft": ("alpaca", "sharegpt", "messages", "text", "prompt_completion"),
@@ -66,8 +75,11 @@ KIND_FORMATS: dict[str, tuple[str, ...]] = {
     "prompt": (
         "messages", "sharegpt", "alpaca", "prompt_completion", "prompt", "preference", "preference_messages", "hh",
     ),
+    # KTO: unpaired rows, or pairs (each becomes a desirable and an undesirable row)
+    "unpaired": ("unpaired", "preference", "preference_messages", "hh"),
 }
-KIND_NAMES = {"sft": "SFT rows", "preference": "preference pairs", "prompt": "prompts"}
+KIND_NAMES = {"sft": "SFT rows", "preference": "preference pairs", "prompt": "prompts",
+              "unpaired": "unpaired rows {prompt | messages, completion, label} or preference pairs"}
 ROLE_ALIASES: dict[str, str] = {
     "system": "system",
     "user": "user", "human": "user",
@@ -111,6 +123,46 @@ def resolve_columns(fmt: str, ds: DatasetConfig, key: str, builtin: dict[str, st
     return {**fields, **(builtin or {}), **ds.columns}
 
 
+TURN_FIELDS = ("role", "content")  # mapped to keys inside each turn of a message list, not to row columns
+
+
+def check_column_mapping(raw: RawSource, ds: DatasetConfig, key: str) -> None:
+    """Every column that ``ds.columns`` names must exist: in some row of the file for row fields, in the turns of
+    the first conversation for ``role``/``content``.
+
+    Raises:
+        DataError: naming the file, the mapping key, the missing column and the columns that exist.
+    """
+    import difflib
+
+    if not ds.columns:
+        return
+    present: set[str] = set()
+    for row in raw.rows:
+        if isinstance(row, dict):
+            present.update(row)
+    if not present:
+        return
+    turn_keys: set[str] = set()
+    for value in next((r for r in raw.rows if isinstance(r, dict)), {}).values():
+        if isinstance(value, list) and value and all(isinstance(t, dict) for t in value):
+            turn_keys.update(k for t in value for k in t)
+    canonical = {f for fields in FORMAT_FIELDS.values() for f in fields}
+    for field_name, column in ds.columns.items():
+        if field_name not in canonical:  # not a field of any format: resolve_columns explains (reversed mapping...)
+            continue
+        have = turn_keys if field_name in TURN_FIELDS else present
+        if not have or column in have:
+            continue
+        close = difflib.get_close_matches(column, sorted(have), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        where = "the turns of its conversations have the keys" if field_name in TURN_FIELDS else "its columns are"
+        raise DataError(
+            f"{key}.columns.{field_name}: column {column!r} is not in {raw.path} ({where}: "
+            f"{', '.join(sorted(have))}){hint or '.'} Fix the mapping (canonical field -> your column)."
+        )
+
+
 def detect_format(raw: RawSource, ds: DatasetConfig, key: str, kind: str = "sft") -> str:
     """Pick the format of ``kind`` (``sft`` or ``preference``) from the first row's columns (after the
     recipe's column mapping).
@@ -125,8 +177,10 @@ def detect_format(raw: RawSource, ds: DatasetConfig, key: str, kind: str = "sft"
         raise DataError(
             f"{raw.path} row {raw.row_ids[0]} is {_type_name(first)}; expected an object with named fields."
         )
-    if kind == "preference":
-        return _detect_preference(first, raw, ds, key)
+    if kind in ("preference", "unpaired"):
+        if kind == "unpaired" and {**FORMAT_FIELDS["unpaired"], **ds.columns}["label"] in first:
+            return "unpaired"
+        return _detect_preference(first, raw, ds, key, kind)
     if kind == "prompt":
         return _detect_prompt(first, raw, ds, key)
     for fmt in ("messages", "sharegpt", "alpaca", "prompt_completion", "text"):
@@ -151,7 +205,7 @@ def detect_format(raw: RawSource, ds: DatasetConfig, key: str, kind: str = "sft"
     )
 
 
-def _detect_preference(first: dict, raw: RawSource, ds: DatasetConfig, key: str) -> str:
+def _detect_preference(first: dict, raw: RawSource, ds: DatasetConfig, key: str, kind: str = "preference") -> str:
     fields = FORMAT_FIELDS["preference_messages"]
     cols = {**fields, **{k: v for k, v in ds.columns.items() if k in fields}}
     chosen, rejected = first.get(cols["chosen"]), first.get(cols["rejected"])
@@ -169,6 +223,8 @@ def _detect_preference(first: dict, raw: RawSource, ds: DatasetConfig, key: str)
         "optional prompt (preference_messages), or HH-RLHF transcripts {chosen, rejected} "
         f"('\\n\\nHuman: ... \\n\\nAssistant: ...', hh). Set {key}.format and map your columns with {key}.columns, "
         "e.g. {prompt: question, chosen: response_j, rejected: response_k}."
+        + (" KTO also reads unpaired rows {prompt | messages, completion, label: true|false} (format unpaired)."
+           if kind == "unpaired" else "")
     )
 
 
@@ -416,6 +472,54 @@ def _hh(row: dict, cols: dict[str, str], ds: DatasetConfig) -> dict:
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
 
 
+def _unpaired(row: dict, cols: dict[str, str], ds: DatasetConfig) -> dict:
+    """KTO rows: a prompt (``prompt``: a string or messages; or ``messages``: the prompt turns, optionally ending
+    with the assistant completion), a ``completion`` (a string or one assistant message) and a boolean ``label``
+    (true = desirable). Nothing is coerced: a label 1/"yes" is a bad row."""
+    label_col, prompt_col, messages_col = cols["label"], cols["prompt"], cols["messages"]
+    label = row.get(label_col)
+    if label is None:
+        raise RowError(f"missing field '{label_col}'", f"missing field '{label_col}': expected true (desirable) or "
+                       f"false (undesirable); add it, or map your column with columns: {{label: <column>}}")
+    if type(label).__name__ not in ("bool", "bool_"):  # Python or NumPy booleans only
+        raise RowError("label not a boolean", f"field '{label_col}' must be true (desirable) or false (undesirable), "
+                       f"got {'a string' if isinstance(label, str) else _type_name(label)} {label!r}; write a JSON boolean (numbers and strings are not "
+                       "converted)")
+    if row.get(prompt_col) is not None and row.get(messages_col) is not None:
+        raise RowError("prompt and messages", f"the row has both '{prompt_col}' and '{messages_col}'; give the "
+                       f"prompt once: '{prompt_col}' (a string or message list) or '{messages_col}' (the prompt turns)")
+    if row.get(prompt_col) is None and row.get(messages_col) is None:
+        raise RowError(f"missing field '{prompt_col}'", f"missing field '{prompt_col}' (or '{messages_col}'): "
+                       "expected the prompt as a string or a list of {role, content} messages")
+    if row.get(prompt_col) is not None:
+        turns = _prompt_prefix(row, cols)
+    else:
+        turns = _parse_turns(row[messages_col], cols, messages_col, f"'{messages_col}' ")
+    completion = row.get(cols["completion"])
+    if completion is None and row.get(messages_col) is not None and turns[-1]["role"] == "assistant":
+        completion = turns.pop()["content"]  # messages = the whole conversation, completion = its last turn
+    elif completion is None:
+        raise RowError(f"missing field '{cols['completion']}'", f"missing field '{cols['completion']}': expected the "
+                       "completion as a string or [{role: assistant, content: ...}]")
+    elif isinstance(completion, list):
+        parsed = _parse_turns(completion, cols, cols["completion"], f"'{cols['completion']}' ")
+        if len(parsed) != 1 or parsed[0]["role"] != "assistant":
+            raise RowError("malformed completion", f"field '{cols['completion']}' must hold exactly one assistant "
+                           f"message, got {len(parsed)} turn(s) ({', '.join(m['role'] for m in parsed)})")
+        completion = parsed[0]["content"]
+    elif not isinstance(completion, str):
+        raise RowError("non-string content", f"field '{cols['completion']}' must be a string or one assistant "
+                       f"message, got {_type_name(completion)}")
+    system = _field(row, cols["system"], required=False) or ds.system_prompt
+    if isinstance(row.get(prompt_col), str) and system is None:
+        return {"prompt": row[prompt_col], "completion": completion, "label": bool(label)}
+    prompt = _with_system(turns, system)
+    if not prompt:
+        raise RowError("empty prompt", f"no prompt: '{messages_col}' has only the completion turn")
+    _check_order(prompt, last="user", what="prompt", check_empty=False)
+    return {"prompt": prompt, "completion": completion, "label": bool(label)}
+
+
 ADAPTERS: dict[str, Callable[[dict, dict[str, str], DatasetConfig], dict]] = {
     "alpaca": _alpaca,
     "sharegpt": _chat,
@@ -425,6 +529,7 @@ ADAPTERS: dict[str, Callable[[dict, dict[str, str], DatasetConfig], dict]] = {
     "preference": _preference,
     "preference_messages": _preference_messages,
     "hh": _hh,
+    "unpaired": _unpaired,
 }
 
 
@@ -517,6 +622,8 @@ def row_kind(row: dict) -> str:
         return "chat"
     if "reference" in row:
         return "prompt"
+    if "label" in row:
+        return "unpaired"
     if "chosen" in row:
         return "preference"
     return "text" if "text" in row else "prompt_completion"
@@ -543,6 +650,7 @@ def to_canonical(
             a non-chat format, or no valid row at all (the message names the schema problem and the columns found).
     """
     key = f"data.datasets[{raw.index}]"
+    check_column_mapping(raw, ds, key)
     fmt = ds.format if ds.format != "auto" else (raw.format or detect_format(raw, ds, key, kind))
     if fmt not in KIND_FORMATS[kind]:
         other = next(k for k, formats in KIND_FORMATS.items() if fmt in formats)

@@ -35,7 +35,7 @@ def _raise_bad_rows(bad: list[tuple[str, int, RowError]]) -> None:
         lines.append(f"  ... and {len(bad) - MAX_LISTED_BAD_ROWS} more")
     raise DataError(
         f"{len(bad)} bad row(s) (data.bad_rows: error); row = 0-based index in the file:\n" + "\n".join(lines) + "\n"
-        "Fix these rows, map columns with data.datasets[i].columns, or set data.bad_rows: skip to drop them "
+        "Fix these rows, map columns with data.datasets.N.columns (N = the source's index), or set data.bad_rows: skip to drop them "
         "(they are counted with reasons in data_report.json)."
     )
 
@@ -79,6 +79,12 @@ def mix(cfg: DataConfig, sizes: list[int]) -> list[Entry]:
     for s, (ds, n) in enumerate(zip(cfg.datasets, sizes)):
         copies = int(ds.weight)
         rest = round((ds.weight - copies) * n)
+        if n and not copies and not rest:  # the source would silently contribute nothing
+            raise DataError(
+                f"data.datasets[{s}].weight: {ds.weight:g} x {n} valid rows of {ds.path} rounds to 0 rows, so this "
+                f"source would not be trained on at all; raise the weight to at least {1 / n:.3g} (one row) or "
+                "remove the source."
+            )
         entries += [(s, j) for _ in range(copies) for j in range(n)]
         entries += [(s, j) for j in sorted(rng.sample(range(n), rest))]
     rng.shuffle(entries)
@@ -160,12 +166,17 @@ def tokenize_and_split(cfg: DataConfig, pools, fn, report: DataReport) -> tuple[
         src.eval_rows = sum(1 for e in eval_entries if e[0] == s)
         src.rows_kept = len({e for e in distinct if e[0] == s})
     report.truncated_rows = [
-        {"source": cfg.datasets[s].path, "row": pools[s][j][0]}
+        {"source": cfg.datasets[s].path, "row": pools[s][j][0], **_cut_counts(results[(s, j)])}
         for s, j in sorted(distinct)
         if results[(s, j)].truncated
     ]
     report.train_rows, report.eval_rows = len(train_entries), len(eval_entries)
     return [results[e] for e in train_entries], [results[e] for e in eval_entries]
+
+
+def _cut_counts(result) -> dict[str, int]:
+    """``{prompt_tokens_cut, response_tokens_cut}`` of a truncated result (the counts its kind has)."""
+    return {k: getattr(result, k) for k in ("prompt_tokens_cut", "response_tokens_cut") if hasattr(result, k)}
 
 
 def to_dataset(rows: list[dict], columns: list[str], scalar: tuple[str, ...] = ()):

@@ -14,18 +14,27 @@ and shift it: trl #2054).
   the template adds for one more assistant turn — ``render(prompt + [assistant])[len(prompt_text):]``
   without trailing whitespace, the same span rule as SFT (:func:`~llmtune.data.tokenize.assistant_span`):
   for ChatML ``answer<|im_end|>``.
+* Reward models (``exact_template``): each side is the chat template's exact output for the whole conversation,
+  tokenized as ``tokenizer.apply_chat_template(conversation, tokenize=True)`` tokenizes it (trailing text after the
+  end-of-turn token, e.g. ChatML's ``"\n"``, included; no BOS the template does not render), so a consumer that
+  scores that output reads the position the RM was trained at. The shared prompt is the longest common prefix of
+  both sides and the tokenized prompt. DPO keeps the SFT span rule: the policy's log-probs end at the end-of-turn
+  token it generates.
 * Without a chat template (string prompts only): the raw prompt, then completion + EOS.
 * BOS as in SFT: one BOS id in front when the tokenizer adds one by itself and the prompt does not start
   with the BOS text; never two.
 
 Truncation, with ``L = data.max_length`` and ``P = data.max_prompt_length``:
 
-1. a prompt longer than ``P`` is cut to ``P`` tokens, keeping its end (``truncation_mode: keep_end``; the
-   BOS, if any, stays first) or its start (``keep_start``);
+1. a prompt longer than ``P`` is cut to ``P`` tokens (``P`` null: ``L - min(longest completion, L // 2)`` for a
+   pair longer than ``L``, as SFT rows, so a long prompt never costs the pair), keeping its end
+   (``truncation_mode: keep_end``; the BOS, if any, stays first, and with ``data.truncation_keep_system`` the
+   system message) or its start (``keep_start``) (:func:`~llmtune.data.tokenize.prompt_cut`, shared with SFT
+   rows and PPO prompts);
 2. a completion longer than ``L - prompt`` is cut at its end, so prompt+chosen and prompt+rejected are
    both <= ``L`` and share the identical prompt;
-3. a pair whose prompt leaves no completion token (prompt >= ``L``) is dropped and counted: no kept pair
-   has zero completion tokens (a pair reduced to padding gave NaN metrics: LLaMA-Factory #4402, trl #3382).
+3. so every kept pair has completion tokens (a pair reduced to padding gave NaN metrics: LLaMA-Factory #4402,
+   trl #3382); a pair whose prompt cannot be cut (a kept system message that fills ``P``) is dropped and counted.
 
 With ``data.truncation: drop`` every pair that would need a cut is dropped instead (counted).
 """
@@ -43,9 +52,12 @@ from llmtune.data.report import DataReport
 from llmtune.data.templates import apply_chat_template_config
 from llmtune.data.tokenize import (
     IGNORE_INDEX,
+    apply_cut,
     bos_prefix,
     encode_text,
     not_prefix_consistent,
+    prompt_cut,
+    prompt_head,
     render_chat,
     render_labels,
     tokenizer_adds_bos,
@@ -65,6 +77,8 @@ class TokenizedPair:
     chosen_ids: list[int]
     rejected_ids: list[int]
     truncated: bool = False
+    prompt_tokens_cut: int = 0  # removed from the prompt
+    response_tokens_cut: int = 0  # removed from the ends of chosen and rejected together
 
     def to_row(self) -> dict:
         """The dataset row: ``{chosen,rejected}_{input_ids,labels}`` (prompt + completion) and ``prompt_length``."""
@@ -125,6 +139,9 @@ class PairTokenizer:
         max_prompt_length: cut prompts to this many tokens (None: prompts are not cut).
         truncation_mode: ``keep_end`` or ``keep_start``: the end of a cut prompt that is kept.
         truncation: ``truncate`` (cut as described in the module docstring) or ``drop`` (drop pairs that need a cut).
+        keep_system: ``keep_end`` keeps the system message in front (``data.truncation_keep_system``).
+        exact_template: tokenize each side as the chat template's exact output (reward models; see the module
+            docstring); ``False`` (DPO) = prompt + the assistant turn without the text after its end-of-turn.
 
     Raises:
         DataError: see :func:`check_special_tokens`; ``max_prompt_length >= max_length``.
@@ -133,7 +150,8 @@ class PairTokenizer:
     result_type = TokenizedPair
 
     def __init__(self, tokenizer, max_length: int, max_prompt_length: int | None = None,
-                 truncation_mode: str = "keep_end", truncation: str = "truncate"):
+                 truncation_mode: str = "keep_end", truncation: str = "truncate", keep_system: bool = False,
+                 exact_template: bool = False):
         check_special_tokens(tokenizer)
         if max_prompt_length is not None and max_prompt_length >= max_length:
             raise DataError(
@@ -145,8 +163,10 @@ class PairTokenizer:
         self.max_prompt_length = max_prompt_length
         self.truncation_mode = truncation_mode
         self.truncation = truncation
+        self.keep_system = keep_system
         self.add_bos = tokenizer_adds_bos(tokenizer)
         self.chat = bool(getattr(tokenizer, "chat_template", None))
+        self.exact_template = exact_template
 
     def __call__(self, row: dict) -> TokenizedPair:
         """Tokenize one canonical pair.
@@ -159,6 +179,8 @@ class PairTokenizer:
         if self.chat:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             prompt_text = render_chat(self.tokenizer, messages, generation_prompt=True)
+            if self.exact_template:
+                return self._fit(*self._template_ids(messages, prompt_text, row))
             completions = [self._turn_text(messages, prompt_text, row[k]) for k in ("chosen", "rejected")]
             end = []
         else:
@@ -168,10 +190,30 @@ class PairTokenizer:
             prompt_text = prompt
             completions = [row[k].removesuffix(self.tokenizer.eos_token) for k in ("chosen", "rejected")]
             end = [self.tokenizer.eos_token_id]
+            messages = None
         prompt_ids = bos_prefix(self.tokenizer, self.add_bos, prompt_text) + encode_text(self.tokenizer, prompt_text)
         need = self.max_length + 1  # enough to know that a completion is too long
-        chosen, rejected = (encode_text(self.tokenizer, c, need) + end for c in completions)
-        return self._fit(prompt_ids, chosen, rejected)
+        chosen, rejected = (self._encode_completion(c, need) + end for c in completions)
+        return self._fit(prompt_ids, chosen, rejected, messages)
+
+    def _encode_completion(self, text: str, need: int) -> list[int]:
+        """Completion ids; a long one is tokenized whole so that the report counts exactly what a cut removes."""
+        ids = encode_text(self.tokenizer, text, need)
+        return encode_text(self.tokenizer, text) if len(ids) >= need else ids
+
+    def _template_ids(self, messages: list[dict], prompt_text: str, row: dict) -> tuple[list, list, list]:
+        """``(shared prompt ids, chosen ids, rejected ids)`` whose concatenations are the template's exact output
+        for prompt + each completion, tokenized as ``apply_chat_template(..., tokenize=True)`` does."""
+        sides = []
+        for key in ("chosen", "rejected"):
+            text = render_chat(self.tokenizer, [*messages, {"role": "assistant", "content": row[key]}])
+            if not text.startswith(prompt_text):
+                raise not_prefix_consistent(len(messages))
+            sides.append(encode_text(self.tokenizer, text))
+        prompt = encode_text(self.tokenizer, prompt_text)
+        k = next((i for i, ids in enumerate(zip(prompt, *sides)) if len(set(ids)) > 1),
+                 min(map(len, [prompt, *sides])))
+        return sides[0][:k], sides[0][k:], sides[1][k:]
 
     def _turn_text(self, messages: list[dict], prompt_text: str, content: str) -> str:
         """The text one more assistant turn adds to the rendered prompt (answer + end-of-turn)."""
@@ -180,24 +222,28 @@ class PairTokenizer:
             raise not_prefix_consistent(len(messages))
         return through[len(prompt_text) : max(len(prompt_text), len(through.rstrip()))]
 
-    def _fit(self, prompt: list[int], chosen: list[int], rejected: list[int]) -> TokenizedPair:
+    def _fit(self, prompt: list[int], chosen: list[int], rejected: list[int], messages=None) -> TokenizedPair:
         if not prompt:
             raise RowError("empty prompt", "the prompt has no tokens, so no completion token can be predicted")
         if not chosen or not rejected:
             which = "chosen" if not chosen else "rejected"
             raise RowError("no completion tokens", f"the {which} completion renders no tokens")
         L, P = self.max_length, self.max_prompt_length
+        longest = max(len(chosen), len(rejected))
+        if P is None and len(prompt) + longest > L:  # as SFT rows: completions keep all their tokens or L // 2
+            P = L - min(longest, L // 2)
         cut_prompt = P is not None and len(prompt) > P
-        if self.truncation == "drop" and (cut_prompt or len(prompt) + max(len(chosen), len(rejected)) > L):
+        if self.truncation == "drop" and (cut_prompt or len(prompt) + longest > L):
             raise RowError(
                 "longer than max_length",
                 f"prompt + completion longer than data.max_length={L} tokens"
-                + (f" or prompt longer than data.max_prompt_length={P}" if P is not None else "")
+                + (f" or prompt longer than data.max_prompt_length={P}" if self.max_prompt_length else "")
                 + " (data.truncation: drop)",
                 bad=False,
             )
+        full = len(prompt)
         if cut_prompt:
-            prompt = self._cut_prompt(prompt, P)
+            prompt = self._cut_prompt(prompt, P, messages)
         room = L - len(prompt)
         if room < 1:
             raise RowError(
@@ -207,18 +253,18 @@ class PairTokenizer:
                 bad=False,
             )
         truncated = cut_prompt or len(chosen) > room or len(rejected) > room
-        return TokenizedPair(prompt, chosen[:room], rejected[:room], truncated)
+        cut = max(0, len(chosen) - room) + max(0, len(rejected) - room)
+        return TokenizedPair(prompt, chosen[:room], rejected[:room], truncated, full - len(prompt), cut)
 
-    def _cut_prompt(self, prompt: list[int], n: int) -> list[int]:
+    def _cut_prompt(self, prompt: list[int], n: int, messages: list[dict] | None) -> list[int]:
         if self.truncation_mode == "keep_start":
             return prompt[:n]
-        bos = self.tokenizer.bos_token_id
-        if prompt[0] == bos and bos is not None:  # keep exactly one BOS in front
-            return [bos] + prompt[len(prompt) - n + 1 :]
-        return prompt[len(prompt) - n :]
+        head = prompt_head(self.tokenizer, prompt, messages, self.keep_system)  # exactly one BOS in front
+        return apply_cut(prompt, *prompt_cut(len(prompt), n, "keep_end", head=head))
 
 
-def build_preference_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".") -> PreferenceData:
+def build_preference_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".",
+                          exact_template: bool = False) -> PreferenceData:
     """Read, validate, mix, tokenize and split the preference pairs of a recipe.
 
     Mixing (``weight``), ``max_samples`` (per source and total), ``val_size`` and ``seed`` work as for SFT
@@ -229,6 +275,7 @@ def build_preference_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = 
         cfg: the recipe's ``data`` section.
         tokenizer: a Hugging Face fast tokenizer.
         base_dir: directory that relative local paths are resolved against (usually the recipe's).
+        exact_template: reward models: each side is the template's exact output (see :class:`PairTokenizer`).
 
     Returns:
         :class:`PreferenceData` with train/eval ``datasets.Dataset`` and the :class:`DataReport`.
@@ -245,7 +292,8 @@ def build_preference_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = 
     if cfg.chat_template is not None:
         apply_chat_template_config(cfg, tokenizer)
     # Set-up errors (missing EOS/BOS, max_prompt_length) come before any data is read.
-    fn = PairTokenizer(tokenizer, cfg.max_length, cfg.max_prompt_length, cfg.truncation_mode, cfg.truncation)
+    fn = PairTokenizer(tokenizer, cfg.max_length, cfg.max_prompt_length, cfg.truncation_mode, cfg.truncation,
+                       cfg.truncation_keep_system, exact_template=exact_template)
     report = DataReport(max_length=cfg.max_length, seed=cfg.seed, kind="preference")
     pools = read_sources(cfg, base_dir, report, kind="preference")
     if not fn.chat and any(not isinstance(row["prompt"], str) for pool in pools for _, row in pool):

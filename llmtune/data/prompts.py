@@ -16,7 +16,8 @@ render their own BOS or none.
 Truncation, with ``P = data.max_prompt_length`` (default ``data.max_length``): a prompt longer than ``P``
 tokens is cut to ``P`` so that it still ends with the whole generation prompt:
 
-* ``keep_end``: the last ``P`` tokens (a leading BOS stays first and counts in ``P``), as preference pairs;
+* ``keep_end``: the last ``P`` tokens (a leading BOS stays first and counts in ``P``; with
+  ``data.truncation_keep_system`` the system message too), as preference pairs and SFT rows;
 * ``keep_start``: the first ``P - g`` tokens followed by the ``g`` generation-prompt tokens.
 
 Under ``data.truncation: drop`` such prompts are dropped instead. Both are counted in the
@@ -38,7 +39,16 @@ from llmtune.data.errors import DataError, RowError
 from llmtune.data.pipeline import read_sources, reject_sft_options, tokenize_and_split
 from llmtune.data.report import DataReport
 from llmtune.data.templates import apply_chat_template_config
-from llmtune.data.tokenize import bos_prefix, encode_text, render_chat, tokenizer_adds_bos
+from llmtune.data.tokenize import (
+    apply_cut,
+    bos_prefix,
+    encode_text,
+    generation_prompt_length,
+    prompt_cut,
+    prompt_head,
+    render_chat,
+    tokenizer_adds_bos,
+)
 
 if TYPE_CHECKING:
     import datasets
@@ -56,7 +66,7 @@ class TokenizedPrompt:
         prompt: the text of the last user message (what a reward function sees).
         messages: JSON of the prompt conversation (``[{role, content}]``, system included).
         reference: the data's answer (dropped assistant turn, alpaca output, chosen response), or None.
-        truncated: the ids were cut to ``max_prompt_length``.
+        truncated: the ids were cut to ``max_prompt_length``. prompt_tokens_cut: how many tokens that cut removed.
     """
 
     input_ids: list[int]
@@ -64,6 +74,7 @@ class TokenizedPrompt:
     messages: str
     reference: str | None
     truncated: bool = False
+    prompt_tokens_cut: int = 0
 
 
 @dataclass
@@ -107,24 +118,6 @@ def prompt_ids(tokenizer, messages: list[dict], add_bos: bool | None = None) -> 
     return bos_prefix(tokenizer, add_bos, text) + encode_text(tokenizer, text)
 
 
-def generation_prompt_length(tokenizer, messages: list[dict]) -> int:
-    """Number of trailing tokens of :func:`prompt_ids` that the generation prompt adds (0 if it adds no text).
-
-    A token that straddles the end of the conversation and the start of the generation prompt counts as
-    generation prompt (fast tokenizers: by character offsets; slow ones: by tokenizing the generation prompt
-    alone). The generation prompt starts where the renderings with and without it first differ.
-    """
-    with_gen = render_chat(tokenizer, messages, generation_prompt=True)
-    without = render_chat(tokenizer, messages)
-    start = next((i for i, (a, b) in enumerate(zip(with_gen, without)) if a != b), min(len(with_gen), len(without)))
-    if start == len(with_gen):
-        return 0
-    if getattr(tokenizer, "is_fast", False):
-        offsets = tokenizer(with_gen, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-        return sum(1 for _, end in offsets if end > start)
-    return len(encode_text(tokenizer, with_gen[start:]))
-
-
 class PromptTokenizer:
     """Turn canonical prompt rows ``{"prompt": messages, "reference"}`` into :class:`TokenizedPrompt`
     (picklable, so it can run in worker processes).
@@ -134,6 +127,7 @@ class PromptTokenizer:
         max_prompt_length: cut (or drop) prompts longer than this many tokens.
         truncation_mode: ``keep_end`` or ``keep_start`` (see the module docstring).
         truncation: ``truncate`` or ``drop``.
+        keep_system: ``keep_end`` keeps the system message in front (``data.truncation_keep_system``).
 
     Raises:
         DataError: ``max_prompt_length`` leaves no prompt token beside the generation prompt (and BOS).
@@ -142,11 +136,12 @@ class PromptTokenizer:
     result_type = TokenizedPrompt
 
     def __init__(self, tokenizer, max_prompt_length: int, truncation_mode: str = "keep_end",
-                 truncation: str = "truncate"):
+                 truncation: str = "truncate", keep_system: bool = False):
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         self.truncation_mode = truncation_mode
         self.truncation = truncation
+        self.keep_system = keep_system
         self.add_bos = tokenizer_adds_bos(tokenizer)
         try:
             probe = prompt_ids(tokenizer, PROBE, self.add_bos)
@@ -164,12 +159,12 @@ class PromptTokenizer:
 
         Raises:
             RowError: the template fails (bad row); the prompt is longer than ``max_prompt_length`` under
-                ``truncation: drop`` (policy drop, counted).
+                ``truncation: drop``, or cannot be cut to it (policy drops, counted).
         """
         messages = row["prompt"]
         ids = prompt_ids(self.tokenizer, messages, self.add_bos)
         P = self.max_prompt_length
-        truncated = len(ids) > P
+        truncated, full = len(ids) > P, len(ids)
         if truncated:
             if self.truncation == "drop":
                 raise RowError(
@@ -179,7 +174,7 @@ class PromptTokenizer:
                 )
             ids = self._cut(ids, messages, P)
         return TokenizedPrompt(ids, messages[-1]["content"], json.dumps(messages, ensure_ascii=False),
-                               row.get("reference"), truncated)
+                               row.get("reference"), truncated, full - len(ids))
 
     def _bos_kept(self, ids: list[int]) -> int:
         bos = self.tokenizer.bos_token_id
@@ -189,9 +184,15 @@ class PromptTokenizer:
         """``n`` ids that end with the whole generation prompt (see the module docstring)."""
         g = generation_prompt_length(self.tokenizer, messages)
         if self.truncation_mode == "keep_start":
-            return ids[: n - g] + ids[len(ids) - g :]
-        head = ids[: self._bos_kept(ids)]  # keep exactly one BOS in front, as preference prompts
-        return head + ids[len(ids) - (n - len(head)) :]
+            return apply_cut(ids, *prompt_cut(len(ids), n, "keep_start", tail=g))
+        # exactly one BOS (and with keep_system the system message) in front, as preference prompts and SFT rows
+        head = prompt_head(self.tokenizer, ids, messages, self.keep_system)
+        a, b = prompt_cut(len(ids), n, "keep_end", head=head)
+        if b < g:
+            raise RowError("prompt cannot be cut", f"the prompt has {len(ids)} tokens and must be cut to {n}, but the "
+                           f"kept system message leaves fewer than the {g} generation-prompt tokens; raise "
+                           "data.max_prompt_length or set data.truncation_keep_system: false", bad=False)
+        return apply_cut(ids, a, b)
 
 
 def build_prompt_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".") -> PromptData:
@@ -219,7 +220,7 @@ def build_prompt_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".")
     reject_sft_options(cfg, "prompts", "each prompt is generated from on its own", "they carry no labels")
     apply_chat_template_config(cfg, tokenizer)
     limit = cfg.max_prompt_length or cfg.max_length
-    fn = PromptTokenizer(tokenizer, limit, cfg.truncation_mode, cfg.truncation)
+    fn = PromptTokenizer(tokenizer, limit, cfg.truncation_mode, cfg.truncation, cfg.truncation_keep_system)
     report = DataReport(max_length=limit, seed=cfg.seed, kind="prompt")
     pools = read_sources(cfg, base_dir, report, kind="prompt")
     train, evals = tokenize_and_split(cfg, pools, fn, report)

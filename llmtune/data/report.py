@@ -50,7 +50,9 @@ class DataReport:
         sources: one :class:`SourceReport` per ``data.datasets`` entry.
         dropped: ``{source, row, kind, reason}`` per dropped row (bad rows under ``bad_rows: skip``, rows
             too long under ``truncation: drop``, rows with no trained tokens left after truncation).
-        truncated_rows: ``{source, row}`` per kept row cut to ``max_length``.
+        truncated_rows: ``{source, row, prompt_tokens_cut, response_tokens_cut}`` per kept row that was cut
+            (tokens removed from its prompt/context and from its response/completions; PPO prompts have no
+            response count).
         train_rows / eval_rows: rows (samples) in the splits; train_sequences / eval_sequences: sequences
             after packing (equal to the rows when not packing).
         tokens / trained_tokens: tokens in the train split, and those with a label != -100.
@@ -80,14 +82,24 @@ class DataReport:
         """Number of kept rows that were cut to ``max_length``."""
         return len(self.truncated_rows)
 
+    def cut_counts(self) -> dict[str, int]:
+        """Where truncation cut: ``{prompt_cut_rows, prompt_tokens_cut, response_cut_rows, response_tokens_cut}``."""
+        out = {}
+        for part in ("prompt", "response"):
+            cuts = [d.get(f"{part}_tokens_cut", 0) for d in self.truncated_rows]
+            out[f"{part}_cut_rows"] = sum(1 for c in cuts if c > 0)
+            out[f"{part}_tokens_cut"] = sum(cuts)
+        return out
+
     def drop_counts(self) -> dict[str, int]:
         """``{reason kind: rows}``, most frequent first."""
         return dict(Counter(d["kind"] for d in self.dropped).most_common())
 
     def to_dict(self) -> dict:
-        """JSON-ready dict: every field plus ``truncated`` (count) and ``drop_counts``."""
+        """JSON-ready dict: every field plus ``truncated`` (count), :meth:`cut_counts` and ``drop_counts``."""
         out = asdict(self)
         out["truncated"] = self.truncated
+        out.update(self.cut_counts())
         out["drop_counts"] = self.drop_counts()
         return out
 
@@ -145,6 +157,9 @@ class DataReport:
         if self.truncated_rows:
             where = ", ".join(f"{d['source']} row {d['row']}" for d in self.truncated_rows[:examples])
             lines.append(f"  truncated {self.truncated} rows to {self.max_length} tokens (e.g. {where})")
+            c = self.cut_counts()
+            lines.append(f"    prompt: {c['prompt_tokens_cut']:,} tokens cut in {c['prompt_cut_rows']} rows; response: "
+                         f"{c['response_tokens_cut']:,} tokens cut at the end in {c['response_cut_rows']} rows")
         return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import csv
 import gzip
 import importlib.util
+import io
 import json
 import os
 import re
@@ -165,22 +166,33 @@ def _read_local(src: RawSource, path: Path, ds: DatasetConfig, key: str, limit: 
     if name.endswith((".json", ".jsonl")):
         _read_json(src, path, ds, key, limit)
     elif name.endswith(".parquet"):
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        table = pq.read_table(path)
+        try:
+            table = pq.read_table(pa.BufferReader(_read_bytes(path)) if path.name.lower().endswith(".gz") else path)
+        except (pa.ArrowException, OSError) as exc:
+            raise DataError(
+                f"{key}.path: {path} is not a readable parquet file ({type(exc).__name__}: {str(exc)[:200]}); it is "
+                "truncated, corrupt or not parquet. Write it again (e.g. DataFrame.to_parquet) or download it again."
+            ) from None
         if table.num_rows > limit:
             table, src.stopped_early = table.slice(0, int(limit)), True
         src.rows = table.to_pylist()
         src.row_ids = list(range(len(src.rows)))
     elif name.endswith(".csv"):
-        opener = gzip.open if path.name.lower().endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8-sig", newline="") as f:
-            for i, row in enumerate(csv.DictReader(f)):
+        text = _read_text(path)
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        try:
+            for i, row in enumerate(reader):
                 if i >= limit:
                     src.stopped_early = True
                     break
                 src.rows.append({k: v for k, v in row.items() if k is not None})
                 src.row_ids.append(i)
+        except csv.Error as exc:  # e.g. a field over csv.field_size_limit(), an unterminated quote at the end
+            raise DataError(f"{path}: CSV error near line {reader.line_num + 1}: {exc}. Fix the file there, or convert it "
+                            "to JSON lines (.jsonl), which has no field size limit.") from None
     else:
         raise DataError(
             f"{key}.path: {path}: unsupported file type; use .json, .jsonl, .parquet, .csv "
@@ -234,17 +246,44 @@ def _read_hub(src: RawSource, ds: DatasetConfig, key: str, limit: float, local: 
     _rows_from_dataset(src, loaded, limit)
 
 
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+def _read_bytes(path: Path) -> bytes:
+    """The file's bytes, decompressed when it is named ``.gz``.
+
+    Raises:
+        DataError: a truncated gzip stream, a ``.gz`` file that is not gzip, or a gzip file not named ``.gz``.
+    """
+    if not path.name.lower().endswith(".gz"):
+        data = path.read_bytes()
+        if data[:2] == GZIP_MAGIC:
+            raise DataError(f"{path} is gzip-compressed but its name does not end in .gz; rename it to "
+                            f"{path.name}.gz (or decompress it with gunzip).")
+        return data
+    try:
+        with gzip.open(path, "rb") as f:
+            return f.read()
+    except EOFError:
+        raise DataError(f"{path}: the gzip stream ends early, so the file is truncated (an interrupted download or "
+                        "copy?); download or copy it again (`gzip -t FILE` checks it).") from None
+    except (gzip.BadGzipFile, OSError) as exc:
+        raise DataError(f"{path} is named .gz but is not a valid gzip file ({exc}); if it is plain text, rename it "
+                        "without .gz; otherwise download or copy it again.") from None
+
+
 def _read_text(path: Path) -> str:
-    opener = gzip.open if path.name.lower().endswith(".gz") else open
-    with opener(path, "rb") as f:
-        data = f.read()
+    data = _read_bytes(path)
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         if exc.reason == "unexpected end of data":  # file cut inside a multi-byte character
             return data[: exc.start].decode("utf-8-sig")
+        line = data.count(b"\n", 0, exc.start) + 1
         raise DataError(
-            f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}). Convert the file to UTF-8."
+            f"{path}: not UTF-8 text (byte {exc.start}, line {line}: {exc.reason}, byte value "
+            f"0x{data[exc.start]:02x}). Convert the file to UTF-8, e.g. `iconv -f latin1 -t utf-8 IN > OUT` for a "
+            "Latin-1/Windows-1252 file."
         ) from None
 
 

@@ -160,3 +160,73 @@ def template_eos_ids(tokenizer) -> list[int]:
             tail = tokenizer(text[cut + len("Hello there"):], add_special_tokens=False)["input_ids"]
             ids |= set([i for i in tail if i in special][:1])
     return sorted(ids)
+
+
+def _probe_conversations() -> list[list[dict]]:
+    user, answer = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}
+    return [[{"role": "system", "content": "Be brief."}, user, answer], [user, answer]]
+
+
+def turn_tail_ids(tokenizer) -> list[int]:
+    """Token ids the chat template renders after the end-of-turn token that closes the last assistant turn:
+    ChatML ``"\\n"`` after ``<|im_end|>``, alpaca ``"\\n\\n"``; none for Llama-2/3 (the turn ends the text).
+
+    A reward model is trained on the template's exact output (:class:`llmtune.data.preference.PairTokenizer`
+    with ``exact_template``), so a generated reply that stops at its end-of-turn token gets these ids appended
+    before it is scored (:meth:`llmtune.models.reward.RewardModel.score_rollouts`).
+
+    Returns:
+        The ids (empty without a chat template or when nothing follows the end-of-turn token).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    ends = set(template_eos_ids(tokenizer))
+    for probe in _probe_conversations():
+        try:
+            text = tokenizer.apply_chat_template(probe, tokenize=False)
+        except Exception:  # noqa: BLE001 - e.g. a template that refuses a system message: try the next probe
+            continue
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        last = max((i for i, t in enumerate(ids) if t in ends), default=None)
+        return [] if last is None else ids[last + 1:]
+    return []
+
+
+def dedicated_pad_token(tokenizer, vocab_rows: int | None = None) -> str | None:
+    """A pad token that never occurs in a chat sequence, for reward models used outside llmtune.
+
+    transformers' ``*ForSequenceClassification`` reads the score at the last token that is not
+    ``config.pad_token_id``. When pad == EOS (SmolLM2; Llama set-ups that reuse EOS) a sequence that ends with EOS
+    is read one token early (up to 1.87 off on SmolLM2). A token the chat template never renders and the tokenizer
+    never produces from text makes that rule read the last real token, padded or not.
+
+    Candidates, first fitting wins: the tokenizer's own pad token, its unk token, then its other special/added
+    tokens by id; a candidate fits when it is none of EOS, BOS, the end-of-turn tokens and the special tokens a
+    rendered system/user/assistant conversation (with the generation prompt) contains, and its id is below
+    ``vocab_rows`` (the model's embedding rows, when given).
+
+    Returns:
+        The token text, or ``None`` when no token fits (the caller then adds one).
+    """
+    used = set(template_eos_ids(tokenizer)) | {tokenizer.eos_token_id, tokenizer.bos_token_id}
+    if getattr(tokenizer, "chat_template", None):
+        for probe in _probe_conversations():
+            for generation_prompt in (False, True):
+                try:
+                    text = tokenizer.apply_chat_template(probe[:-1] if generation_prompt else probe, tokenize=False,
+                                                         add_generation_prompt=generation_prompt)
+                except Exception:  # noqa: BLE001 - templates that refuse a system message
+                    continue
+                used |= set(tokenizer(text, add_special_tokens=False)["input_ids"])
+    added = sorted(getattr(tokenizer, "added_tokens_decoder", {}).items())
+    candidates = [tokenizer.pad_token, tokenizer.unk_token, *(t.content for _, t in added if t.special)]
+    for token in candidates:
+        if token is None:
+            continue
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or token_id in used or (vocab_rows is not None and token_id >= vocab_rows):
+            continue
+        if tokenizer(token, add_special_tokens=False)["input_ids"] != [token_id]:
+            continue  # not atomic in text: not a real special token
+        return token
+    return None

@@ -18,6 +18,11 @@ Text rows: text + exactly one EOS, all trained (trl #1623). Prompt/completion ro
 
 Every kept row has at least one trained label at a position >= 1 (the label at position 0 is never
 predicted by a causal LM); otherwise the row is dropped with a reason (LLaMA-Factory #3995).
+
+Truncation keeps the response: an over-long row's context (before its last trained span) is cut first, from the
+left by default, then the response at its end (:class:`SFTTokenizer`); :func:`prompt_head`, :func:`prompt_cut` and
+:func:`apply_cut` are the one cut that SFT rows, preference-pair prompts and PPO prompts share
+(``data.max_prompt_length``, ``truncation_mode``, ``truncation_keep_system``). Cut tokens are counted per row.
 """
 
 from __future__ import annotations
@@ -36,11 +41,17 @@ CUT_MARGIN_TOKENS = 256
 
 @dataclass
 class Tokenized:
-    """One tokenized row: ``input_ids`` and ``labels`` of equal length (T,), ``labels`` -100 where not trained."""
+    """One tokenized row: ``input_ids`` and ``labels`` of equal length (T,), ``labels`` -100 where not trained.
+
+    ``prompt_tokens_cut`` / ``response_tokens_cut``: tokens removed from the context (before the last trained span)
+    and from the response (the last trained span and what follows it) when the row was longer than max_length.
+    """
 
     input_ids: list[int]
     labels: list[int]
     truncated: bool = False
+    prompt_tokens_cut: int = 0
+    response_tokens_cut: int = 0
 
 
 def tokenizer_adds_bos(tokenizer) -> bool:
@@ -121,23 +132,123 @@ def not_prefix_consistent(i: int) -> RowError:
     )
 
 
+def generation_prompt_length(tokenizer, messages: list[dict]) -> int:
+    """Number of trailing tokens that the generation prompt adds to ``messages`` rendered (0 if it adds no text).
+
+    A token that straddles the end of the conversation and the start of the generation prompt counts as
+    generation prompt (fast tokenizers: by character offsets; slow ones: by tokenizing the generation prompt
+    alone). The generation prompt starts where the renderings with and without it first differ.
+    """
+    with_gen = render_chat(tokenizer, messages, generation_prompt=True)
+    without = render_chat(tokenizer, messages)
+    start = next((i for i, (a, b) in enumerate(zip(with_gen, without)) if a != b), min(len(with_gen), len(without)))
+    if start == len(with_gen):
+        return 0
+    if getattr(tokenizer, "is_fast", False):
+        offsets = tokenizer(with_gen, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        return sum(1 for _, end in offsets if end > start)
+    return len(encode_text(tokenizer, with_gen[start:]))
+
+
+def prompt_head(tokenizer, ids: list[int], messages: list[dict] | None, keep_system: bool) -> int:
+    """Leading tokens of prompt ``ids`` that a ``keep_end`` cut keeps: the BOS (when ``ids`` start with it) and, with
+    ``keep_system``, the system message (``data.truncation_keep_system``) as the template renders it on its own.
+
+    Args:
+        ids: (T,) prompt ids (rendered ``messages``, tokenized as the row tokenizers do).
+        messages: the prompt conversation, or None for a raw-text prompt (no system message).
+
+    Raises:
+        RowError: (policy drop) ``keep_system`` but the template does not render the system message as a prefix of
+            the conversation on its own tokens (e.g. llama2 folds it into the first user turn).
+    """
+    bos = tokenizer.bos_token_id
+    head = int(bos is not None and bool(ids) and ids[0] == bos)
+    if not (keep_system and messages and messages[0]["role"] == "system"):
+        return head
+    problem = RowError(
+        "system message cannot be kept",
+        "data.truncation_keep_system: the chat template does not render the system message on its own in front of "
+        "the conversation, so it cannot be kept when the prompt is cut; set data.truncation_keep_system: false",
+        bad=False,
+    )
+    try:
+        text = render_chat(tokenizer, messages[:1])
+    except RowError:
+        raise problem from None
+    sys_ids = encode_text(tokenizer, text)
+    start = 0 if sys_ids[:1] == [bos] else head  # a template that renders the BOS itself
+    if not text.strip() or messages[0]["content"].strip() not in text or ids[start : start + len(sys_ids)] != sys_ids:
+        raise problem
+    return start + len(sys_ids)
+
+
+def prompt_cut(length: int, n: int, mode: str, head: int = 0, tail: int = 0) -> tuple[int, int]:
+    """Where a prompt of ``length`` tokens is cut to ``n`` tokens: keep its first ``a`` and its last ``b`` (a + b = n).
+
+    ``keep_end`` keeps the ``head`` first tokens (:func:`prompt_head`: BOS, system message) and the last
+    ``n - head``; ``keep_start`` keeps the first ``n - tail`` and the ``tail`` last (the generation prompt, so the
+    response still follows the assistant header). Apply with :func:`apply_cut`.
+
+    Raises:
+        RowError: (policy drop) the kept head or tail alone takes ``n`` tokens or more.
+    """
+    keep = head if mode == "keep_end" else tail
+    if keep >= n:
+        what = "the BOS and system message" if mode == "keep_end" else "the generation prompt"
+        raise RowError("prompt cannot be cut", f"the prompt has {length} tokens and must be cut to {n}, but {what} "
+                       f"alone take {keep} (truncation_mode: {mode}); raise data.max_prompt_length / max_length",
+                       bad=False)
+    return (head, n - head) if mode == "keep_end" else (n - tail, tail)
+
+
+def apply_cut(seq: list, a: int, b: int) -> list:
+    """``seq`` without its middle: the first ``a`` and the last ``b`` items."""
+    return seq[:a] + seq[len(seq) - b :] if b else seq[:a]
+
+
 class SFTTokenizer:
     """Turn canonical rows into :class:`Tokenized` rows (picklable, so it can run in worker processes).
 
+    Truncation of a row longer than ``max_length`` (L) under ``truncation: truncate``: the row splits into its
+    context (everything before the last trained span: system, earlier turns, the last user turn and the generation
+    prompt; a ``prompt_completion`` prompt) and its response (the last assistant turn / the completion, with what
+    follows it). The context is cut to at most P tokens, P = ``max_prompt_length``, or when that is None
+    ``L - min(response tokens, L // 2)`` (the response keeps all its tokens or at least half of L), keeping its end
+    (``truncation_mode: keep_end``: the oldest tokens go first; the BOS and, with ``keep_system``, the system
+    message stay in front) or its start (``keep_start``: the generation prompt stays at its end); then the response
+    is cut at its end to fit L. Tokens of earlier assistant turns that stay keep their labels. Rows with nothing
+    before their trained text (``text`` rows) and ``train_on: all`` rows keep their first L tokens.
+
     Args:
         tokenizer: a Hugging Face (fast) tokenizer; its ``chat_template`` is used for chat rows.
-        max_length: maximum tokens per row.
-        truncation: ``truncate`` (keep the first ``max_length`` tokens) or ``drop``.
+        max_length: maximum tokens per row (L).
+        truncation: ``truncate`` (as above) or ``drop``.
         train_on: ``assistant`` (assistant turns / completion / text) or ``all`` (every token).
+        max_prompt_length: P, at most this many context tokens in a cut row (None: see above).
+        truncation_mode: ``keep_end`` or ``keep_start``: which end of a cut context is kept.
+        keep_system: ``keep_end`` keeps the system message in front (``data.truncation_keep_system``).
+
+    Raises:
+        DataError: ``max_prompt_length >= max_length``.
     """
 
     result_type = Tokenized
 
-    def __init__(self, tokenizer, max_length: int, truncation: str = "truncate", train_on: str = "assistant"):
+    def __init__(self, tokenizer, max_length: int, truncation: str = "truncate", train_on: str = "assistant",
+                 max_prompt_length: int | None = None, truncation_mode: str = "keep_end", keep_system: bool = False):
+        if max_prompt_length is not None and max_prompt_length >= max_length:
+            raise DataError(
+                f"data.max_prompt_length={max_prompt_length} must be below data.max_length={max_length} so that at "
+                "least one response token fits; lower max_prompt_length or raise max_length."
+            )
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.truncation = truncation
         self.train_on = train_on
+        self.max_prompt_length = max_prompt_length
+        self.truncation_mode = truncation_mode
+        self.keep_system = keep_system
         self.add_bos = tokenizer_adds_bos(tokenizer)
 
     def __call__(self, row: dict) -> Tokenized:
@@ -145,28 +256,88 @@ class SFTTokenizer:
 
         Raises:
             RowError: the row cannot be trained (template not prefix-consistent, no trained tokens, too long
-                with ``truncation: drop``); ``err.bad`` tells malformed data from policy drops.
+                with ``truncation: drop``, a context that cannot be cut); ``err.bad`` tells malformed data from
+                policy drops.
             DataError: the tokenizer lacks an EOS token for text / prompt-completion rows.
         """
-        if "messages" in row:
-            text = render_chat(self.tokenizer, row["messages"])
-            pieces = self._chat_pieces(row["messages"], text)
+        messages = row.get("messages")
+        if messages is not None:
+            text = render_chat(self.tokenizer, messages)
+            plain = None
             eos = []
         else:
-            text, pieces = self._plain_pieces(row)
+            text, plain = self._plain_pieces(row)
             eos = [self.tokenizer.eos_token_id]
-        input_ids = bos_prefix(self.tokenizer, self.add_bos, text)
+
+        def pieces():
+            return self._chat_pieces(messages, text) if plain is None else iter(plain)
+
+        bos = bos_prefix(self.tokenizer, self.add_bos, text)
+        input_ids, labels, _ = self._encode(bos, pieces(), self.max_length + 1)  # enough to know it is too long
+        if len(input_ids) + len(eos) <= self.max_length:
+            return self._checked(input_ids + eos, labels + eos)
+        if self.truncation == "drop":
+            raise RowError(
+                "longer than max_length",
+                f"more than data.max_length={self.max_length} tokens (data.truncation: drop)",
+                bad=False,
+            )
+        input_ids, labels, split = self._encode(bos, pieces(), None)  # the whole row: its end may be kept
+        return self._cut(input_ids + eos, labels + eos, split, messages)
+
+    def _encode(self, input_ids: list[int], pieces, limit: int | None) -> tuple[list[int], list[int], int | None]:
+        """Token ids and labels of the pieces after ``input_ids`` (the BOS), and where the last trained piece starts.
+
+        With ``limit``, pieces are tokenized only until ``limit`` ids are known (the rest would be cut anyway).
+        """
+        input_ids = list(input_ids)
         labels = list(input_ids) if self.train_on == "all" else [IGNORE_INDEX] * len(input_ids)
-        limit = self.max_length + 1  # enough tokens to know that a row is too long
+        split = None
         for piece, trained in pieces:
-            if len(input_ids) >= limit:
+            if limit is not None and len(input_ids) >= limit:
                 break  # the rest would be truncated away: do not render or tokenize it
-            ids = encode_text(self.tokenizer, piece, limit - len(input_ids))
+            ids = encode_text(self.tokenizer, piece, None if limit is None else limit - len(input_ids))
+            if trained and self.train_on != "all":
+                split = len(input_ids)
             input_ids += ids
             labels += ids if trained or self.train_on == "all" else [IGNORE_INDEX] * len(ids)
-        input_ids += eos
-        labels += eos
-        return self._truncate(input_ids, labels)
+        return input_ids, labels, split
+
+    def _cut(self, input_ids: list[int], labels: list[int], split: int | None,
+             messages: list[dict] | None) -> Tokenized:
+        """Cut a row longer than max_length: its context before ``split`` (the last trained piece), then its response
+        (see the class docstring)."""
+        L = self.max_length
+        if not split:  # nothing before the trained text: keep the start
+            return self._checked(input_ids[:L], labels[:L], True, 0, len(input_ids) - L)
+        response = len(input_ids) - split
+        P = self.max_prompt_length or L - min(response, L // 2)
+        a, b = split, 0
+        if split > P:
+            head = tail = 0
+            if self.truncation_mode == "keep_end":
+                head = prompt_head(self.tokenizer, input_ids[:split], messages, self.keep_system)
+            elif messages is not None:  # keep_start: the assistant header in front of the response stays
+                last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+                tail = generation_prompt_length(self.tokenizer, messages[:last])
+            a, b = prompt_cut(split, P, self.truncation_mode, head, tail)
+        room = L - (a + b)
+        ids = apply_cut(input_ids[:split], a, b) + input_ids[split : split + room]
+        labs = apply_cut(labels[:split], a, b) + labels[split : split + room]
+        return self._checked(ids, labs, True, split - (a + b), max(0, response - room))
+
+    def _checked(self, input_ids: list[int], labels: list[int], truncated: bool = False, prompt_cut_tokens: int = 0,
+                 response_cut_tokens: int = 0) -> Tokenized:
+        if all(label == IGNORE_INDEX for label in labels[1:]):
+            if truncated:
+                raise RowError(
+                    "no trained tokens after truncation",
+                    f"no trained tokens in the first {self.max_length} tokens (data.max_length); raise max_length "
+                    "or shorten the prompt",
+                    bad=False,
+                )
+            raise RowError("no trained tokens", "the row has no trained tokens")
+        return Tokenized(input_ids, labels, truncated, prompt_cut_tokens, response_cut_tokens)
 
     def _chat_pieces(self, messages: list[dict], full: str) -> Iterator[tuple[str, bool]]:
         """Yield the ``(text, trained)`` segments of the rendered conversation ``full`` in order (lazily)."""
@@ -203,27 +374,6 @@ class SFTTokenizer:
         pieces = [(row["prompt"], False), (completion, True)]
         return row["prompt"] + completion, [p for p in pieces if p[0]]
 
-    def _truncate(self, input_ids: list[int], labels: list[int]) -> Tokenized:
-        truncated = False
-        if len(input_ids) > self.max_length:
-            if self.truncation == "drop":
-                raise RowError(
-                    "longer than max_length",
-                    f"more than data.max_length={self.max_length} tokens (data.truncation: drop)",
-                    bad=False,
-                )
-            input_ids, labels, truncated = input_ids[: self.max_length], labels[: self.max_length], True
-        if all(label == IGNORE_INDEX for label in labels[1:]):
-            if truncated:
-                raise RowError(
-                    "no trained tokens after truncation",
-                    f"no trained tokens in the first {self.max_length} tokens (data.max_length); raise max_length "
-                    "or shorten the prompt",
-                    bad=False,
-                )
-            raise RowError("no trained tokens", "the row has no trained tokens")
-        return Tokenized(input_ids, labels, truncated)
-
 
 def _map_batch(batch: dict, fn) -> dict:
     out: dict[str, list] = {"result": [], "kind": [], "reason": [], "bad": []}
@@ -235,6 +385,9 @@ def _map_batch(batch: dict, fn) -> dict:
         for key, value in zip(out, values):
             out[key].append(value)
     return out
+
+
+PROGRESS_MIN_ROWS = 2000  # a progress bar (stderr) while tokenizing at least this many rows
 
 
 def tokenize_rows(rows: list[dict], fn, num_proc: int | None = None) -> list:
@@ -250,8 +403,13 @@ def tokenize_rows(rows: list[dict], fn, num_proc: int | None = None) -> list:
         One ``fn.result_type`` or :class:`RowError` per row, in order.
     """
     if not num_proc or num_proc <= 1 or len(rows) < 2 * num_proc:
+        from tqdm.auto import tqdm
+
+        from llmtune.utils import is_main_process
+
         out: list = []
-        for row in rows:
+        quiet = len(rows) < PROGRESS_MIN_ROWS or not is_main_process()
+        for row in tqdm(rows, desc="tokenizing", unit="row", leave=False, disable=quiet, mininterval=1.0):
             try:
                 out.append(fn(row))
             except RowError as err:
@@ -262,6 +420,7 @@ def tokenize_rows(rows: list[dict], fn, num_proc: int | None = None) -> list:
     table = datasets.Dataset.from_dict({"row": [json.dumps(r) for r in rows]})
     mapped = table.map(
         _map_batch, batched=True, num_proc=num_proc, fn_kwargs={"fn": fn}, remove_columns=["row"],
+        desc=f"tokenizing ({num_proc} processes)",
         keep_in_memory=True, load_from_cache_file=False, new_fingerprint=uuid.uuid4().hex,
     )
     return [

@@ -11,11 +11,15 @@ Shapes: B = rows, T = tokens per row (padded), H = hidden size.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
+
+logger = logging.getLogger(__name__)
+ADDED_PAD_TOKEN = "<|llmtune_pad|>"  # added by export when the vocabulary has no unused token to pad with
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -75,3 +79,40 @@ def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     ).last_hidden_state  # (B, T, H)
     last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_token_index(attention_mask)]  # (B, H)
     return head(last).squeeze(-1).float()  # (B,)
+
+
+def use_dedicated_pad(model: nn.Module, tokenizer, *, add: bool = False) -> bool:
+    """Switch ``tokenizer`` and ``model.config`` to a pad token no sequence contains, in place.
+
+    transformers' ``*ForSequenceClassification`` reads the score at the last token that is not
+    ``config.pad_token_id``; with pad == EOS it reads a sequence ending in EOS one token early. With the pad from
+    :func:`llmtune.data.templates.dedicated_pad_token` (an existing unused special token: no resize) it reads the
+    last real token of unpadded, right-padded and left-padded rows, as llmtune does.
+
+    Args:
+        model: the reward model (its input embedding rows bound the pad id).
+        tokenizer: its tokenizer (saved with the model).
+        add: when no existing token fits, add :data:`ADDED_PAD_TOKEN` to the tokenizer and, if the embedding has
+            no row for it, resize the embeddings by the new rows (they are only ever read at masked positions).
+
+    Returns:
+        ``True`` when the pad is dedicated afterwards; ``False`` when no token fits and ``add`` is off.
+    """
+    from llmtune.data.templates import dedicated_pad_token
+
+    rows = model.get_input_embeddings().weight.shape[0]
+    token = dedicated_pad_token(tokenizer, rows)
+    if token is None and add:
+        tokenizer.add_special_tokens({"pad_token": ADDED_PAD_TOKEN})
+        if len(tokenizer) > rows:
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+        token = ADDED_PAD_TOKEN
+    if token is None:
+        logger.warning("no unused token to pad with (the pad %r occurs in sequences); llmtune export adds one",
+                       tokenizer.pad_token)
+    elif token != tokenizer.pad_token:
+        logger.info("pad token %r -> %r: no sequence contains it, so transformers reads reward scores at the last "
+                    "real token", tokenizer.pad_token, token)
+        tokenizer.pad_token = token
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return token is not None

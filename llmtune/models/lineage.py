@@ -180,6 +180,9 @@ def merge_adapter(model: PreTrainedModel, adapter_dir: str | Path) -> PreTrained
     """
     from peft import PeftConfig, PeftModel
 
+    from llmtune.models.checks import check_weight_files
+
+    check_weight_files(adapter_dir)  # a truncated/corrupt adapter file is named
     fit_vocab_to_adapter(model, adapter_dir)
     try:
         config = PeftConfig.from_pretrained(str(adapter_dir))
@@ -189,6 +192,42 @@ def merge_adapter(model: PreTrainedModel, adapter_dir: str | Path) -> PreTrained
         raise ModelLoadError(
             f"could not merge the adapter {adapter_dir} into {type(model).__name__}: {type(err).__name__}: {err}"
         ) from err
+
+
+def trained_base(fp32: ModelConfig, entry: dict[str, Any], *, head: str = "causal_lm") -> PreTrainedModel:
+    """The fp32 base the first adapter of a chain was trained on, on CPU.
+
+    An unquantized run trained on the base itself. A QLoRA/8-bit run (``load_in_4bit``/``load_in_8bit`` in its
+    resolved recipe) trained on the quantized base: it is loaded quantized exactly as that run loaded it (its
+    dtype, quantization settings and precision) and dequantized to fp32, the weights its adapter's update is
+    relative to (merging it into the original weights instead gives a model nobody trained; off by the 4-bit
+    rounding of every weight). Only the first run of a chain can be quantized: ``model.from_run`` refuses a
+    quantized base.
+
+    Args:
+        fp32: the ``model:`` section with ``dtype: fp32`` and quantization off.
+        entry: the chain's first entry (:func:`adapter_chain`).
+        head: ``causal_lm`` or ``score``.
+
+    Raises:
+        ModelLoadError: the base cannot be loaded, or the earlier run's recipe is not readable.
+    """
+    from llmtune.config import PrecisionConfig as Precision
+
+    raw = read_run(entry["run_dir"])[1] if entry.get("run_dir") else {}
+    earlier = (raw.get("model") or {})
+    if entry.get("adapter_type") == "none" or not (earlier.get("load_in_4bit") or earlier.get("load_in_8bit")):
+        return load_model(fp32, Precision(), head=head)
+    from llmtune.config import load_recipe
+    from llmtune.models.quant import dequantize_to_fp32
+
+    recipe = load_recipe(raw=raw)
+    keys = ("dtype", "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
+            "bnb_4bit_compute_dtype")
+    quantized = fp32.model_copy(update={k: getattr(recipe.model, k) for k in keys})
+    logger.info("the %s adapter %s was trained on the %s base: merging it into that base dequantized to fp32",
+                entry.get("stage"), entry["path"], "4-bit" if quantized.load_in_4bit else "8-bit")
+    return dequantize_to_fp32(load_model(quantized, recipe.precision, head=head)).to("cpu")
 
 
 def load_model_with_chain(
@@ -205,7 +244,8 @@ def load_model_with_chain(
         dtype: final torch dtype (default: :func:`resolve_dtype`); export passes fp32.
 
     Returns:
-        The merged model (no peft wrapper), cast to the final dtype.
+        The merged model (no peft wrapper), cast to the final dtype. The first adapter is merged into the base it
+        was trained on (:func:`trained_base`: a QLoRA run's dequantized 4-bit base, as ``llmtune export`` merges).
 
     Raises:
         ModelLoadError: the base or an adapter cannot be loaded.
@@ -215,7 +255,7 @@ def load_model_with_chain(
     if not chain:
         return load_model(cfg, precision, head=head)
     fp32 = cfg.model_copy(update={"dtype": "fp32", "load_in_4bit": False, "load_in_8bit": False})
-    model = load_model(fp32, Precision(), head=head)
+    model = trained_base(fp32, chain[0], head=head)
     for entry in chain:
         if entry.get("adapter_type") == "none":  # full fine-tuning: the saved directory is the whole model
             model = load_model(fp32.model_copy(update={"name_or_path": entry["path"]}), Precision(), head=head)

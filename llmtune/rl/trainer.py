@@ -155,7 +155,8 @@ class OnlineRLTrainer(CoreTrainer):
     def _seed(self, iteration: int, salt: int = 0) -> None:
         from transformers import set_seed
 
-        set_seed(self.args.seed + 1_000_003 * iteration + 7919 * self.args.process_index + salt)
+        # modulo numpy's seed range: seed + 1_000_003 x iteration passes 2**32 after ~4,300 iterations
+        set_seed((self.args.seed + 1_000_003 * iteration + 7919 * self.args.process_index + salt) % 2**32)
 
     def prompt_batch(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         """(B, P) left-padded ``input_ids``/``attention_mask`` of prompt rows, on the training device."""

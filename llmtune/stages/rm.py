@@ -1,7 +1,10 @@
 """Reward modeling: a one-score head on the base, trained with the Bradley-Terry loss on preference pairs.
 
 The score of a sequence is read at its last real token, found from the attention mask
-(:func:`llmtune.models.sequence_scores`), never from ``pad_token_id``, which breaks when pad == EOS.
+(:func:`llmtune.models.sequence_scores`), never from ``pad_token_id``, which breaks when pad == EOS. A sequence is
+the chat template's exact output for the conversation (what ``apply_chat_template(conversation, tokenize=True)``
+gives a consumer), and the pad token is one no sequence contains, so the exported model scores the same in plain
+transformers.
 Loss of an optimizer step = sum over its pairs of the per-pair loss / number of pairs in the whole step.
 The LoRA adapter is trained together with the full head (``adapter.modules_to_save`` gets ``score``).
 """
@@ -15,6 +18,7 @@ import torch.nn.functional as F
 from llmtune.config import Recipe
 from llmtune.core.stage import PairwiseStage
 from llmtune.models import sequence_scores
+from llmtune.models.heads import use_dedicated_pad
 from llmtune.utils import get_logger
 
 log = get_logger("rm")
@@ -63,6 +67,7 @@ class RMStage(PairwiseStage):
     key_metric = "eval_accuracy"
     model_head = "score"
     eval_keys = ("chosen", "rejected")
+    exact_template = True  # scored on the chat template's exact output, as apply_chat_template(tokenize=True) gives
 
     def __init__(self, recipe: Recipe):
         super().__init__(recipe)
@@ -72,8 +77,10 @@ class RMStage(PairwiseStage):
             log.info("adapter.modules_to_save += [score]: the new reward head is trained in full")
 
     def prepare_model(self, model, tokenizer):
-        if model.config.pad_token_id is None:  # transformers' own pooling (used by plain-HF consumers) needs it
-            model.config.pad_token_id = tokenizer.pad_token_id
+        """A pad token that never occurs in a sequence, in the tokenizer saved with the adapter and in the model
+        config, so that plain transformers (pooling at the last token != ``pad_token_id``) reads the score where
+        llmtune does, also for sequences ending in EOS when the base pads with EOS (:func:`use_dedicated_pad`)."""
+        use_dedicated_pad(model, tokenizer)
         return model
 
     def scores(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:

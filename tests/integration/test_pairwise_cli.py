@@ -187,6 +187,52 @@ def test_rm_export_reloads_as_sequence_classifier_with_identical_scores(workspac
     assert merged.config.pad_token_id is not None and merged.config.num_labels == 1
 
 
+def test_exported_rm_scores_like_llmtune_in_plain_transformers_and_in_ppo(workspace, tmp_path):
+    """The tiny tokenizer pads with EOS, like SmolLM2. A consumer scores apply_chat_template(conversation,
+    tokenize=True) with AutoModelForSequenceClassification (logits[:, 0]), alone or in right/left-padded batches
+    with the saved pad token; llmtune scores the same conversation as PPO and on-policy pairs do (RewardModel, by
+    text and by token ids of a generated reply). All agree, also for ids that end in EOS."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from llmtune.export import padded_batch
+    from llmtune.models import sequence_scores
+    from llmtune.models.reward import RewardModel
+
+    run, out = workspace / "rm", tmp_path / "merged"
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    report = json.loads((out / "verification.json").read_text())
+    assert report["passed"] and max(report["hf_max_abs_diff_by_padding"].values()) <= 1e-4
+    model = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.pad_token_id == model.config.pad_token_id != tok.eos_token_id  # old code: pad == EOS
+    rm = RewardModel(run)
+    prompts = [[{"role": "user", "content": q}] for q, _c, _r in QA]
+    answers = [c for _q, c, _r in QA]
+    ours = rm.score_texts(prompts, answers)  # (B,)
+    rows = [torch.tensor([tok.apply_chat_template([*p, {"role": "assistant", "content": a}], tokenize=True,
+                                                  return_dict=True)["input_ids"]]) for p, a in zip(prompts, answers)]
+    assert all(int(r[0, -2]) == tok.eos_token_id for r in rows)  # ChatML: "<|im_end|>\n"
+    ending_in_eos = [r[:, :-1] for r in rows]
+    with torch.no_grad():
+        alone = torch.cat([model(input_ids=r).logits[:, 0] for r in rows])
+        torch.testing.assert_close(alone, ours, atol=1e-4, rtol=0)  # old code: read at <|im_end|> vs "\n"
+        for side in ("right", "left"):
+            ids, mask = padded_batch(rows, tok.pad_token_id, side)
+            torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits[:, 0], ours, atol=1e-4,
+                                       rtol=0, msg=side)
+            ids, mask = padded_batch(ending_in_eos, tok.pad_token_id, side)  # old code: pooled one token early
+            torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits[:, 0],
+                                       sequence_scores(model, ids, mask), atol=1e-4, rtol=0, msg=side)
+        # PPO with the RM's tokenizer: left-padded prompt ids + the generated reply up to its <|im_end|>
+        queries = [torch.tensor([tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True,
+                                                         return_dict=True)["input_ids"]]) for p in prompts]
+        replies = [torch.tensor([tok(a, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]) for a in answers]
+        query_ids, query_mask = padded_batch(queries, tok.eos_token_id, "left")
+        reply_ids, reply_mask = padded_batch(replies, tok.eos_token_id, "right")
+        scored = rm.score_rollouts(torch.cat([query_ids, reply_ids], 1), torch.cat([query_mask, reply_mask], 1))
+        torch.testing.assert_close(scored, ours, atol=1e-4, rtol=0)
+
+
 def test_dpo_export_merges_the_sft_adapter_too(workspace):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -145,3 +145,22 @@ def test_accumulation_split_gives_the_same_steps(workspace, ppo_rm_run):
     one, two = _adapter(workspace / "ppo_micro4"), _adapter(ppo_rm_run)
     for key in one:
         assert torch.allclose(one[key], two[key], atol=1e-5), key
+
+
+def test_resume_with_more_steps_follows_the_longer_schedule_from_the_first_resumed_step(workspace, ppo_rm_run):
+    import shutil
+
+    copy = workspace / "ppo_extended"
+    shutil.copytree(ppo_rm_run, copy)
+    for name in ("adapter", "checkpoints/checkpoint-4"):
+        shutil.rmtree(copy / name)
+    (copy / "lineage.json").unlink()
+    (copy / "metrics.jsonl").unlink()
+    recipe = ppo_recipe(workspace, "ppo_extended", {"from_run": str(workspace / "rm")})
+    assert main(["ppo", str(recipe), "train.resume_from=latest", "train.max_steps=6"]) == 0
+    logged = {r["step"]: r["learning_rate"] for r in read_jsonl(copy / "metrics.jsonl") if "learning_rate" in r}
+    # cosine over 6 steps, no warm-up: step k runs at 1e-2 * (1 + cos(pi * (k - 1) / 6)) / 2 (the CoreTrainer test
+    # checks that the logged learning_rate is the one the optimizer applied); old code: step 3 ran at the 4-step
+    # schedule's 5.0e-3 instead of 7.5e-3
+    expected = {k: 1e-2 * (1 + math.cos(math.pi * (k - 1) / 6)) / 2 for k in range(3, 7)}
+    assert logged == pytest.approx(expected, rel=1e-6)

@@ -129,7 +129,7 @@ def test_help_exits_zero(command, capsys):
     assert info.value.code == 0
     out = capsys.readouterr().out
     if command in ("sft", "validate"):
-        assert "model.name_or_path" in out and "train.global_batch_size" in out and "data.datasets[i].columns" in out
+        assert "model.name_or_path" in out and "train.global_batch_size" in out and "data.datasets.N.columns" in out
 
 
 def test_validate_reports_bad_rows_and_exits_nonzero(workspace, tmp_path, capsys):

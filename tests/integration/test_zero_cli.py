@@ -182,6 +182,21 @@ def test_zero3_resume_from_zero_checkpoint(ws):
                                atol=1e-6, rtol=0)
 
 
+def test_zero3_resume_with_more_steps_follows_the_longer_schedule(ws):
+    """DeepSpeed restores the optimizer (its LR included) from its own shards: the first resumed step must still run at
+    the new schedule's LR (old code: step 3 at the finished 3-step cosine's 2.5e-3 instead of the 5-step's 6.5e-3)."""
+    import math
+
+    run = ws / "sft_z3x"
+    src = ws / "sft_z3" / "checkpoints" / "checkpoint-2"
+    if not src.is_dir():
+        pytest.fail("needs test_sft_zero3_two_processes_saves_gathered_adapter to have run first")
+    assert main(["sft", str(ws / "sft.yaml"), f"output.dir={run}", "distributed.zero_stage=3",
+                 f"train.resume_from={src}", "train.max_steps=5", "--nproc-per-node", "2"]) == 0
+    logged = {r["step"]: r["learning_rate"] for r in read_jsonl(run / "metrics.jsonl") if "learning_rate" in r}
+    assert logged == pytest.approx({k: 1e-2 * (1 + math.cos(math.pi * (k - 1) / 5)) / 2 for k in (3, 4, 5)}, rel=1e-6)
+
+
 def test_dpo_zero3_two_processes_matches_single_process(ws):
     """DPO from an SFT run (the SFT adapter merged into whole weights, then partitioned) with the reference = the
     adapter-disabled policy inside the ZeRO-3 engine."""

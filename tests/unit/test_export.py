@@ -207,6 +207,24 @@ def test_qlora_export_merges_into_the_dequantized_base_and_matches_the_quantized
     assert torch.equal(load_file(str(tmp_path / "bf16" / "model.safetensors"))[q], expected.to(torch.bfloat16))
 
 
+def test_a_chain_starting_with_a_qlora_run_merges_it_into_its_dequantized_base_like_export(qlora, tmp_path):
+    """model.from_run of a QLoRA run (a DPO/RM/PPO stage after QLoRA SFT, the PPO reward model of a QLoRA RM run)
+    continues the model that run trained and export wrote, not the adapter added to the original weights."""
+    from llmtune.config import PrecisionConfig
+    from llmtune.models import adapter_chain, load_model_with_chain
+
+    run = qlora["run"]
+    export_run(run, dtype="fp32", out_dir=tmp_path / "merged", max_new_tokens=1)
+    exported = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    cfg = load_recipe(raw={"model": {"name_or_path": str(qlora["base"])}}, stage="dpo").model
+    chained = load_model_with_chain(cfg, PrecisionConfig(), adapter_chain(run, json.loads(
+        (run / "lineage.json").read_text())), dtype=torch.float32)
+    state = chained.state_dict()
+    assert exported.keys() <= state.keys()
+    for name, weight in exported.items():  # old code: every adapted weight off by the 4-bit rounding of W
+        assert torch.equal(state[name], weight), name
+
+
 def test_8bit_run_merges_into_its_dequantized_int8_base(bases, tmp_path):
     import bitsandbytes.functional as bnbf
 

@@ -70,3 +70,22 @@ def test_reply_stops_at_the_templates_end_of_turn_not_only_the_tokenizer_eos():
         model.lm_head.bias.zero_()
         model.lm_head.bias[end] = 10.0
     assert generate_reply(model, tok, [{"role": "user", "content": PROMPT}], max_new_tokens=8) == [end]
+
+
+def test_chat_with_a_pipeline_directory_uses_its_merged_model(sft_run, tmp_path, capsys):
+    """`llmtune pipeline` writes <dir>/<step>/ runs and <dir>/merged (no lineage.json at the top): chat uses merged/;
+    before the export it names the step runs to chat with instead."""
+    import shutil
+
+    pipe = tmp_path / "pipe"
+    shutil.copytree(sft_run, pipe / "sft", ignore=shutil.ignore_patterns("merged"))
+    with pytest.raises(ChatError, match=r"pipeline directory without an exported merged/.*llmtune chat .*sft"):
+        load_for_chat(pipe)
+    export_run(pipe / "sft", dtype="fp32", out_dir=pipe / "merged")
+    (pipe / "pipeline_summary.json").write_text("{}")
+    capsys.readouterr()
+    assert main(["chat", str(pipe), "--prompt", PROMPT, "--max-new-tokens", "6"]) == 0
+    reply = capsys.readouterr().out.rstrip()
+    capsys.readouterr()
+    assert main(["chat", str(pipe / "merged"), "--prompt", PROMPT, "--max-new-tokens", "6"]) == 0
+    assert reply and capsys.readouterr().out.rstrip().endswith(reply.splitlines()[-1])

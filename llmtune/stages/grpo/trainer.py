@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from llmtune.config import RecipeError
+from llmtune.core.guard import ROW_KEY
 from llmtune.rl.model import PolicyModel
 from llmtune.rl.ops import kl_estimate, masked_mean
 from llmtune.rl.rollout import decode_responses, join, trim
@@ -139,6 +140,8 @@ class GRPOTrainer(OnlineRLTrainer):
         inputs = join(groups["query_ids"], groups["query_mask"], responses, mask)
         experience = {**inputs, "responses": responses, "response_mask": mask, "loss_mask": loss_mask,
                       "advantages": advantages}
+        if all("index" in row for row in groups["rows"]):  # (B,) prompt rows, named by the non-finite guard
+            experience[ROW_KEY] = torch.tensor([int(r["index"]) for r in groups["rows"]], device=responses.device)
         kl_rollout = None
         if self.needs_old_logps or g.beta > 0:
             fwd = self.forward_chunks(inputs, responses, with_values=False, reference=g.beta > 0,

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from llmtune.core.guard import ROW_KEY
 from llmtune.rl.model import PolicyModel
 from llmtune.rl.rollout import decode_responses, join, trim  # noqa: F401 (trim re-exported)
 from llmtune.rl.scoring import FunctionScorer, RewardModelScorer  # noqa: F401 (re-exported)
@@ -110,7 +111,8 @@ class PPOTrainer(OnlineRLTrainer):
         """Sample and score one rollout batch, compute advantages/returns, log its metrics and return the PPO
         minibatches (``ppo_epochs`` shuffled passes), each a list of micro-batch dicts."""
         self._seed(iteration)
-        rows = [self.prompts[i] for i in self.prompt_indices(iteration, self.ppo.rollout_batch_size)]
+        indices = self.prompt_indices(iteration, self.ppo.rollout_batch_size)
+        rows = [self.prompts[i] for i in indices]
         batch = self.prompt_batch(rows)
         width = batch["input_ids"].shape[1]
         responses, mask, ended = self.sample(batch)
@@ -148,6 +150,7 @@ class PPOTrainer(OnlineRLTrainer):
         experience = {
             **inputs, "responses": responses, "response_mask": mask, "old_logps": logps, "old_values": values,
             "advantages": advantages, "returns": returns,
+            ROW_KEY: torch.tensor(indices, dtype=torch.long, device=responses.device),  # (B,) prompt rows (guard)
         }
         minibatches = []
         gen = torch.Generator().manual_seed(self.args.seed + 1_000_003 * iteration + self.args.process_index)

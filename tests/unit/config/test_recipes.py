@@ -39,14 +39,17 @@ def test_validate_command_with_model_overridden(path, tiny_dir, capsys, tmp_path
     """The model path is overridable (llama7b cannot be downloaded here); data stays the recipe's own."""
     doc = read_yaml(path)
     overrides = []
+    # enough rows for one global batch (PPO: one rollout batch): a smaller data set is an error (data_size_problems)
+    need = 2 * max(doc.get("train", {}).get("global_batch_size", 8), doc.get("ppo", {}).get("rollout_batch_size", 0))
     for i, d in enumerate(doc.get("data", {}).get("datasets", [])):
         # ../shared/data is not part of the project: tests must pass without it, so a missing local file is
-        # replaced by the small real HH sample shipped in tests/assets (same format).
+        # replaced by the small real HH sample shipped in tests/assets (same format; 8 rows, repeated by weight).
         if Path(d["path"]).suffix in (".gz", ".jsonl", ".json") and not Path(d["path"]).exists():
-            overrides.append(f"data.datasets.{i}.path={ASSETS / 'hh_sample.jsonl'}")
+            overrides += [f"data.datasets.{i}.path={ASSETS / 'hh_sample.jsonl'}",
+                          f"data.datasets.{i}.weight={-(-need // 8)}"]
     overrides += [f"model.name_or_path={tiny_dir}", "model.dtype=fp32", f"output.dir={tmp_path / 'run'}"]
     for i, _ in enumerate(doc.get("data", {}).get("datasets", [])):
-        overrides.append(f"data.datasets.{i}.max_samples=60")
+        overrides.append(f"data.datasets.{i}.max_samples={max(60, need)}")
     reward_run = doc.get("reward", {}).get("from_run")
     if reward_run and not (Path(reward_run) / "lineage.json").is_file():  # PPO: the RM run is trained by its recipe
         overrides += ["reward.from_run=null", "reward.function=llmtune.rewards:gsm8k_reward"]

@@ -102,3 +102,15 @@ def test_no_chat_template_needed_for_text_only(write, cfg):
     with pytest.raises(DataError, match="has no chat template, and data.chat_template is not set"):
         build_sft_data(cfg(chat), tok)
     assert build_sft_data(cfg(chat, chat_template="chatml"), tok).report.train_rows == 1
+
+
+def test_tokenizing_many_rows_shows_progress_and_few_rows_stay_quiet(tok, write, cfg, capfd, monkeypatch):
+    import llmtune.data.tokenize as tokenize_mod
+
+    a, b = _sources(write, n_a=6, n_b=6)
+    capfd.readouterr()
+    build_sft_data(cfg(a, b), tok)
+    assert "tokenizing" not in capfd.readouterr().err
+    monkeypatch.setattr(tokenize_mod, "PROGRESS_MIN_ROWS", 5)
+    data = build_sft_data(cfg(a, b), tok)
+    assert "tokenizing" in capfd.readouterr().err and data.report.train_rows == 12

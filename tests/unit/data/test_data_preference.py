@@ -191,10 +191,13 @@ def test_boundary_merge_with_a_template_whose_generation_prompt_ends_in_a_space(
 )
 def test_truncation_modes_exact(tok, mode, prompt):
     fn = PairTokenizer(tok, 12, max_prompt_length=8, truncation_mode=mode)
-    assert fn(PAIR) == TokenizedPair(prompt, [46, 262, 82, 282], [46, 89, 286, 226], truncated=True)
+    # 19 prompt tokens cut to 8; chosen 8 -> 4 and rejected 7 -> 3 tokens: 11 prompt and 7 completion tokens cut
+    assert fn(PAIR) == TokenizedPair(prompt, [46, 262, 82, 282], [46, 89, 286, 226], truncated=True,
+                                     prompt_tokens_cut=11, response_tokens_cut=7)
     row = fn(PAIR).to_row()
     assert len(row["chosen_input_ids"]) == len(row["rejected_input_ids"]) == 12 and row["prompt_length"] == 8
-    assert PairTokenizer(tok, 40, max_prompt_length=8, truncation_mode=mode)(PAIR) == TokenizedPair(prompt, FINE, FIVE, True)
+    assert PairTokenizer(tok, 40, max_prompt_length=8, truncation_mode=mode)(PAIR) == TokenizedPair(prompt, FINE, FIVE,
+                                                                                                   True, 11, 0)
     assert PairTokenizer(tok, 40, max_prompt_length=19)(PAIR) == TokenizedPair(PROMPT, FINE, FIVE, False)
 
 
@@ -207,18 +210,24 @@ def test_keep_end_keeps_the_bos_first():
     assert PairTokenizer(tok, 64, 5, "keep_start")(PAIR).prompt_ids == full[:5]
 
 
-def test_pairs_without_room_for_a_completion_token_are_dropped_and_counted(write, cfg):
+def test_pairs_whose_prompt_fills_max_length_keep_their_completions_and_are_counted(write, cfg):
     tok = _raw_tok()
     long = {"prompt": "The sea is wide. " * 3, "chosen": "Yes.", "rejected": "No."}
     short = {"prompt": "The sea is ", "chosen": "wide.", "rejected": "It is 5."}
     path = write("t.jsonl", [long, short])
     assert len(tok(long["prompt"]).input_ids) == 19
-    data = build_preference_data(cfg(path, max_length=10), tok)  # bad_rows: error does not apply: a policy drop
+    data = build_preference_data(cfg(path, max_length=10), tok)
     r = data.report
-    assert [(d["row"], d["kind"]) for d in r.dropped] == [(0, "prompt fills max_length")]
-    assert "the prompt has 19 tokens, leaving no completion token within data.max_length=10" in r.dropped[0]["reason"]
-    assert r.train_rows == 1 and r.truncated_rows == [{"source": str(path), "row": 1}]
-    assert data.train[0]["rejected_input_ids"] == [287, 350, 286, 226, 46, 89, 286, 226, 26, 19]  # cut at the end, no EOS
+    # old code: the long pair was dropped ("prompt fills max_length"). Now max_prompt_length null cuts its prompt to
+    # 10 - min(4, 10 // 2) = 6 tokens (its end) and keeps both 4-token completions whole.
+    assert r.dropped == [] and r.train_rows == 2
+    long_row = next(row for row in data.train if row["prompt_length"] == 6)
+    assert long_row["chosen_input_ids"] == [350, 286, 336, 387, 19, 226, 62, 268, 19, 1]
+    # short pair: 4 prompt tokens + "It is 5." (6 ids + EOS) cut to 6: 1 completion token cut (EOS), "wide." fits
+    assert r.truncated_rows == [{"source": str(path), "row": 0, "prompt_tokens_cut": 13, "response_tokens_cut": 0},
+                                {"source": str(path), "row": 1, "prompt_tokens_cut": 0, "response_tokens_cut": 1}]
+    short_row = next(row for row in data.train if row["prompt_length"] == 4)
+    assert short_row["rejected_input_ids"] == [287, 350, 286, 226, 46, 89, 286, 226, 26, 19]  # cut at the end, no EOS
     kept = build_preference_data(cfg(path, max_length=10, max_prompt_length=6), tok)
     assert kept.report.dropped == [] and kept.report.truncated == 2
     assert all(X not in row["chosen_labels"][row["prompt_length"]:] and len(row["chosen_input_ids"]) <= 10 for row in kept.train)
@@ -305,3 +314,47 @@ def test_pairs_survive_worker_processes(tok):
     assert TokenizedPair(**json.loads(out["result"][0])) == PairTokenizer(_raw_tok(), 64)(PAIR)
     with pytest.raises(RowError, match="the prompt has no tokens"):
         PairTokenizer(_raw_tok(), 64)({**PAIR, "prompt": ""})
+
+
+def test_truncation_keep_system_keeps_the_system_message_of_a_cut_prompt(tok):
+    system = [0, 88, 94, 291, 313, 204, 39, 74, 226, 83, 78, 72, 74, 19, 1, 204]  # <|im_start|>system\nBe nice.<|im_end|>\n
+    pair = {"prompt": [{"role": "system", "content": "Be nice."}, U], "chosen": "I am fine.", "rejected": "It is 5."}
+    kept = PairTokenizer(tok, 40, max_prompt_length=24, keep_system=True)(pair)  # 16 + 19 prompt tokens cut to 24
+    assert kept.prompt_ids == system + PROMPT[-8:] and kept.prompt_tokens_cut == 11
+    plain = PairTokenizer(tok, 40, max_prompt_length=24)(pair)  # default: the BOS, then the end
+    assert plain.prompt_ids == [0] + (system + PROMPT)[-23:]
+    with pytest.raises(RowError, match="the BOS and system message alone take 16"):
+        PairTokenizer(tok, 40, max_prompt_length=16, keep_system=True)(pair)
+
+
+BOUNDARY_MERGE = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ 'Q: ' + m['content'] + '\nA: ' }}"
+                  "{% else %}{{ m['content'] + eos_token + '\n' }}{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("template", ["chatml", "boundary merge"])
+@pytest.mark.parametrize("add_bos", [False, True])
+def test_reward_model_pairs_are_the_templates_exact_output(template, add_bos):
+    """RM sequences = apply_chat_template(conversation, tokenize=True), trailing "\\n" included, even where
+    the answer merges with the generation prompt; DPO sequences keep ending at the end-of-turn token."""
+    tok = make_tiny_tokenizer(add_bos=add_bos)
+    if template != "chatml":
+        tok.chat_template = BOUNDARY_MERGE
+    row = {"prompt": "How many?", "chosen": "The answer is 42.", "rejected": "Ten."}
+    messages = [{"role": "user", "content": row["prompt"]}]
+    rm = PairTokenizer(tok, 64, exact_template=True)(row)
+    for side, ids in (("chosen", rm.chosen_ids), ("rejected", rm.rejected_ids)):
+        conversation = [*messages, {"role": "assistant", "content": row[side]}]
+        consumer = tok.apply_chat_template(conversation, tokenize=True, return_dict=True)["input_ids"]
+        assert rm.prompt_ids + ids == list(consumer)  # old code: no trailing "\n" (and a split at the merge)
+        assert tok.convert_ids_to_tokens(consumer)[-2:] == ["<|im_end|>", "Ċ"]
+    dpo = PairTokenizer(tok, 64)(row)
+    assert tok.convert_ids_to_tokens(dpo.chosen_ids)[-1] == "<|im_end|>"  # the policy's turn ends at its EOS
+    assert dpo.prompt_ids + dpo.chosen_ids != rm.prompt_ids + rm.chosen_ids
+
+
+def test_reward_model_pairs_are_truncated_like_dpo_pairs(tok):
+    row = {"prompt": "Hello! " * 20, "chosen": "I am fine. " * 20, "rejected": "No."}
+    rm = PairTokenizer(tok, 40, max_prompt_length=16, exact_template=True)(row)
+    assert rm.truncated and len(rm.prompt_ids) == 16 and len(rm.prompt_ids) + len(rm.chosen_ids) == 40
+    assert rm.prompt_ids[0] == tok.bos_token_id  # keep_end keeps the BOS first
+    assert tok.convert_ids_to_tokens(rm.rejected_ids)[-2:] == ["<|im_end|>", "Ċ"]

@@ -120,33 +120,70 @@ def test_span_exact_when_bpe_merges_across_the_boundary(tok):
     assert row.labels[-1] == X  # the "\n" after <|im_end|>
 
 
-def test_truncation_keeps_start_and_trained_tokens(tok):
+# CHAT in CHATML_IDS: context = ids[:66] (system 0-15, user 16-26, header 27-34, answer 35-42 trained, "\n" 43,
+# user 44-57, header 58-65), response = ids[66:74] (the last answer 66-72 + "\n").
+def test_truncation_cuts_the_context_from_the_left_and_keeps_the_last_answer(tok):
+    # max_prompt_length null: context <= 40 - min(8, 40 // 2) = 32 tokens: the BOS, then the last 31 context tokens
     row = SFTTokenizer(tok, 40)({"messages": CHAT})
-    assert row.truncated and row.input_ids == CHATML_IDS[:40] and row.labels == CHATML_LABELS[:40]
-    assert row.labels[35:40] == [46, 262, 82, 282, 316]
+    assert row.input_ids == [0] + CHATML_IDS[35:74] and row.labels == [X] + CHATML_LABELS[35:74]
+    assert row.truncated and (row.prompt_tokens_cut, row.response_tokens_cut) == (34, 0)
+    assert trained_tokens(tok, row)[-7:] == ["I", "t", "Ġis", "Ġ", "5", ".", "<|im_end|>"]  # last answer whole
+    assert row.labels[1:9] == CHATML_LABELS[35:43]  # an earlier answer inside the kept context stays trained
 
 
-def test_truncation_without_trained_tokens_is_dropped(tok):
-    with pytest.raises(RowError) as info:
-        SFTTokenizer(tok, 30)({"messages": CHAT})  # cut before the first answer
-    assert info.value.kind == "no trained tokens after truncation" and not info.value.bad
+def test_truncation_keep_system_keep_start_and_max_prompt_length(tok):
+    row = SFTTokenizer(tok, 40, keep_system=True)({"messages": CHAT})  # system message (16 ids, BOS first) stays
+    assert row.input_ids == CHATML_IDS[:16] + CHATML_IDS[50:74] and row.labels == [X] * 32 + CHATML_LABELS[66:74]
+    row = SFTTokenizer(tok, 40, truncation_mode="keep_start")({"messages": CHAT})  # start + the assistant header
+    assert row.input_ids == CHATML_IDS[:24] + CHATML_IDS[58:74] and row.labels == [X] * 32 + CHATML_LABELS[66:74]
+    row = SFTTokenizer(tok, 40, max_prompt_length=20)({"messages": CHAT})
+    assert row.input_ids == [0] + CHATML_IDS[47:74] and (row.prompt_tokens_cut, row.response_tokens_cut) == (46, 0)
+    with pytest.raises(Exception, match="max_prompt_length=40 must be below data.max_length=40"):
+        SFTTokenizer(tok, 40, max_prompt_length=40)
+
+
+def test_truncation_cuts_a_long_response_at_its_end_after_a_short_context(tok):
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "apples " * 40}]
+    full = SFTTokenizer(tok, 512)({"messages": chat})
+    n = full.labels.index(next(x for x in full.labels if x != X))  # context tokens (< 40 // 2: never cut)
+    row = SFTTokenizer(tok, 40)({"messages": chat})
+    assert row.input_ids == full.input_ids[:40] and row.labels == full.labels[:40]
+    assert (row.prompt_tokens_cut, row.response_tokens_cut) == (0, len(full.input_ids) - 40) and n < 20
+
+
+def test_truncation_drop_and_rows_that_cannot_be_cut(tok):
     with pytest.raises(RowError) as info:
         SFTTokenizer(tok, 40, truncation="drop")({"messages": CHAT})
     assert info.value.kind == "longer than max_length" and not info.value.bad
+    with pytest.raises(RowError) as info:  # the kept system message alone fills the 32 context tokens
+        SFTTokenizer(tok, 40, keep_system=True)({"messages": [{"role": "system", "content": "Be nice. " * 20}, *CHAT[1:]]})
+    assert info.value.kind == "prompt cannot be cut" and not info.value.bad
+    assert "the BOS and system message alone take" in info.value.reason
 
 
-def test_truncation_policies_counted_in_report(tok, write, cfg):
+def test_truncation_counted_in_report(tok, write, cfg):
     long_prompt = [{"role": "user", "content": "apples " * 60}, {"role": "assistant", "content": "Yes."}]
-    rows = [{"messages": CHAT}, {"messages": long_prompt}, {"messages": CHAT[1:3]}]
+    big_system = [{"role": "system", "content": "Be nice. " * 20}, *CHAT[1:]]
+    rows = [{"messages": CHAT}, {"messages": long_prompt}, {"messages": CHAT[1:3]}, {"messages": big_system}]
     path = write("m.jsonl", rows)
     data = build_sft_data(cfg(path, max_length=40), tok)
     r = data.report
-    assert r.train_rows == 2 and r.truncated == 1 and r.truncated_rows == [{"source": str(path), "row": 0}]
-    assert [(d["row"], d["kind"]) for d in r.dropped] == [(1, "no trained tokens after truncation")]
-    data = build_sft_data(cfg(path, max_length=40, truncation="drop"), tok)
-    assert data.report.train_rows == 1 and data.report.truncated == 0
-    assert sorted((d["row"], d["kind"]) for d in data.report.dropped) == [(0, "longer than max_length"), (1, "longer than max_length")]
-    assert data.train[0]["labels"] == SFTTokenizer(tok, 40)({"messages": CHAT[1:3]}).labels
+    # old code: the long prompt was cut to its first 40 tokens and dropped ("no trained tokens after truncation")
+    assert r.train_rows == 4 and r.dropped == [] and [d["row"] for d in r.truncated_rows] == [0, 1, 3]
+    long_row = SFTTokenizer(tok, 40)({"messages": long_prompt})  # its whole answer is kept and trained
+    assert trained_tokens(tok, long_row) == trained_tokens(tok, SFTTokenizer(tok, 512)({"messages": long_prompt}))
+    assert [list(x) for x in data.train["input_ids"]].count(long_row.input_ids) == 1
+    cut = {d["row"]: (d["prompt_tokens_cut"], d["response_tokens_cut"]) for d in r.truncated_rows}
+    assert cut[0] == (34, 0) and cut[1] == (long_row.prompt_tokens_cut, 0) and long_row.prompt_tokens_cut > 0
+    assert r.to_dict()["prompt_tokens_cut"] == sum(c[0] for c in cut.values())
+    assert r.to_dict()["prompt_cut_rows"] == 3 and r.to_dict()["response_tokens_cut"] == 0
+    assert "prompt: " in r.summary() and "tokens cut in 3 rows" in r.summary()
+    kept = build_sft_data(cfg(path, max_length=40, truncation_keep_system=True), tok).report
+    assert [(d["row"], d["kind"]) for d in kept.dropped] == [(3, "prompt cannot be cut")]  # index + reason
+    dropped = build_sft_data(cfg(path, max_length=40, truncation="drop"), tok).report
+    assert dropped.train_rows == 1 and dropped.truncated == 0
+    assert sorted((d["row"], d["kind"]) for d in dropped.dropped) == [
+        (0, "longer than max_length"), (1, "longer than max_length"), (3, "longer than max_length")]
 
 
 def test_template_not_prefix_consistent_is_a_bad_row(tok, write, cfg):
@@ -177,3 +214,13 @@ def test_long_texts_are_cut_before_tokenizing_without_changing_the_kept_tokens(t
     n = len(prompt.input_ids)
     assert row.input_ids == (prompt.input_ids + answer)[:2000]
     assert row.labels == ([X] * n + answer)[:2000]
+
+
+def test_keep_system_with_a_template_that_folds_the_system_message_in_drops_the_row(tok):
+    from llmtune.data.templates import LLAMA2
+
+    tok.chat_template = LLAMA2  # the system message is rendered inside the first user turn
+    assert SFTTokenizer(tok, 40)({"messages": CHAT}).truncated
+    with pytest.raises(RowError) as info:
+        SFTTokenizer(tok, 40, keep_system=True)({"messages": CHAT})
+    assert info.value.kind == "system message cannot be kept" and not info.value.bad

@@ -149,8 +149,24 @@ def test_truncation_keep_end_keeps_generation_prompt_and_counts(tok, write, cfg)
     r = next(r for r in data.train if r["prompt"].startswith("Hello!"))
     assert r["input_ids"] == [tok.bos_token_id] + full[-29:]  # BOS (<|im_start|>) first, then the end
     assert r["input_ids"][-len(GEN):] == GEN and r["length"] == 30
-    assert data.report.truncated_rows == [{"source": str(path), "row": 0}]
+    assert data.report.truncated_rows == [{"source": str(path), "row": 0, "prompt_tokens_cut": len(full) - 30}]
+    assert data.report.to_dict()["prompt_tokens_cut"] == len(full) - 30
     assert data.report.max_length == 30
+
+
+def test_truncation_keep_system_keeps_the_system_message_in_front(tok, write, cfg):
+    messages = [SYS, {"role": "user", "content": "Hello! " * 30}]
+    path = write("p.jsonl", [{"prompt": messages}])
+    full = _expected_ids(tok, messages)
+    system = _expected_ids(tok, [SYS])[: -len(GEN)]  # "<|im_start|>system\nBe nice.<|im_end|>\n" (BOS first)
+    assert full[: len(system)] == system and len(system) == 16
+    r = _one(build_prompt_data(cfg(path, max_prompt_length=30, truncation_keep_system=True), tok))
+    assert r["input_ids"] == system + full[-14:] and r["input_ids"][-len(GEN):] == GEN
+    r = _one(build_prompt_data(cfg(path, max_prompt_length=30), tok))  # default: only the BOS stays in front
+    assert r["input_ids"] == [tok.bos_token_id] + full[-29:]
+    report = build_prompt_data(cfg(write("q.jsonl", [{"prompt": messages}, {"prompt": "Hi"}]), max_prompt_length=20,
+                                   truncation_keep_system=True), tok).report  # 16 + 8 generation prompt > 20
+    assert [(d["row"], d["kind"]) for d in report.dropped] == [(0, "prompt cannot be cut")]
 
 
 def test_truncation_keep_start_appends_generation_prompt(tok, write, cfg):

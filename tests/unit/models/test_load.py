@@ -121,3 +121,31 @@ def test_8bit_load_and_forward_on_cpu(tiny_dir, batch):
     with torch.no_grad():
         logits = model(**batch).logits
     assert logits.shape == (2, 12, model.config.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_score_head_load_prints_no_load_report_and_warns_only_for_really_missing_weights(tmp_path, capfd, caplog):
+    """A one-score model from a causal LM checkpoint always lacks score.weight (a trained RM restores it from its
+    adapter): transformers' LOAD REPORT table (raw ANSI codes, "score.weight | MISSING") is not printed; a weight
+    that is really missing is named in a plain warning."""
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    from llmtune.models.tiny import save_tiny_model
+
+    base = save_tiny_model(tmp_path / "base")
+    capfd.readouterr()
+    with caplog.at_level(logging.DEBUG):
+        load_model(ModelConfig(name_or_path=str(base)), PrecisionConfig(), head="score")
+    captured = capfd.readouterr()
+    text = captured.out + captured.err + caplog.text
+    assert "LOAD REPORT" not in text and "\x1b[" not in text and "MISSING" not in text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    weights = load_file(str(base / "model.safetensors"))
+    del weights["model.norm.weight"]
+    save_file(weights, str(base / "model.safetensors"), metadata={"format": "pt"})
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        load_model(ModelConfig(name_or_path=str(base)), PrecisionConfig(), head="score")
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and warned[0].endswith("initialised at random: model.norm.weight")

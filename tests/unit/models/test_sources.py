@@ -95,19 +95,38 @@ def test_gguf_path_converts_once_then_reuses_cache(gguf_file, cache_dir, fake_co
     assert first.kind == "gguf" and first.gguf_file == gguf_file.resolve()
     assert len(fake_converter) == 1  # the second call read the cache
     assert first.path == second.path
-    st = gguf_file.stat()
-    assert first.path == cache_dir.resolve() / "gguf" / f"Tiny.Q4_0-{st.st_size}-{st.st_mtime_ns}"
-    assert first.fingerprint == f"{st.st_size}-{st.st_mtime_ns}"
+    import hashlib
+
+    sha = hashlib.sha256(gguf_file.read_bytes()).hexdigest()
+    assert first.path == cache_dir.resolve() / "gguf" / f"Tiny.Q4_0-{gguf_file.stat().st_size}-{sha[:16]}"
+    assert first.fingerprint == f"{gguf_file.stat().st_size}-{sha[:16]}"
     marker = json.loads((first.path / load_mod.CONVERSION_MARKER).read_text())
     assert marker["gguf_file"] == str(gguf_file.resolve())
     assert [p.name for p in first.path.parent.iterdir() if p.name.endswith(".tmp")] == []
 
 
-def test_changed_gguf_is_converted_again(gguf_file, cache_dir, fake_converter):
+def test_changed_gguf_is_converted_again_and_the_old_copy_removed(gguf_file, cache_dir, fake_converter):
     first = resolve_model_source(cfg(str(gguf_file), cache_dir=str(cache_dir)))
-    os.utime(gguf_file, ns=(1_000_000_000, 1_000_000_000))
+    gguf_file.write_bytes(b"GGUF" + b"\1" * 60)  # same size, other content
     second = resolve_model_source(cfg(str(gguf_file), cache_dir=str(cache_dir)))
     assert len(fake_converter) == 2 and second.path != first.path
+    assert not first.path.exists()  # one converted copy per file
+
+
+def test_reinstalled_gguf_reuses_the_conversion_and_drops_a_legacy_mtime_copy(gguf_file, cache_dir, fake_converter):
+    """A reinstall rewrites the same bytes with a new mtime: keyed by content, nothing is converted again. A copy
+    made under the old <size>-<mtime> key (earlier llmtune) is removed once the content-keyed one exists."""
+    st = gguf_file.stat()
+    legacy = cache_dir.resolve() / "gguf" / f"Tiny.Q4_0-{st.st_size}-{st.st_mtime_ns}"
+    legacy.mkdir(parents=True)
+    (legacy / load_mod.CONVERSION_MARKER).write_text(json.dumps({"gguf_file": str(gguf_file.resolve())}))
+    first = resolve_model_source(cfg(str(gguf_file), cache_dir=str(cache_dir)))
+    assert not legacy.exists() and first.path.exists()
+    os.utime(gguf_file, ns=(1_000_000_000, 1_000_000_000))  # "reinstalled": same content, new mtime
+    again = resolve_model_source(cfg(str(gguf_file), cache_dir=str(cache_dir)))
+    assert again.path == first.path and len(fake_converter) == 1
+    index = json.loads((cache_dir.resolve() / "gguf" / "sha256-index.json").read_text())
+    assert len(index) == 1  # the file's entry for its old mtime was replaced
 
 
 def test_interrupted_conversion_is_never_used(gguf_file, cache_dir, monkeypatch):

@@ -134,3 +134,64 @@ def test_gradient_checkpointing_gives_the_same_gradients(tmp_path, tokenizer, pa
     assert grads[0].keys() == grads[1].keys() and any("lora_A" in n for n in grads[1])
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_rm_stage_pads_with_a_token_no_sequence_contains_so_transformers_pools_like_llmtune(tokenizer, tmp_path):
+    """pad == EOS (the tiny tokenizer, like SmolLM2): after prepare_model a row ending in EOS is scored the same by
+    transformers' own pooling, unpadded and right-padded with the tokenizer's pad, as by llmtune."""
+    from llmtune.data.templates import dedicated_pad_token
+
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id
+    stage = RMStage(load_recipe(raw={"output": {"dir": str(tmp_path)}}, stage="rm"))
+    model = stage.prepare_model(score_model(tokenizer, tokenizer.pad_token_id), tokenizer)
+    assert tokenizer.pad_token == "<unk>" == dedicated_pad_token(tokenizer)  # old code: stays <|im_end|>
+    assert model.config.pad_token_id == tokenizer.pad_token_id != tokenizer.eos_token_id
+    rows = [[5, 17, 42, tokenizer.eos_token_id], [12, 13, tokenizer.eos_token_id, 204, 7, tokenizer.eos_token_id]]
+    T = max(map(len, rows))
+    ids = torch.full((2, T), tokenizer.pad_token_id)
+    mask = torch.zeros((2, T), dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, :len(r)], mask[b, :len(r)] = torch.tensor(r), 1
+    with torch.no_grad():
+        ours = sequence_scores(model, ids, mask)
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits[:, 0], ours, atol=1e-5, rtol=0)
+        alone = torch.cat([model(input_ids=torch.tensor([r])).logits[:, 0] for r in rows])
+        torch.testing.assert_close(alone, ours, atol=1e-5, rtol=0)
+
+
+def test_rm_and_dpo_stages_build_different_sequences_from_the_same_pairs(tmp_path):
+    """RM: the template's exact output (scored where a consumer's apply_chat_template output ends); DPO: up to
+    the end-of-turn token the policy generates."""
+    import json
+
+    from llmtune.models.tiny import make_tiny_tokenizer
+    from llmtune.stages import DPOStage
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": "Hi", "chosen": "Hello there.", "rejected": "Go."}) + "\n")
+    raw = {"data": {"datasets": [{"path": str(path)}]}, "output": {"dir": str(tmp_path / "out")}}
+    tok = make_tiny_tokenizer()
+    rm_row = RMStage(load_recipe(raw=raw, stage="rm")).build_data(tok, str(tmp_path)).train[0]
+    dpo_row = DPOStage(load_recipe(raw=raw, stage="dpo")).build_data(tok, str(tmp_path)).train[0]
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}]
+    consumer = list(tok.apply_chat_template(conversation, tokenize=True, return_dict=True)["input_ids"])
+    assert rm_row["chosen_input_ids"] == consumer  # old code: without the final "\n"
+    assert dpo_row["chosen_input_ids"] == consumer[:-1] and consumer[-2] == tok.eos_token_id
+
+
+def test_without_an_unused_token_export_adds_a_pad_token_and_an_embedding_row(tokenizer, monkeypatch):
+    import llmtune.data.templates as templates
+    from llmtune.models.heads import ADDED_PAD_TOKEN, use_dedicated_pad
+
+    monkeypatch.setattr(templates, "dedicated_pad_token", lambda tok, rows=None: None)  # every token is in use
+    model = score_model(tokenizer, tokenizer.pad_token_id)
+    rows = model.get_input_embeddings().weight.shape[0]
+    assert not use_dedicated_pad(model, tokenizer)  # training: no resize, the pad stays
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id
+    assert use_dedicated_pad(model, tokenizer, add=True)
+    assert tokenizer.pad_token == ADDED_PAD_TOKEN and tokenizer.pad_token_id == rows == model.config.pad_token_id
+    assert model.get_input_embeddings().weight.shape[0] == rows + 1
+    row = torch.tensor([[5, 17, 42, tokenizer.eos_token_id, tokenizer.pad_token_id]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=row).logits[:, 0], sequence_scores(model, row, mask))

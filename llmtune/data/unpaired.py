@@ -1,0 +1,209 @@
+"""Unpaired preference rows for KTO: a prompt, one completion and a desirable/undesirable label.
+
+Canonical rows come from :mod:`llmtune.data.formats` with ``kind="unpaired"``: ``{"prompt": str | messages,
+"completion": str, "label": bool}`` (format ``unpaired``), or preference pairs ``{"prompt", "chosen",
+"rejected"}`` (formats preference, preference_messages, hh), each split into a desirable row (chosen) and an
+undesirable row (rejected) that keep their pair's ``pair_index`` (held-out pairwise accuracy) and stay on the same
+side of the train/eval split.
+
+Tokenization is the pairs' (:class:`~llmtune.data.preference.PairTokenizer`: the prompt tokenized once, each
+completion on its own, the same truncation and drop rules), so a KTO row is byte-for-byte the chosen (or rejected)
+sequence DPO would train on. Rows: ``input_ids``, ``labels`` (-100 on the prompt), ``prompt_length`` (the first
+trained position), ``label`` (1 desirable, 0 undesirable) and ``pair_index`` (-1 for unpaired rows).
+
+The data report adds ``kto_balance``: desirable/undesirable row counts, the loss weights and the paper's guidance
+for imbalanced data (Ethayarajh et al. 2024, Eq. 8: ``desirable_weight * n_D / (undesirable_weight * n_U)`` in
+[1, 4/3]), with the weight ranges that would satisfy it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmtune.config.schema import DataConfig
+from llmtune.data.collators import SFTCollator
+from llmtune.data.errors import RowError
+from llmtune.data.pipeline import read_sources, reject_sft_options, to_dataset, tokenize_and_split
+from llmtune.data.preference import PairTokenizer
+from llmtune.data.report import DataReport
+from llmtune.data.templates import apply_chat_template_config
+from llmtune.data.tokenize import IGNORE_INDEX
+from llmtune.utils import get_logger
+
+log = get_logger("data")
+
+UNPAIRED_COLUMNS = ["input_ids", "labels", "prompt_length", "label", "pair_index"]
+BALANCE_RANGE = (1.0, 4.0 / 3.0)  # Ethayarajh et al. 2024, Eq. 8
+
+
+@dataclass
+class TokenizedUnpaired:
+    """One canonical row tokenized: the prompt ids, its completion(s) (two for a pair: chosen, rejected) and labels."""
+
+    prompt_ids: list[int]
+    completions: list[list[int]]
+    labels: list[bool]
+    paired: bool
+    truncated: bool = False
+
+    def to_rows(self, pair_index: int) -> list[dict]:
+        """Dataset rows (one per completion); ``pair_index`` is recorded for pairs only (else -1)."""
+        p = self.prompt_ids
+        return [{"input_ids": p + c, "labels": [IGNORE_INDEX] * len(p) + c, "prompt_length": len(p),
+                 "label": int(y), "pair_index": pair_index if self.paired else -1}
+                for c, y in zip(self.completions, self.labels)]
+
+
+class UnpairedTokenizer:
+    """Tokenize canonical unpaired rows and pairs with a :class:`PairTokenizer` (picklable).
+
+    Raises (per row):
+        RowError: as :meth:`PairTokenizer.__call__` (empty prompt or completion, too long under ``truncation:
+            drop``, a prompt that fills ``max_length``).
+    """
+
+    result_type = TokenizedUnpaired
+
+    def __init__(self, pairs: PairTokenizer):
+        self.pairs = pairs
+
+    def __call__(self, row: dict) -> TokenizedUnpaired:
+        if "completion" not in row:  # a preference pair: chosen = desirable, rejected = undesirable
+            pair = self.pairs(row)
+            return TokenizedUnpaired(pair.prompt_ids, [pair.chosen_ids, pair.rejected_ids], [True, False], True,
+                                     pair.truncated)
+        try:
+            pair = self.pairs({"prompt": row["prompt"], "chosen": row["completion"], "rejected": row["completion"]})
+        except RowError as err:  # the pair tokenizer speaks of "the chosen completion"
+            raise RowError(err.kind, err.reason.replace("the chosen completion", "the completion"), bad=err.bad) from None
+        return TokenizedUnpaired(pair.prompt_ids, [pair.chosen_ids], [bool(row["label"])], False, pair.truncated)
+
+
+@dataclass
+class UnpairedReport(DataReport):
+    """:class:`DataReport` of KTO data plus ``kto_balance`` (see :func:`kto_balance`)."""
+
+    kto_balance: dict = field(default_factory=dict)
+
+    def summary(self, examples: int = 3) -> str:
+        b = self.kto_balance
+        if not b:
+            return super().summary(examples)
+        verdict = "within" if b["in_range"] else "OUTSIDE"
+        ratio = "n/a" if b["ratio"] is None else f"{b['ratio']:.3f}"
+        line = (f"  KTO balance: {b['desirable']} desirable / {b['undesirable']} undesirable train rows; "
+                f"desirable_weight x n_D / (undesirable_weight x n_U) = {ratio}, {verdict} the paper's [1, 4/3]")
+        return super().summary(examples) + "\n" + line + ("" if b["in_range"] else f"\n  {b['advice']}")
+
+
+def kto_balance(n_desirable: int, n_undesirable: int, desirable_weight: float, undesirable_weight: float) -> dict:
+    """The paper's weighting guidance for imbalanced KTO data (Ethayarajh et al. 2024, Eq. 8).
+
+    Args:
+        n_desirable, n_undesirable: train rows (samples) of each label.
+        desirable_weight, undesirable_weight: the loss weights lambda_D, lambda_U.
+
+    Returns:
+        ``{desirable, undesirable, desirable_weight, undesirable_weight, ratio, recommended_ratio, in_range,
+        desirable_weight_range, undesirable_weight_range, advice}``: ``ratio = lambda_D n_D / (lambda_U n_U)``
+        (None when there are no undesirable rows); the weight ranges give ``ratio`` in [1, 4/3] when only that
+        weight is changed (None when a label has no rows).
+    """
+    lo, hi = BALANCE_RANGE
+    d, u = n_desirable * desirable_weight, n_undesirable * undesirable_weight
+    ratio = d / u if u else None
+    in_range = ratio is not None and lo <= ratio <= hi + 1e-12
+    des_range = [round(u * lo / n_desirable, 4), round(u * hi / n_desirable, 4)] if n_desirable and u else None
+    und_range = [round(d / (hi * n_undesirable), 4), round(d / (lo * n_undesirable), 4)] if n_undesirable and d else None
+    if not n_desirable or not n_undesirable:
+        advice = (f"only {'undesirable' if not n_desirable else 'desirable'} rows: KTO needs both labels to learn "
+                  "a preference (check the label column)")
+    elif in_range:
+        advice = "weights are within the paper's guidance"
+    else:
+        advice = (f"set EITHER kto.desirable_weight in {des_range} OR kto.undesirable_weight in {und_range} (not "
+                  "both) to bring desirable_weight x n_D / (undesirable_weight x n_U) into [1, 4/3]")
+    return {"desirable": n_desirable, "undesirable": n_undesirable, "desirable_weight": desirable_weight,
+            "undesirable_weight": undesirable_weight, "ratio": ratio, "recommended_ratio": [lo, round(hi, 4)],
+            "in_range": in_range, "desirable_weight_range": des_range, "undesirable_weight_range": und_range,
+            "advice": advice}
+
+
+@dataclass
+class UnpairedData:
+    """Tokenized KTO rows: ``train``/``eval`` ``datasets.Dataset`` with :data:`UNPAIRED_COLUMNS`, and the report."""
+
+    train: Any
+    eval: Any
+    report: UnpairedReport
+
+
+def build_unpaired_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".", desirable_weight: float = 1.0,
+                        undesirable_weight: float = 1.0) -> UnpairedData:
+    """Read, validate, mix, tokenize and split KTO data (unpaired rows and/or pairs) of a recipe.
+
+    Mixing, ``max_samples``, ``val_size`` (counted in canonical rows: a pair is one row), truncation and bad rows
+    work as for preference pairs (:func:`~llmtune.data.preference.build_preference_data`).
+
+    Args:
+        cfg: the recipe's ``data`` section. tokenizer: a Hugging Face fast tokenizer.
+        base_dir: directory relative local paths are resolved against.
+        desirable_weight, undesirable_weight: the recipe's KTO loss weights (for the balance report).
+
+    Returns:
+        :class:`UnpairedData`.
+
+    Raises:
+        DataError: as for preference pairs; bad unpaired rows (missing or non-boolean ``label``, no prompt,
+            prompt and messages both given, a malformed completion) under ``bad_rows: error``, each with file, row
+            index, field, what was expected and how to fix it.
+    """
+    reject_sft_options(cfg, "KTO rows", "each row is one prompt + completion scored on its own",
+                       "only completions are scored")
+    if cfg.chat_template is not None:
+        apply_chat_template_config(cfg, tokenizer)
+    pairs = PairTokenizer(tokenizer, cfg.max_length, cfg.max_prompt_length, cfg.truncation_mode, cfg.truncation)
+    report = UnpairedReport(max_length=cfg.max_length, seed=cfg.seed, kind="unpaired")
+    pools = read_sources(cfg, base_dir, report, kind="unpaired")
+    if not pairs.chat and any(not isinstance(row["prompt"], str) for pool in pools for _, row in pool):
+        apply_chat_template_config(cfg, tokenizer)  # raises: message prompts need a chat template
+        pairs = PairTokenizer(tokenizer, cfg.max_length, cfg.max_prompt_length, cfg.truncation_mode, cfg.truncation)
+    train_res, eval_res = tokenize_and_split(cfg, pools, UnpairedTokenizer(pairs), report)
+    train = [row for i, r in enumerate(train_res) for row in r.to_rows(i)]
+    evals = [row for i, r in enumerate(eval_res) for row in r.to_rows(i)]
+    report.train_sequences, report.eval_sequences = len(train), len(evals)
+    report.tokens, report.trained_tokens = _count_tokens(train)
+    report.eval_tokens, report.eval_trained_tokens = _count_tokens(evals)
+    n_d = sum(r["label"] for r in train)
+    report.kto_balance = kto_balance(n_d, len(train) - n_d, desirable_weight, undesirable_weight)
+    if not report.kto_balance["in_range"]:
+        log.warning("KTO data: %s", report.kto_balance["advice"])
+    scalar = ("prompt_length", "label", "pair_index")
+    return UnpairedData(to_dataset(train, UNPAIRED_COLUMNS, scalar),
+                        to_dataset(evals, UNPAIRED_COLUMNS, scalar) if evals else None, report)
+
+
+def _count_tokens(rows: list[dict]) -> tuple[int, int]:
+    return sum(len(r["input_ids"]) for r in rows), sum(len(r["input_ids"]) - r["prompt_length"] for r in rows)
+
+
+class UnpairedCollator:
+    """Right-pad KTO rows into one batch (padding by position, as :class:`~llmtune.data.SFTCollator`).
+
+    Returns:
+        ``input_ids``, ``attention_mask``, ``labels`` (B, T) long (labels -100 on prompt and padding), and
+        ``prompt_length``, ``label`` (1 desirable / 0 undesirable), ``pair_index`` (B,) long.
+    """
+
+    def __init__(self, tokenizer, pad_to_multiple_of: int | None = None):
+        self.pad = SFTCollator(tokenizer, pad_to_multiple_of)
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        batch = self.pad([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
+        for key in ("prompt_length", "label", "pair_index"):
+            batch[key] = torch.tensor([int(r[key]) for r in rows], dtype=torch.long)
+        return batch

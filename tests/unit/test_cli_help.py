@@ -1,0 +1,75 @@
+"""What a user sees: --help is fast (imports no trainer), lists only the stage's recipe sections with readable
+types and the dotted index syntax the overrides accept; no bitsandbytes kernel notice; rich tables keep their width
+when redirected to a file."""
+
+import subprocess
+import sys
+
+import pytest
+
+from llmtune.cli import main, options_help, stage_names, type_name
+
+
+def test_help_imports_neither_transformers_nor_bitsandbytes():
+    code = ("import sys\nfrom llmtune.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "try:\n    main(['sft', '--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'bitsandbytes', 'llmtune.stages') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "[]"
+    assert "kernels" not in out.stderr
+
+
+def test_stage_commands_are_the_registry():
+    from llmtune.stages import STAGES
+
+    assert stage_names() == list(STAGES)
+
+
+def test_stage_help_lists_only_its_sections_with_readable_types(capsys):
+    with pytest.raises(SystemExit):
+        main(["sft", "--help"])
+    out = capsys.readouterr().out
+    assert "model.from_run  (str or null; default None)" in out and "data.datasets.N.path  (str; required)" in out
+    assert "  dpo." not in out and "  ppo." not in out and "  reward." not in out
+    assert "[i]" not in out and "Union" not in out and "Optional" not in out and "typing" not in out
+    ppo = options_help("ppo")
+    assert "ppo.kl_coef" in ppo and "reward.function" in ppo and "dpo.beta" not in ppo
+    assert "dpo.beta" in options_help() and "rm.margin" in options_help()  # validate: every section
+
+
+def test_type_names():
+    from typing import Annotated, Literal
+
+    assert type_name(int | None) == "int or null"
+    assert type_name(Annotated[list[str], "x"] | str) == "list of str or str"
+    assert type_name(Literal["a", "b"]) == "a | b"
+    assert type_name(dict[str, str]) == "mapping of str"
+
+
+def test_overrides_accept_the_index_syntax_the_help_shows():
+    from llmtune.config import load_recipe
+
+    recipe = load_recipe(raw={"data": {"datasets": [{"path": "a.jsonl"}]}},
+                         overrides=["data.datasets.0.columns={instruction: q}"])
+    assert recipe.data.datasets[0].columns == {"instruction": "q"}
+
+
+def test_bitsandbytes_kernel_notice_is_dropped_and_other_messages_pass(caplog):
+    import logging
+
+    import llmtune  # noqa: F401  (installs the filter)
+
+    bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    with caplog.at_level(logging.WARNING, logger="bitsandbytes.backends.cpu.ops"):
+        bnb.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please ...", "No module")
+        bnb.warning("something else")
+    assert [r.getMessage() for r in caplog.records] == ["something else"]
+
+
+def test_rich_tables_are_not_cut_at_80_columns_in_a_file(tmp_path):
+    code = ("from rich.table import Table\nfrom llmtune.utils import make_console\nt = Table()\n"
+            "t.add_column('key')\nt.add_column('value')\nt.add_row('run_dir', '/a/very/long/path/' * 8)\n"
+            "make_console(stderr=False).print(t)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+    assert ("/a/very/long/path/" * 8) in out.replace("\n", "")  # one row, uncut
+    assert max(len(line) for line in out.splitlines()) > 80
