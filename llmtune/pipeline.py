@@ -14,10 +14,10 @@ A pipeline recipe has one section::
         - {name: dpo, stage: dpo, recipe: {data: {datasets: [{path: "{pairs}"}]}}}
       export: {dtype: fp32}
 
-Wiring: ``output.dir`` = ``<dir>/<name>``; ``model.from_run`` = the latest earlier policy step (sft/dpo/ppo:
+Wiring: ``output.dir`` = ``<dir>/<name>``; ``model.from_run`` = the latest earlier policy step (sft/dpo/ppo/grpo:
 stages with a causal-LM head), for ``rm`` too (InstructGPT initialises the reward model from the SFT model);
-``ppo``'s ``reward.from_run`` = the latest earlier ``rm`` step unless it sets ``reward.function``. A run directory
-the step sets in its inline recipe or ``overrides`` wins; one named inside a recipe FILE (e.g. ``from_run:
+``ppo``'s and ``grpo``'s ``reward.from_run`` = the latest earlier ``rm`` step unless it sets a reward function. A run
+directory the step sets in its inline recipe or ``overrides`` wins; one named inside a recipe FILE (e.g. ``from_run:
 runs/quickstart_sft`` of a standalone recipe) is rewired. A string ``"{NAME}"`` (or ``"{NAME}/sub/path"``)
 anywhere in a step names an earlier step's artifact: its run directory, or for a pairs step its ``pairs.jsonl``.
 A data source may carry ``when_missing: {path: ..., format: ...}``, the source used instead when its ``path`` does
@@ -89,10 +89,10 @@ class _Spec(BaseModel):
 
 
 class StageStep(_Spec):
-    """A training step: one ``llmtune sft|rm|dpo|ppo`` run."""
+    """A training step: one ``llmtune sft|rm|dpo|ppo|grpo`` run."""
 
     name: str = Field(..., description="Step name: its directory under pipeline.dir and its {name} reference.")
-    stage: Literal["sft", "rm", "dpo", "ppo", "orpo", "simpo", "kto"] | None = Field(
+    stage: Literal["sft", "rm", "dpo", "ppo", "grpo", "orpo", "simpo", "kto"] | None = Field(
         None, description="Stage to run (default: the recipe's stage:, else the step name if it is a stage).")
     recipe: str | dict[str, Any] | None = Field(
         None, description="A recipe file (relative to the pipeline file) or an inline recipe mapping (may use base:).")
@@ -126,7 +126,7 @@ class Step:
     """A resolved pipeline step.
 
     Attributes:
-        kind: ``sft``/``rm``/``dpo``/``ppo`` or ``pairs``.
+        kind: ``sft``/``rm``/``dpo``/``ppo``/``grpo`` or ``pairs``.
         recipe: the validated stage recipe (training steps), with output.dir and from_run wired.
         pairs: the pairs config (pairs steps).
         inputs: names of the earlier steps it reads (from_run, reward.from_run, {name} references).
@@ -370,7 +370,7 @@ def load_pipeline(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
     if export.enabled and not problems:
         target = export.step or next((s.name for s in reversed(pipe.steps) if _is_policy(s.kind)), None)
         if target is None or target not in names or not _is_policy(pipe.step(target).kind):
-            problems.append(("pipeline.export.step", f"{target!r} is not a policy step (sft, dpo or ppo) of this "
+            problems.append(("pipeline.export.step", f"{target!r} is not a policy step (sft, dpo, ppo or grpo) of this "
                              "pipeline; name one, or set pipeline.export.enabled: false"))
         else:
             export.step = target
@@ -440,7 +440,8 @@ def _stage_step(entry, i, name, pipe, known, later, cli, problems, where, stages
             pipe.notes.append(f"{where}model.from_run {full['model']['from_run']} replaced by {wired}")
         full["model"]["from_run"] = wired
     rms = [s for s in pipe.steps if s.kind == "rm"]
-    if kind == "ppo" and not full["reward"].get("function") and not explicit("reward.from_run", in_file=False) and rms:
+    has_function = full["reward"].get("function") or full["reward"].get("functions")
+    if kind in ("ppo", "grpo") and not has_function and not explicit("reward.from_run", in_file=False) and rms:
         full["reward"]["from_run"] = str(rms[-1].dir)
     by_dir = {str(s.dir): s.name for s in pipe.steps}
     deps |= {by_dir[v] for v in (full["model"].get("from_run"), full["reward"].get("from_run")) if v in by_dir}
@@ -476,8 +477,8 @@ def _pairs_step(entry, i, name, pipe, known, later, problems, where) -> Step | N
     policies = [s.name for s in pipe.steps if _is_policy(s.kind)]
     cfg.from_ = cfg.from_ or (policies[-1] if policies else None)
     if cfg.from_ not in policies:
-        problems.append((f"{where}from", f"{cfg.from_!r} is not an earlier policy step (sft, dpo or ppo); earlier "
-                         f"policy steps: {', '.join(policies) or 'none'}"))
+        problems.append((f"{where}from", f"{cfg.from_!r} is not an earlier policy step (sft, dpo, ppo or grpo); "
+                         f"earlier policy steps: {', '.join(policies) or 'none'}"))
     else:
         deps.add(cfg.from_)
     if bool(cfg.reward.function) == bool(cfg.reward.from_run):

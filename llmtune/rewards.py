@@ -1,4 +1,5 @@
-"""Reward functions for PPO: the GSM8K answer check, and loading/calling a user's ``module:function``.
+"""Reward functions for PPO and GRPO: the GSM8K answer check and format, and loading/calling a user's
+``module:function``.
 
 A reward function scores B generated completions: ``fn(prompts, completions[, references]) -> B numbers``
 where ``prompts[b]`` is the last user message of prompt b, ``completions[b]`` the generated text (decoded
@@ -98,6 +99,26 @@ def gsm8k_reward(prompts: Sequence[str], completions: Sequence[str], references:
                              f"{str(reference)[-80:]!r}")
         rewards.append(1.0 if extract_final_answer(completion) == expected else 0.0)
     return rewards
+
+
+# The whole completion ends with '#### <number>' (optional sign/$/thousands commas/decimals, a closing period).
+_FINAL_ANSWER = re.compile(r"####\s*[-+]?\s*\$?\s*[-+]?\s*(?:\d[\d,]*(?:\.\d+)?|\.\d+)\s*\.?\s*\Z")
+
+
+def format_reward(prompts: Sequence[str], completions: Sequence[str]) -> list[float]:
+    """GSM8K answer format: ``1.0`` when a completion ENDS with ``#### <number>`` (nothing but whitespace or a
+    period after the number), else ``0.0``; the number is not checked (that is :func:`gsm8k_reward`).
+
+    Examples: ``"5 + 3 = 8. #### 8"`` -> 1.0; ``"#### $1,234.50."`` -> 1.0; ``"#### 8 apples"`` -> 0.0;
+    ``"The answer is 8"`` -> 0.0; ``"#### 8 #### 9"`` -> 1.0 (the last one ends the text).
+
+    Args:
+        prompts: B prompts (unused). completions: B generated texts.
+
+    Returns:
+        B floats in {0.0, 1.0}.
+    """
+    return [1.0 if _FINAL_ANSWER.search(c) else 0.0 for c in completions]
 
 
 def load_reward_function(spec: str, base_dir: str | Path | None = None) -> Callable:

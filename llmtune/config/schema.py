@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 SEED_MAX = 2**32 - 1  # numpy.random.seed accepts 0 .. 2**32-1
@@ -402,15 +402,82 @@ class PPOConfig(Section):
                               "iterations.")
 
 
+class GRPOConfig(Section):
+    """GRPO (`llmtune grpo`): group-relative policy optimization without a value model (Shao et al. 2024), with
+    the DAPO (Yu et al. 2025) and Dr. GRPO (Liu et al. 2025) variants. An iteration = one rollout batch of
+    ``rollout_batch_size`` completions (``rollout_batch_size / num_generations`` prompts, ``num_generations``
+    completions each), then ``num_iterations`` passes over it in optimizer steps of ``train.global_batch_size``
+    completions; ``train.max_steps``/``save_steps``/``eval_steps`` count optimizer steps and must be multiples of
+    num_iterations x rollout_batch_size / global_batch_size. The reference is the policy with its adapter disabled."""
+
+    num_generations: int = Field(4, ge=2, description="Completions sampled per prompt (the group size G).")
+    rollout_batch_size: int = Field(16, ge=2, description="Completions per rollout batch over all ranks "
+                                    "(prompts x num_generations); a multiple of train.global_batch_size.")
+    num_iterations: int = Field(1, ge=1, description="Passes mu of optimizer steps over each rollout batch; the "
+                                "importance ratio is taken against the sampling policy.")
+    max_new_tokens: int = Field(128, ge=1, description="Longest completion in tokens; one that reaches it without "
+                                "the end-of-turn token is truncated (truncated_fraction).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold of the rollouts (1 = off).")
+    top_k: int = Field(0, ge=0, description="Top-k sampling of the rollouts (0 = off).")
+    epsilon_low: float = Field(0.2, gt=0, lt=1, description="Lower clip range: ratio clipped at 1 - epsilon_low.")
+    epsilon_high: float = Field(0.2, gt=0, description="Upper clip range: ratio clipped at 1 + epsilon_high (DAPO "
+                                "clip-higher uses 0.28).")
+    beta: float = Field(0.0, ge=0, description="Weight of the per-token KL(policy || reference) term in the loss "
+                        "(0 = no KL term and no reference forward in training, as DAPO / TRL's default).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator (Schulman 2020); "
+                                                   "k3 = exp(ref - logp) - (ref - logp) - 1, GRPO's.")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Advantage = reward - group mean, divided by the group's std (group, GRPO), the "
+        "rollout batch's std (batch) or nothing (none, Dr. GRPO).")
+    loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = Field(
+        "token_mean", description="token_mean: sum over all completion tokens of the step / their number (DAPO); "
+        "sequence_mean: mean over each completion's tokens, then over completions (GRPO); constant: token sum / "
+        "(completions x max_new_tokens) (Dr. GRPO).")
+    dynamic_sampling: Literal["off", "drop", "resample"] = Field(
+        "off", description="Groups whose rewards are all equal carry no signal (always counted: "
+        "all_equal_group_fraction). drop: leave them out of the loss and its normaliser; resample (DAPO): sample "
+        "more prompts in their place, up to max_resample_rounds, then drop what is left.")
+    @field_validator("dynamic_sampling", mode="before")
+    @classmethod
+    def _yaml_off(cls, value):
+        return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
+
+    max_resample_rounds: int = Field(2, ge=1, description="dynamic_sampling resample: extra sampling rounds per "
+                                     "rollout batch at most.")
+    mask_truncated_completions: bool = Field(False, description="Leave completions cut at max_new_tokens out of "
+                                             "the loss (DAPO overlong filtering).")
+    missing_eos_penalty: float | None = Field(None, description="Added to the reward of a completion cut at "
+                                              "max_new_tokens (e.g. -1.0); null = none.")
+    eval_max_new_tokens: int | None = Field(None, ge=1, description="Longest greedy eval completion (default "
+                                            "max_new_tokens).")
+    sample_every: int = Field(1, ge=1, description="Write a few rollout completions to samples.jsonl every N "
+                              "iterations.")
+
+
+class RewardFunctionConfig(Section):
+    """One weighted reward function (``reward.functions`` entry)."""
+
+    function: str = Field(..., description="module:function(prompts, completions[, references]) -> list[float].")
+    weight: float = Field(1.0, description="Weight of this reward in the total.")
+    name: str | None = Field(None, description="Metric name (rewards/<name>_mean); default the function's name.")
+
+
 class RewardConfig(Section):
-    """Where PPO's scalar score of a (prompt, response) comes from: an RM run or a Python function."""
+    """Where the reward of a (prompt, completion) comes from: an RM run and/or Python functions, each weighted
+    (PPO takes exactly one of from_run / function)."""
 
     from_run: str | None = Field(None, description="A finished `llmtune rm` run directory: its base, adapter chain "
                                  "and score head give the score at the last real token.")
     function: str | None = Field(None, description="module:function(prompts, completions, references) -> "
                                  "list[float] (references = the dataset's answers when present, else None); "
                                  "builtin: llmtune.rewards:gsm8k_reward (+1 when the final '#### <number>' equals "
-                                 "the reference answer, else 0).")
+                                 "the reference answer, else 0), llmtune.rewards:format_reward (+1 when the "
+                                 "completion ends with '#### <number>').")
+    functions: list[RewardFunctionConfig] = Field(
+        default_factory=list, description="GRPO: several weighted reward functions ({function, weight, name}); "
+        "total = sum of weight x reward over these, function (weight 1) and from_run (from_run_weight).")
+    from_run_weight: float = Field(1.0, description="Weight of the reward model's score in the total (GRPO).")
     batch_size: int = Field(8, ge=1, description="Sequences per reward-model forward.")
 
 
@@ -434,7 +501,7 @@ class OutputConfig(Section):
 class Recipe(Section):
     """A whole recipe: the sections nest like the YAML."""
 
-    stage: Literal["sft", "rm", "dpo", "ppo", "orpo", "simpo", "kto"] | None = Field(
+    stage: Literal["sft", "rm", "dpo", "ppo", "grpo", "orpo", "simpo", "kto"] | None = Field(
         None, description="Stage this recipe is for; the CLI command must agree when it is set."
     )
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -446,6 +513,7 @@ class Recipe(Section):
     rm: RMConfig = Field(default_factory=RMConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     orpo: ORPOConfig = Field(default_factory=ORPOConfig)
     simpo: SimPOConfig = Field(default_factory=SimPOConfig)
     kto: KTOConfig = Field(default_factory=KTOConfig)

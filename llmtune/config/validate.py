@@ -144,6 +144,8 @@ def cross_field_problems(doc: dict) -> list[tuple[str, str]]:
         problems.append(("data.packing", "packing needs sdpa/flash/flex attention to isolate rows; eager cannot"))
     if _get(doc, "stage") == "ppo":
         problems += ppo_problems(doc)
+    if _get(doc, "stage") == "grpo":
+        problems += grpo_problems(doc)
     problems += distributed_problems(doc)
     from llmtune.config.surface import surface_problems
 
@@ -209,7 +211,8 @@ def distributed_problems(doc: dict) -> list[tuple[str, str]]:
 def ppo_problems(doc: dict) -> list[tuple[str, str]]:
     """PPO's batch arithmetic and reward source (see ``PPOConfig``)."""
     problems: list[tuple[str, str]] = []
-    has_run, has_fn = bool(_get(doc, "reward.from_run")), bool(_get(doc, "reward.function"))
+    has_run = bool(_get(doc, "reward.from_run"))
+    has_fn = bool(_get(doc, "reward.function")) or bool(_get(doc, "reward.functions"))
     if has_run == has_fn:
         problems.append(("reward", "PPO needs exactly one score source: reward.from_run (an `llmtune rm` run) or "
                          "reward.function (module:function, e.g. llmtune.rewards:gsm8k_reward)"))
@@ -235,6 +238,39 @@ def ppo_problems(doc: dict) -> list[tuple[str, str]]:
     return problems
 
 
+def grpo_problems(doc: dict) -> list[tuple[str, str]]:
+    """GRPO's reward sources and batch arithmetic (see ``GRPOConfig``): whole groups in every rollout batch and
+    optimizer step, whole optimizer steps in every rollout batch, steps/saves/evals at iteration ends."""
+    problems: list[tuple[str, str]] = []
+    functions = _get(doc, "reward.functions") or []
+    if not (_get(doc, "reward.from_run") or _get(doc, "reward.function") or functions):
+        problems.append(("reward", "GRPO needs at least one reward source: reward.function (module:function, e.g. "
+                         "llmtune.rewards:gsm8k_reward), reward.functions ([{function, weight}, ...]) and/or "
+                         "reward.from_run (an `llmtune rm` run)"))
+    group, rollout = _get(doc, "grpo.num_generations", 4), _get(doc, "grpo.rollout_batch_size", 16)
+    glob, mu = _get(doc, "train.global_batch_size", 8), _get(doc, "grpo.num_iterations", 1)
+    if not all(isinstance(v, int) and v > 0 for v in (group, rollout, glob, mu)):
+        return problems
+    if glob % group:
+        problems.append(("train.global_batch_size", f"must be a multiple of grpo.num_generations ({group}: the "
+                         f"completions of one prompt); got {glob}"))
+    if rollout % glob:
+        problems.append(("grpo.rollout_batch_size", f"must be a multiple of train.global_batch_size ({glob}: "
+                         f"completions per optimizer step); got {rollout}"))
+        return problems
+    per_iter = mu * rollout // glob
+    if _get(doc, "train.max_steps") is None:
+        problems.append(("train.max_steps", f"GRPO needs max_steps (optimizer steps; one iteration = {per_iter} "
+                         "steps = num_iterations x rollout_batch_size / global_batch_size)"))
+    for key in ("train.max_steps", "train.save_steps", "train.eval_steps"):
+        value = _get(doc, key)
+        if isinstance(value, int) and value % per_iter:
+            problems.append((key, f"must be a multiple of {per_iter} optimizer steps (one iteration = num_iterations "
+                             f"{mu} x rollout_batch_size {rollout} / global_batch_size {glob}); got {value}, try "
+                             f"{max(per_iter, round(value / per_iter) * per_iter)}"))
+    return problems
+
+
 def data_size_problems(recipe: Recipe, n_train: int) -> list[tuple[str, str]]:
     """Batch sizes that the training rows cannot fill (once the data is read): the global batch (PPO: the rollout
     batch of prompts) must not exceed the number of training rows."""
@@ -243,6 +279,13 @@ def data_size_problems(recipe: Recipe, n_train: int) -> list[tuple[str, str]]:
             return [("ppo.rollout_batch_size", f"{recipe.ppo.rollout_batch_size} prompts per PPO iteration but the data "
                      f"has only {n_train} training prompts; lower ppo.rollout_batch_size (and train.global_batch_size) "
                      "or add prompts")]
+        return []
+    if recipe.stage == "grpo":
+        prompts = recipe.grpo.rollout_batch_size // recipe.grpo.num_generations
+        if prompts > n_train:
+            return [("grpo.rollout_batch_size", f"{recipe.grpo.rollout_batch_size} completions = {prompts} prompts per "
+                     f"iteration but the data has only {n_train} training prompts; lower grpo.rollout_batch_size or "
+                     "add prompts")]
         return []
     if recipe.train.global_batch_size > n_train:
         return [("train.global_batch_size", f"{recipe.train.global_batch_size} samples per optimizer step but the "

@@ -140,7 +140,7 @@ class RunDir:
 
         Keys that only extend or observe a run may change: ``train.max_steps``, ``num_epochs``, ``*_steps`` of
         eval/save/logging, ``resume_from``, ``save_total_limit``, ``eval_batch_size``, ``output.*``, a node's
-        rank/master address/port and ``ppo.sample_every``.
+        rank/master address/port and ``ppo.sample_every`` / ``grpo.sample_every``.
 
         Raises:
             RecipeError: one problem per changed key, with its old and new value.
@@ -155,7 +155,8 @@ class RunDir:
                 "train.resume_from", "train.save_total_limit", "train.eval_batch_size", "train.eval_at_start",
                 "train.early_stopping_patience", "train.dataloader_num_workers", "train.max_nonfinite_steps",
                 # where this process sits in the job (differs per node of one job), what PPO writes as samples
-                "distributed.node_rank", "distributed.master_addr", "distributed.master_port", "ppo.sample_every"}
+                "distributed.node_rank", "distributed.master_addr", "distributed.master_port", "ppo.sample_every",
+                "grpo.sample_every"}
         problems = []
         for section, values in recipe_dump.items():
             if section == "output" or not isinstance(values, dict):

@@ -11,60 +11,21 @@ divided by the response tokens of the whole step on all ranks.
 
 from __future__ import annotations
 
-import json
-
 import torch
 
-from llmtune.core.stage import Stage, StageData
+from llmtune.rl.stage import OnlineRLStage
 from llmtune.stages.ppo import ops
 from llmtune.stages.ppo.rollout import response_token_logps
 from llmtune.stages.ppo.trainer import PPOTrainer
 
 
-class PPOStage(Stage):
+class PPOStage(OnlineRLStage):
     """``llmtune ppo``: the stage hooks; the rollout loop is :class:`PPOTrainer`."""
 
     name = "ppo"
-    data_kind = "prompt"
     item_unit = "tokens"
     trainer_class = PPOTrainer
     key_metric = "eval_score"
-
-    def build_data(self, tokenizer, base_dir: str) -> StageData:
-        from llmtune.data.prompts import PromptCollator, build_prompt_data
-
-        data = build_prompt_data(self.recipe.data, tokenizer, base_dir=base_dir)
-        return StageData(data.train, data.eval, data.report, PromptCollator(tokenizer), data.report.sources_lineage())
-
-    def preflight(self, base_dir: str) -> list[tuple[str, str]]:
-        """The score source exists before anything is loaded: an RM run that finished, or an importable function."""
-        from pathlib import Path
-
-        reward = self.recipe.reward
-        if reward.from_run:
-            lineage_path = Path(reward.from_run) / "lineage.json"
-            if not lineage_path.is_file():
-                state = "does not exist" if not Path(reward.from_run).exists() else "is not a finished run"
-                return [("reward.from_run", f"{reward.from_run} {state} (no lineage.json); train the reward model "
-                         "first with `llmtune rm ...`, or fix the path (relative to the working directory)")]
-            lineage = json.loads(lineage_path.read_text())
-            if lineage.get("model_head") != "score":
-                return [("reward.from_run", f"{reward.from_run} is a {lineage.get('stage')} run, not a reward model; "
-                         "point it to an `llmtune rm` run")]
-        if reward.function:
-            from llmtune.rewards import RewardFunctionError, load_reward_function
-
-            try:
-                load_reward_function(reward.function, base_dir=base_dir)
-            except RewardFunctionError as exc:
-                return [("reward.function", str(exc).removeprefix("reward.function: "))]
-        return []
-
-    def render_example(self, row: dict, tokenizer) -> str:
-        prompt = tokenizer.decode(row["input_ids"])
-        reference = row.get("reference")
-        return (f"{prompt}«the policy's response is sampled here during training»"
-                + (f"\n(reference answer, for reward functions: {reference!r})" if reference else ""))
 
     def count_items(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return batch["response_mask"].sum()

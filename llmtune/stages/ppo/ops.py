@@ -17,15 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Sum of ``values`` where ``mask`` is 1 (over ``dim``, or everything)."""
-    return (values * mask).sum() if dim is None else (values * mask).sum(dim)
-
-
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean over the real tokens (0 when there are none)."""
-    return masked_sum(values, mask, dim) / mask.sum(dim if dim is not None else None).clamp(min=1)
+from llmtune.rl.ops import entropy_from_logits, masked_mean, masked_sum  # noqa: F401 (shared, re-exported)
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
@@ -141,13 +133,6 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     clipped_loss = (clipped_values - returns) ** 2
     loss = 0.5 * masked_sum(torch.maximum(unclipped_loss, clipped_loss), mask)
     return loss, masked_sum((clipped_loss > unclipped_loss).float(), mask).detach()
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """(B, N, V) logits -> (B, N) entropy in nats, computed in fp32."""
-    logits = logits.float()
-    log_z = torch.logsumexp(logits, dim=-1)
-    return log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1)
 
 
 def explained_variance(predictions: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> float:

@@ -1,0 +1,53 @@
+"""The stage hooks online-RL stages share: prompt data, reward-source preflight, how a prompt row is shown."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from llmtune.core.stage import Stage, StageData
+
+
+class OnlineRLStage(Stage):
+    """Base of PPO and GRPO: prompt-only data (``llmtune.data.prompts``); completions are sampled in training."""
+
+    data_kind = "prompt"
+
+    def build_data(self, tokenizer, base_dir: str) -> StageData:
+        from llmtune.data.prompts import PromptCollator, build_prompt_data
+
+        data = build_prompt_data(self.recipe.data, tokenizer, base_dir=base_dir)
+        return StageData(data.train, data.eval, data.report, PromptCollator(tokenizer), data.report.sources_lineage())
+
+    def preflight(self, base_dir: str) -> list[tuple[str, str]]:
+        """Every reward source exists before anything is loaded: an RM run that finished, importable functions."""
+        reward = self.recipe.reward
+        problems: list[tuple[str, str]] = []
+        if reward.from_run:
+            lineage_path = Path(reward.from_run) / "lineage.json"
+            if not lineage_path.is_file():
+                state = "does not exist" if not Path(reward.from_run).exists() else "is not a finished run"
+                problems.append(("reward.from_run", f"{reward.from_run} {state} (no lineage.json); train the reward "
+                                 "model first with `llmtune rm ...`, or fix the path (relative to the working "
+                                 "directory)"))
+            else:
+                lineage = json.loads(lineage_path.read_text())
+                if lineage.get("model_head") != "score":
+                    problems.append(("reward.from_run", f"{reward.from_run} is a {lineage.get('stage')} run, not a "
+                                     "reward model; point it to an `llmtune rm` run"))
+        from llmtune.rewards import RewardFunctionError, load_reward_function
+
+        specs = ([("reward.function", reward.function)] if reward.function else []) + [
+            (f"reward.functions.{i}.function", f.function) for i, f in enumerate(reward.functions)]
+        for key, spec in specs:
+            try:
+                load_reward_function(spec, base_dir=base_dir)
+            except RewardFunctionError as exc:
+                problems.append((key, str(exc).removeprefix("reward.function: ")))
+        return problems
+
+    def render_example(self, row: dict, tokenizer) -> str:
+        prompt = tokenizer.decode(row["input_ids"])
+        reference = row.get("reference")
+        return (f"{prompt}«the policy's response is sampled here during training»"
+                + (f"\n(reference answer, for reward functions: {reference!r})" if reference else ""))

@@ -1,0 +1,333 @@
+"""The online-RL trainer shared by PPO and GRPO: rollouts feed transformers' own training loop.
+
+Everything around the optimizer step is ``transformers.Trainer``'s (optimizer, schedule, clipping, DDP/DeepSpeed
+no-sync and accumulation, fp16/bf16, logging, callbacks, checkpoints with optimizer/scheduler state): the trainer's
+dataloader only counts optimizer steps (:class:`_StepSlots`), and :meth:`OnlineRLTrainer.get_batch_samples` hands the
+loop the micro-batches of the next optimizer step instead of dataloader rows, sampling a new rollout batch (the
+stage's :meth:`make_experience`) when the last one is used up. Gradient accumulation is exact as in the other
+stages: the loss of a micro-batch is its sum divided by the stage's item count of the whole optimizer step over all
+ranks (:meth:`CoreTrainer._get_num_items_in_batch`).
+
+Shared here: prompt order, seeding, sampling through a :class:`~llmtune.rl.generation.GenerationBackend`, response
+log-probs of the policy and the reference in chunks, reward sources (:mod:`llmtune.rl.scoring`), sample logs,
+the greedy evaluation, adapter checkpoints, and the time split between generation and training.
+
+Resume: a checkpoint is only written at the end of an iteration (one rollout batch; save_steps is a multiple of
+it), so a resumed run starts with a fresh rollout. Sampling, dropout and minibatch order are seeded from (seed,
+iteration, rank), not from the RNG state saved in the checkpoint, so a resumed run draws exactly what the
+uninterrupted run drew.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from llmtune.core.trainer import CoreTrainer
+from llmtune.data.templates import template_eos_ids
+from llmtune.rl import ops
+from llmtune.rl.generation import HFGenerationBackend
+from llmtune.rl.rollout import decode_responses, join, response_token_logps, split_generation
+from llmtune.rl.scoring import build_reward_sources
+
+SAMPLES = "samples.jsonl"
+
+
+class _StepSlots(torch.utils.data.Dataset):
+    """What the trainer's dataloader iterates over: one item per (optimizer step x sample), nothing else. It only
+    gives transformers' loop its length (max_steps x global batch); the rows come from the rollouts."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def _slot_collate(items: list[int]) -> dict[str, torch.Tensor]:
+    return {"slot": torch.tensor(items)}
+
+
+class OnlineRLTrainer(CoreTrainer):
+    """``CoreTrainer`` whose micro-batches come from rollouts; a stage subclass implements :meth:`build_model`
+    and :meth:`make_experience` and sets ``steps_per_iteration`` (optimizer steps per rollout batch) before
+    calling this constructor.
+
+    Constructed by the runner like every stage trainer: ``train_dataset``/``eval_dataset`` are prompt rows
+    (``llmtune.data.prompts``), ``data_collator`` left-pads them, ``model`` is the peft policy (adapter ``default``).
+    The stage's recipe section (``recipe.<stage name>``) supplies ``temperature``/``top_p``/``top_k``,
+    ``max_new_tokens``, ``eval_max_new_tokens`` and ``sample_every``.
+
+    Raises:
+        ValueError: the tokenizer has no way to end a completion (no EOS, no end-of-turn token).
+        ModelLoadError: a reward run cannot be loaded.
+        RewardFunctionError: a reward function cannot be imported or returns bad values.
+    """
+
+    steps_per_iteration: int = 1
+    score_name, length_name, per_source_eval = "score", "response_length", False  # eval metric names
+
+    def __init__(self, *positional, stage, model, train_dataset, eval_dataset=None, data_collator=None,
+                 processing_class=None, **kwargs):
+        recipe = stage.recipe
+        self.cfg = getattr(recipe, stage.name)
+        self.tokenizer = processing_class
+        self.prompts, self.prompt_collator = train_dataset, data_collator
+        self.eval_prompts = eval_dataset
+        self.eos_ids = template_eos_ids(processing_class)
+        if not self.eos_ids:
+            raise ValueError("the tokenizer has no EOS token and its chat template ends turns with no special token: "
+                             "responses could never end; set the tokenizer's eos_token (or data.chat_template)")
+        self.pad_id = processing_class.pad_token_id if processing_class.pad_token_id is not None else self.eos_ids[0]
+        self._buffer: list[list[dict[str, torch.Tensor]]] = []
+        self._rollout_s = 0.0  # seconds spent making experience since the last log (not training)
+        self._generation_s = 0.0  # of which sampling
+        self.rewards = build_reward_sources(recipe, processing_class)
+        wrapped = self.build_model(model, recipe)
+        args = kwargs.pop("args")
+        args.metric_for_best_model = None  # evaluated by generation: there is no eval_loss to track
+        slots = _StepSlots((recipe.train.max_steps or 0) * recipe.train.global_batch_size)
+        super().__init__(*positional, stage=stage, model=wrapped, args=args, train_dataset=slots,
+                         eval_dataset=eval_dataset, data_collator=_slot_collate, processing_class=processing_class,
+                         **kwargs)
+        self.rewards.to(self.args.device)
+        self.generation = HFGenerationBackend(self, self.eos_ids, self.pad_id, self.cfg.temperature, self.cfg.top_p,
+                                              self.cfg.top_k)
+
+    # ---- what a stage supplies ------------------------------------------------------------------
+    def build_model(self, policy, recipe) -> torch.nn.Module:
+        """The module trained (a :class:`~llmtune.rl.model.PolicyModel` or a subclass) around the peft policy."""
+        raise NotImplementedError
+
+    def make_experience(self, iteration: int) -> list[list[dict[str, torch.Tensor]]]:
+        """Sample and score rollout batch ``iteration``; return its optimizer steps, each a list of micro-batches."""
+        raise NotImplementedError
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.args.output_dir).parent
+
+    # ---- the dataloader only counts steps ---------------------------------------------------------
+    def _get_train_sampler(self, train_dataset=None):
+        return torch.utils.data.SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
+
+    def _load_rng_state(self, checkpoint):
+        """Not restored: every iteration seeds sampling, dropout and minibatch order from (seed, iteration, rank),
+        so a resumed run already draws what the uninterrupted run drew."""
+        return
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
+        """The micro-batches of the next optimizer step and its item count (all micro-batches, all ranks)."""
+        for _ in range(num_batches):  # keep the step-counting dataloader in step with the loop
+            try:
+                next(epoch_iterator)
+            except StopIteration:
+                break
+        if not self._buffer:
+            start = time.perf_counter()
+            self._buffer = self.make_experience(self.state.global_step // self.steps_per_iteration)
+            self._rollout_s += time.perf_counter() - start
+        micro_batches = self._buffer.pop(0)
+        return micro_batches, self._get_num_items_in_batch(micro_batches, device)
+
+    # ---- rollouts ---------------------------------------------------------------------------------
+    def prompt_indices(self, iteration: int, size: int) -> list[int]:
+        """Rows of this rank's prompts for iteration ``iteration``: the global order is a concatenation of
+        per-epoch permutations seeded by (seed, epoch); iteration i takes the next ``size`` rows of it (prompts over
+        all ranks), dealt to ranks round-robin."""
+        n = len(self.prompts)
+        start = iteration * size
+        order: list[int] = []
+        epoch = start // n
+        while len(order) < (start % n) + size:
+            gen = torch.Generator().manual_seed(self.args.seed + epoch)
+            order += torch.randperm(n, generator=gen).tolist()
+            epoch += 1
+        batch = order[start % n: start % n + size]
+        return batch[self.args.process_index::self.args.world_size]
+
+    def _seed(self, iteration: int, salt: int = 0) -> None:
+        from transformers import set_seed
+
+        # modulo numpy's seed range: seed + 1_000_003 x iteration passes 2**32 after ~4,300 iterations
+        set_seed((self.args.seed + 1_000_003 * iteration + 7919 * self.args.process_index + salt) % 2**32)
+
+    def prompt_batch(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        """(B, P) left-padded ``input_ids``/``attention_mask`` of prompt rows, on the training device."""
+        return {k: v.to(self.args.device) for k, v in self.prompt_collator(rows).items()
+                if k in ("input_ids", "attention_mask")}
+
+    def generate(self, batch: dict[str, torch.Tensor], greedy: bool, max_new_tokens: int) -> torch.Tensor:
+        """(B, P + N) sequences sampled (or greedy) from the policy adapter for left-padded prompts."""
+        return self.generation.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=max_new_tokens,
+                                        greedy=greedy)
+
+    def sample(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample completions of (B, P) prompts; ``(responses, mask, ended)`` as ``rollout.split_generation``.
+        Logs ``generation_tokens_per_s`` (real completion tokens per second of sampling, this rank)."""
+        start = time.perf_counter()
+        sequences = self.generate(batch, greedy=False, max_new_tokens=self.cfg.max_new_tokens)
+        seconds = time.perf_counter() - start
+        self._generation_s += seconds
+        responses, mask, ended = split_generation(sequences, batch["input_ids"].shape[1], self.eos_ids, self.pad_id)
+        self.add_metrics({"generation_tokens_per_s": float(mask.sum()) / max(seconds, 1e-9)})
+        return responses, mask, ended
+
+    def add_metrics(self, metrics: dict[str, float]) -> None:
+        """Add metrics to the next training log (averaged with the other values logged until then, all ranks)."""
+        for key, value in metrics.items():
+            self._metric_sums[key] += float(value)
+            self._metric_counts[key] += 1
+
+    @torch.no_grad()
+    def forward_chunks(self, inputs: dict[str, torch.Tensor], responses: torch.Tensor, with_values: bool,
+                       reference: bool, temperature: float, exact_kl: bool = False,
+                       policy: bool = True) -> dict[str, torch.Tensor]:
+        """Response log-probs of the policy (``logps``, ``entropy``; ``values`` when asked) and of the reference
+        (``ref_logps``; ``kl_exact`` = the exact per-position KL(policy || reference) summed over the vocabulary),
+        each (B, N), in eval mode and chunks of the eval batch size."""
+        model = self.model
+        was_training = model.training
+        model.eval()
+        size = self.args.per_device_eval_batch_size
+        width = responses.shape[1]
+        out: dict[str, list[torch.Tensor]] = {}
+        for start in range(0, responses.shape[0], size):
+            part = {k: v[start:start + size] for k, v in inputs.items()}
+            resp = responses[start:start + size]
+            logits = values = ref_logits = None
+            with self.compute_loss_context_manager():
+                if policy or exact_kl:
+                    logits, values = model(**part, response_width=width, with_values=with_values)
+                if reference:
+                    ref_logits = model.reference_logits(**part, response_width=width)
+            if logits is not None:
+                out.setdefault("logps", []).append(response_token_logps(logits, resp, temperature))
+                out.setdefault("entropy", []).append(ops.entropy_from_logits(logits.float() / temperature))
+            if values is not None:
+                out.setdefault("values", []).append(values)
+            if ref_logits is not None:
+                out.setdefault("ref_logps", []).append(response_token_logps(ref_logits, resp, temperature))
+                if exact_kl:  # sum over the vocabulary: KL(policy || reference) at each position
+                    logp = torch.log_softmax(logits.float(), -1)
+                    out.setdefault("kl_exact", []).append(
+                        (logp.exp() * (logp - torch.log_softmax(ref_logits.float(), -1))).sum(-1))
+        model.train(was_training)
+        return {k: torch.cat(v) for k, v in out.items()}
+
+    def write_samples(self, iteration: int, records: list[dict]) -> None:
+        """Append a few rollout records (prompt, completion, rewards ...) to ``samples.jsonl`` (main process)."""
+        if not self.is_world_process_zero():
+            return
+        with (self.run_dir / SAMPLES).open("a") as f:
+            for record in records:
+                f.write(json.dumps({"step": self.state.global_step, "iteration": iteration, **record}) + "\n")
+
+    # ---- logging: generation and training time apart --------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Training logs also carry ``train_tokens_per_s`` (tokens through forward/backward per second of the
+        optimizer steps, rollouts excluded; all ranks) and ``generation_share`` (fraction of the wall time since
+        the last log spent sampling)."""
+        if "loss" in logs:
+            elapsed = max(time.perf_counter() - self._last_log_time, 1e-9)
+            seen = self.seen_tokens * self.args.world_size
+            logs["train_tokens_per_s"] = (seen - self._last_log_tokens) / max(elapsed - self._rollout_s, 1e-9)
+            logs["generation_share"] = min(self._generation_s / elapsed, 1.0)
+            self._rollout_s = self._generation_s = 0.0
+        super().log(logs, start_time)
+
+    # ---- evaluation: greedy responses to held-out prompts ------------------------------------------
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Greedy responses to the held-out prompts (sharded over ranks), scored like the rollouts.
+
+        Returns (and logs), with ``<score>``/``<length>`` the stage's names (PPO: ``score``/``response_length``,
+        GRPO: ``reward``/``completion_length``): ``eval_<score>`` (mean weighted reward), ``eval_<score>_std``,
+        ``eval_rewards/<source>`` (each source's mean, GRPO), ``eval_kl`` (per response: the exact KL(policy ||
+        reference) summed over the response tokens of the greedy path, nats), ``eval_<length>`` (tokens),
+        ``eval_truncated_fraction``, ``eval_prompts``.
+        """
+        rows_all = eval_dataset if eval_dataset is not None else self.eval_prompts
+        if rows_all is None or len(rows_all) == 0:
+            return {}
+        indices = list(range(len(rows_all)))[self.args.process_index::self.args.world_size]
+        size = self.args.per_device_eval_batch_size
+        per_row, samples = [], []
+        max_new = self.cfg.eval_max_new_tokens or self.cfg.max_new_tokens
+        names = self.rewards.names
+        from tqdm.auto import tqdm
+
+        progress = tqdm(total=len(indices), desc="eval: greedy responses", unit="prompt", leave=False,
+                        disable=not self.is_world_process_zero() or self.args.disable_tqdm)
+        for start in range(0, len(indices), size):
+            rows = [rows_all[i] for i in indices[start:start + size]]
+            batch = self.prompt_batch(rows)
+            width = batch["input_ids"].shape[1]
+            sequences = self.generate(batch, greedy=True, max_new_tokens=max_new)
+            responses, mask, ended = split_generation(sequences, width, self.eos_ids, self.pad_id)
+            inputs = join(batch["input_ids"], batch["attention_mask"], responses, mask)
+            fwd = self.forward_chunks(inputs, responses, with_values=False, reference=True, temperature=1.0,
+                                      exact_kl=True)
+            total, per_source = self.rewards.score(batch["input_ids"], batch["attention_mask"], responses, mask, rows)
+            kl = (fwd["kl_exact"] * mask).sum(1)
+            per_row.append(torch.stack([total.to(kl.device), kl, mask.sum(1).float(), (~ended).float(),
+                                        *(per_source[n].to(kl.device) for n in names)], 1))
+            progress.update(len(rows))
+            if len(samples) < 8:
+                texts = decode_responses(self.tokenizer, responses, mask)
+                for b, (row, text) in enumerate(zip(rows, texts)):
+                    samples.append({"prompt": row["prompt"], "response": text, "score": float(total[b]),
+                                    **({"rewards": {n: float(per_source[n][b]) for n in names}}
+                                       if self.per_source_eval else {})})
+        progress.close()
+        stats = torch.cat(per_row) if per_row else torch.zeros(0, 4 + len(names), device=self.args.device)
+        if self.args.world_size > 1:
+            stats = self.accelerator.gather_for_metrics(stats)
+        score, kl, length, truncated = stats[:, :4].T
+        p, s = metric_key_prefix, self.score_name
+        metrics = {
+            f"{p}_{s}": float(score.mean()),
+            f"{p}_{s}_std": float(score.std()) if len(score) > 1 else 0.0,
+            **({f"{p}_rewards/{n}": float(stats[:, 4 + i].mean()) for i, n in enumerate(names)}
+               if self.per_source_eval else {}),
+            f"{p}_kl": float(kl.mean()),
+            f"{p}_{self.length_name}": float(length.mean()),
+            f"{p}_truncated_fraction": float(truncated.mean()),
+            f"{p}_prompts": float(len(score)),
+        }
+        if self.is_world_process_zero():
+            path = self.run_dir / f"eval_samples_step{self.state.global_step}.jsonl"
+            path.write_text("".join(json.dumps(s) + "\n" for s in samples[:8]))
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    # ---- checkpoints: the policy adapter (never the frozen base) ------------------------------------
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Save the policy adapter (peft layout) and the stage's extras (:meth:`save_extra`). ``state_dict``
+        (gathered by transformers under ZeRO-3) has the wrapper's ``policy.`` prefix."""
+        out = Path(output_dir or self.args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        model = self.accelerator.unwrap_model(self.model)
+        policy_sd = None if state_dict is None else {
+            k[len("policy."):]: v for k, v in state_dict.items() if k.startswith("policy.")}
+        model.policy.save_pretrained(str(out), state_dict=policy_sd, safe_serialization=True)
+        self.save_extra(out, model, state_dict)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(str(out))
+
+    def save_extra(self, out: Path, model, state_dict: dict | None) -> None:
+        """What a stage saves beside the policy adapter (PPO: its value model); default nothing."""
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        set_peft_model_state_dict(self.accelerator.unwrap_model(self.model).policy,
+                                  load_file(str(Path(resume_from_checkpoint) / "adapter_model.safetensors")),
+                                  adapter_name="default")

@@ -1,0 +1,67 @@
+"""GRPO (and its DAPO / Dr. GRPO variants) of a policy adapter against reward functions and/or a reward model.
+
+Group-relative policy optimization (Shao et al. 2024): sample ``num_generations`` completions per prompt, score
+them, advantage = (reward - group mean) / group std (``scale_rewards``: Dr. GRPO, Liu et al. 2025, drops the std),
+clipped importance-ratio loss against the sampling policy with ``epsilon_low``/``epsilon_high`` (DAPO clip-higher,
+Yu et al. 2025), an optional k3 KL term to the reference (``beta``; the reference is the policy with its adapter
+disabled), aggregated as ``loss_aggregation`` says. No value model. The rollout loop is :class:`GRPOTrainer`.
+
+Units: ``count_items`` = completion tokens in the loss (``token_mean``) or completions in the loss (otherwise); the
+loss of an optimizer step is the sum over its micro-batches divided by that count of the whole step on all ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmtune.rl.ops import entropy_from_logits, masked_mean
+from llmtune.rl.rollout import response_token_logps
+from llmtune.rl.stage import OnlineRLStage
+from llmtune.stages.grpo import ops
+from llmtune.stages.grpo.trainer import GRPOTrainer
+
+
+class GRPOStage(OnlineRLStage):
+    """``llmtune grpo``: the stage hooks; the rollout loop is :class:`GRPOTrainer`."""
+
+    name = "grpo"
+    item_unit = "items"
+    trainer_class = GRPOTrainer
+    key_metric = "eval_reward"
+
+    def count_items(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return ops.count_items(batch["loss_mask"], self.recipe.grpo.loss_aggregation)
+
+    def loss(self, model, batch, num_items):
+        """GRPO's clipped loss (:func:`ops.grpo_loss`) of a micro-batch / the step's ``num_items``.
+
+        Args:
+            batch: a micro-batch from ``GRPOTrainer.make_experience``: ``input_ids``/``attention_mask``/
+                ``position_ids`` (b, P + n), ``responses``/``response_mask``/``loss_mask`` (b, n), ``advantages``
+                (b,), optional ``old_logps``/``ref_logps`` (b, n).
+            num_items: completion tokens or completions of the whole optimizer step (all micro-batches, ranks).
+        """
+        cfg = self.recipe.grpo
+        mask = batch["loss_mask"].float()
+        width = batch["responses"].shape[1]
+        logits, _ = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                          position_ids=batch["position_ids"], response_width=width)
+        logps = response_token_logps(logits, batch["responses"], cfg.temperature)
+        old = batch.get("old_logps")
+        out = ops.grpo_loss(logps, logps.detach() if old is None else old, batch["advantages"], mask,
+                            cfg.epsilon_low, cfg.epsilon_high, cfg.loss_aggregation, cfg.max_new_tokens,
+                            cfg.beta, batch.get("ref_logps"), cfg.kl_estimator)
+        tokens = mask.sum().clamp(min=1)
+        with torch.no_grad():
+            entropy = masked_mean(entropy_from_logits(logits.detach().float() / cfg.temperature),
+                                  batch["response_mask"].float())
+        local = ops.count_items(mask, cfg.loss_aggregation).clamp(min=1)  # this micro-batch's share of num_items
+        metrics = {"policy_loss": float(out.loss_sum.detach() / local), "entropy": float(entropy),
+                   "clip_fraction_low": float(out.clipped_low / tokens),
+                   "clip_fraction_high": float(out.clipped_high / tokens)}
+        if "ref_logps" in batch:
+            metrics["kl"] = float(out.kl_sum / tokens)
+        return out.loss_sum / num_items, metrics
+
+
+__all__ = ["GRPOStage", "GRPOTrainer", "ops"]

@@ -1,0 +1,196 @@
+"""`llmtune grpo` through the CLI on a tiny random Llama: an SFT run, then GRPO with two weighted reward functions;
+run dir, metrics (per-source rewards, all-equal groups, clip fractions, KL 0 before the first update, timing),
+samples, resume reproducing the uninterrupted run, 4x1 == 1x4 accumulation, export loading in plain transformers,
+and the pipeline step."""
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from llmtune.cli import main
+from llmtune.models.tiny import save_tiny_model
+from llmtune.utils import read_jsonl
+
+COMMON = {"adapter": {"lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0}}
+# a reward that varies between completions of a random model (so groups carry signal) + the shipped format reward
+REWARD_FILE = """def length_reward(prompts, completions):
+    return [float(len(c) % 7) for c in completions]
+
+
+def only_ones(prompts, completions):  # signal for prompts 'What is 1 + b?' only: the other groups are all-equal
+    return [float(len(c) % 7) if p.startswith("What is 1 ") else 0.0 for p, c in zip(prompts, completions)]
+"""
+
+
+def write_recipe(root, name, stage, **sections):
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"stage": stage, **sections}))
+    return path
+
+
+def grpo_recipe(root, name, **extra):
+    train = {"micro_batch_size": 2, "global_batch_size": 4, "max_steps": 4, "learning_rate": 5e-2,
+             "save_steps": 2, "eval_batch_size": 4, "save_total_limit": 5, **extra.pop("train", {})}
+    reward = {"functions": [{"function": str(root / "my_rewards.py") + ":length_reward", "weight": 1.0},
+                            {"function": "llmtune.rewards:format_reward", "weight": 0.5}]}
+    return write_recipe(
+        root, name, "grpo", model={"from_run": str(root / "sft")},
+        data={"datasets": [{"path": str(root / "prompts.jsonl")}], "max_length": 64, "val_size": 4},
+        grpo={"num_generations": 2, "rollout_batch_size": 8, "max_new_tokens": 8, "beta": 0.1,
+              "epsilon_high": 0.28, **extra.pop("grpo", {})},
+        reward=reward, train=train, output={"dir": str(root / name)}, **COMMON, **extra)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo")
+    model_dir = save_tiny_model(root / "model")
+    (root / "my_rewards.py").write_text(REWARD_FILE)
+    chats = [{"messages": [{"role": "user", "content": f"What is {a} + 1?"},
+                           {"role": "assistant", "content": f"{a} + 1 = {a + 1}. #### {a + 1}"}]} for a in range(8)]
+    (root / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in chats) + "\n")
+    prompts = [{"prompt": f"What is {a} + {b}?", "completion": f"#### {a + b}"} for a in range(4) for b in range(4)]
+    (root / "prompts.jsonl").write_text("\n".join(json.dumps(p) for p in prompts) + "\n")
+    sft = write_recipe(root, "sft", "sft", model={"name_or_path": str(model_dir)},
+                       data={"datasets": [{"path": str(root / "sft.jsonl")}], "max_length": 64},
+                       train={"micro_batch_size": 2, "global_batch_size": 4, "max_steps": 2, "learning_rate": 1e-2},
+                       output={"dir": str(root / "sft")}, **COMMON)
+    assert main(["sft", str(sft)]) == 0
+    return root
+
+
+@pytest.fixture(scope="module")
+def grpo_run(workspace):
+    assert main(["grpo", str(grpo_recipe(workspace, "grpo"))]) == 0
+    return workspace / "grpo"
+
+
+def _losses(run):
+    return [r["loss"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r and "train_runtime" not in r]
+
+
+def test_grpo_run_dir_metrics_and_samples(workspace, grpo_run):
+    run = grpo_run
+    lineage = json.loads((run / "lineage.json").read_text())
+    assert lineage["stage"] == "grpo" and [e["stage"] for e in lineage["previous_adapters"]] == ["sft"]
+    policy = load_file(run / "adapter" / "adapter_model.safetensors")
+    assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in policy.items())  # trained
+    logs = list(read_jsonl(run / "metrics.jsonl"))
+    train_logs = [r for r in logs if "policy_loss" in r]
+    assert [r["step"] for r in train_logs] == [1, 2, 3, 4]
+    rollouts = train_logs[::2]  # rollout batch 8 = 2 optimizer steps of 4 completions: rollouts at steps 1 and 3
+    assert all("reward_mean" not in r for r in train_logs[1::2])
+    for r in rollouts:
+        for key in ("reward_mean", "reward_std", "rewards/length_reward_mean", "rewards/format_reward_mean",
+                    "all_equal_group_fraction", "completion_length", "truncated_fraction", "generation_tokens_per_s",
+                    "rollout_kl"):
+            assert key in r and math.isfinite(r[key]), key
+        assert 0 <= r["all_equal_group_fraction"] <= 1 and 0 < r["generation_share"] <= 1
+    for r in train_logs:
+        for key in ("policy_loss", "clip_fraction_low", "clip_fraction_high", "entropy", "kl", "train_tokens_per_s"):
+            assert key in r and math.isfinite(r[key]), key
+    # the first step runs on the policy that sampled = the reference (LoRA B = 0): KL 0, ratio 1, nothing clipped
+    assert train_logs[0]["kl"] == pytest.approx(0.0, abs=1e-7) and train_logs[0]["rollout_kl"] == 0.0
+    assert train_logs[0]["clip_fraction_low"] == 0 and train_logs[0]["clip_fraction_high"] == 0
+    evals = [r for r in logs if "eval_reward" in r]
+    assert len(evals) == 2 and evals[0]["eval_kl"] == 0.0 and evals[-1]["eval_prompts"] == 4
+    assert "eval_rewards/length_reward" in evals[-1]
+    samples = list(read_jsonl(run / "samples.jsonl"))
+    assert {s["iteration"] for s in samples} == {0, 1}
+    assert set(samples[0]["rewards"]) == {"length_reward", "format_reward"}
+    r = samples[0]["rewards"]
+    assert samples[0]["reward"] == pytest.approx(r["length_reward"] + 0.5 * r["format_reward"])
+
+
+def test_resume_reproduces_the_uninterrupted_run(workspace, grpo_run):
+    copy = workspace / "grpo_resumed"
+    shutil.copytree(grpo_run, copy)
+    for name in ("adapter", "checkpoints/checkpoint-4", "checkpoints/checkpoint-3"):
+        shutil.rmtree(copy / name, ignore_errors=True)
+    (copy / "lineage.json").unlink()
+    kept = [r for r in read_jsonl(copy / "metrics.jsonl") if r.get("step", 0) <= 2 and "train_runtime" not in r]
+    (copy / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    assert main(["grpo", str(grpo_recipe(workspace, "grpo_resumed")), "train.resume_from=latest"]) == 0
+    assert _losses(copy) == pytest.approx(_losses(grpo_run), abs=1e-6)
+    one, two = (load_file(r / "adapter" / "adapter_model.safetensors") for r in (copy, grpo_run))
+    assert one.keys() == two.keys() and all(torch.allclose(one[k], two[k], atol=1e-6) for k in one)
+
+
+def test_accumulation_4x1_equals_1x4(workspace):
+    """Two optimizer steps per rollout batch (old log-probs from the sampling policy) and groups spanning
+    micro-batches: micro 1 x 4 accumulation and micro 4 x 1 give the same steps."""
+    runs = {}
+    for micro in (1, 4):
+        name = f"grpo_micro{micro}"
+        recipe = grpo_recipe(workspace, name, grpo={"rollout_batch_size": 8, "loss_aggregation": "sequence_mean"},
+                             train={"micro_batch_size": micro, "max_steps": 2, "save_steps": None,
+                                    "learning_rate": 1e-2})
+        assert main(["grpo", str(recipe), "data.val_size=0"]) == 0
+        runs[micro] = workspace / name
+    assert _losses(runs[1]) == pytest.approx(_losses(runs[4]), abs=1e-5)
+    norms = [[r["grad_norm"] for r in read_jsonl(runs[m] / "metrics.jsonl") if "grad_norm" in r] for m in (1, 4)]
+    assert len(norms[0]) == 2 and norms[0] == pytest.approx(norms[1], rel=1e-5)  # the same gradients
+    one, four = (load_file(runs[m] / "adapter" / "adapter_model.safetensors") for m in (1, 4))
+    assert all(torch.allclose(one[k], four[k], atol=1e-5) for k in one)
+    assert any(v.abs().sum() > 0 for k, v in one.items() if "lora_B" in k)
+
+
+def test_export_of_a_grpo_run_loads_in_plain_transformers(workspace, grpo_run):
+    from transformers import AutoModelForCausalLM
+
+    assert main(["export", str(grpo_run)]) == 0
+    model = AutoModelForCausalLM.from_pretrained(grpo_run / "merged")
+    assert model.config.num_hidden_layers == 2
+    ids = torch.tensor([[1, 5, 9]])
+    assert torch.isfinite(model(ids).logits).all()
+
+
+@pytest.mark.parametrize("mode", ["drop", "resample"])
+def test_dynamic_sampling_counts_drops_and_resamples_all_equal_groups(workspace, mode):
+    name = f"grpo_{mode}"
+    recipe = grpo_recipe(workspace, name, grpo={"dynamic_sampling": mode, "max_resample_rounds": 3, "beta": 0.0},
+                         train={"max_steps": 2, "save_steps": None})
+    doc = yaml.safe_load(recipe.read_text())
+    doc["reward"] = {"function": str(workspace / "my_rewards.py") + ":only_ones"}
+    recipe.write_text(yaml.safe_dump(doc))
+    assert main(["grpo", str(recipe), "data.val_size=0"]) == 0
+    first = next(r for r in read_jsonl(workspace / name / "metrics.jsonl") if "reward_mean" in r)
+    assert 0 < first["all_equal_group_fraction"] < 1  # counted before anything is dropped or resampled
+    after = first.get("all_equal_group_fraction_after_resampling", first["all_equal_group_fraction"])
+    assert first["trained_completion_fraction"] == pytest.approx(1 - after)  # what is still all-equal is dropped
+    if mode == "resample":
+        assert first["resample_rounds"] >= 1 and after < first["all_equal_group_fraction"]
+
+
+def test_replace_groups_repads_prompts_left_and_completions_right():
+    from llmtune.stages.grpo.trainer import _replace_groups
+
+    groups = {"query_ids": torch.tensor([[0, 5], [0, 5], [6, 7], [6, 7]]), "query_mask": torch.tensor(
+        [[0, 1], [0, 1], [1, 1], [1, 1]]), "responses": torch.tensor([[8], [9], [8], [9]]),
+        "mask": torch.ones(4, 1, dtype=torch.long), "ended": torch.tensor([True] * 4),
+        "reward": torch.tensor([1.0, 1.0, 0.0, 1.0]), "per_source": {"r": torch.tensor([1.0, 1.0, 0.0, 1.0])},
+        "rows": ["a", "a", "b", "b"]}
+    extra = {"query_ids": torch.tensor([[1, 2, 3], [1, 2, 3]]), "query_mask": torch.ones(2, 3, dtype=torch.long),
+             "responses": torch.tensor([[4, 4, 0], [4, 0, 0]]), "mask": torch.tensor([[1, 1, 0], [1, 0, 0]]),
+             "ended": torch.tensor([False, True]), "reward": torch.tensor([2.0, 3.0]),
+             "per_source": {"r": torch.tensor([2.0, 3.0])}, "rows": ["c", "c"]}
+    out = _replace_groups(groups, extra, [(0, 0)], G=2, pad_id=0)
+    assert out["query_ids"].tolist() == [[1, 2, 3], [1, 2, 3], [0, 6, 7], [0, 6, 7]]
+    assert out["query_mask"].tolist() == [[1, 1, 1], [1, 1, 1], [0, 1, 1], [0, 1, 1]]
+    assert out["responses"].tolist() == [[4, 4, 0], [4, 0, 0], [8, 0, 0], [9, 0, 0]]
+    assert out["mask"].tolist() == [[1, 1, 0], [1, 0, 0], [1, 0, 0], [1, 0, 0]]
+    assert out["reward"].tolist() == [2.0, 3.0, 0.0, 1.0] and out["rows"] == ["c", "c", "b", "b"]
+    assert out["ended"].tolist() == [False, True, True, True] and out["per_source"]["r"].tolist()[:2] == [2.0, 3.0]
+
+
+def test_grpo_help_lists_its_options(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["grpo", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "grpo.num_generations" in out and "grpo.loss_aggregation" in out and "reward.functions" in out
