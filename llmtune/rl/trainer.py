@@ -324,6 +324,11 @@ class OnlineRLTrainer(CoreTrainer):
     def save_extra(self, out: Path, model, state_dict: dict | None) -> None:
         """What a stage saves beside the policy adapter (PPO: its value model); default nothing."""
 
+    def can_stop_here(self) -> bool:
+        """A signal stops online RL only at the end of an iteration (PPO, GRPO): a checkpoint inside one would lose
+        the rest of its rollout batch."""
+        return self.state.global_step % self.steps_per_iteration == 0
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file

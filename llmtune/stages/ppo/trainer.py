@@ -198,10 +198,6 @@ class PPOTrainer(OnlineRLTrainer):
         state = {"kl_coef": self.kl_ctl.value, "score_stats": self.score_stats.state_dict()}
         (checkpoint / PPO_STATE).write_text(json.dumps(state))
 
-    def can_stop_here(self) -> bool:
-        """A signal stops PPO only at the end of an iteration: a checkpoint inside one would lose its rollouts."""
-        return self.state.global_step % self.steps_per_iteration == 0
-
     def load_counters(self, checkpoint) -> None:
         super().load_counters(checkpoint)
         path = Path(checkpoint) / PPO_STATE
