@@ -13,6 +13,8 @@ import importlib.util
 import inspect
 from typing import Any
 
+from llmtune.config.validate import _get  # the raw-document lookup (dotted key) shared by the rule checks
+
 # TrainingArguments fields llmtune sets from the recipe (or must own): extra_args may not set them.
 OWNED: dict[str, str] = {
     "output_dir": "output.dir", "per_device_train_batch_size": "train.micro_batch_size",
@@ -54,13 +56,6 @@ SCHEDULE_NAMES = {"linear": "linear", "cosine": "cosine", "constant": "constant_
 _SCHEDULE_OWN = {"optimizer", "num_warmup_steps", "num_training_steps", "last_epoch"}
 
 
-def _get(doc: dict, dotted: str, default: Any = None) -> Any:
-    node: Any = doc
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return default
-        node = node[part]
-    return node
 
 
 def _close(name: str, known: list[str]) -> str:
