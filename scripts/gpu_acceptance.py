@@ -201,7 +201,7 @@ def check_online(root, model, data, args, stage: str) -> dict:
     if stage == "ppo":
         sections["ppo"] = {"rollout_batch_size": 4, "ppo_epochs": 2, "max_new_tokens": 8}
     else:
-        sections["grpo"] = {"num_generations": 4, "max_new_tokens": 8}
+        sections["grpo"] = {"num_generations": 4, "rollout_batch_size": 8, "num_iterations": 1, "max_new_tokens": 8}
     path = recipe(root, stage, stage, args.tiny, **sections)
     rc, log, wall = cli(root, stage, stage, str(path), timeout=args.timeout)
     result = summarise(root / stage, rc, log, wall, 2)

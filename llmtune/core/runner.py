@@ -54,20 +54,6 @@ def prepare_tokenizer(recipe: Recipe):
 
 
 def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
-    """Train ``stage`` as its recipe says and write the run directory (see :func:`_run_stage`).
-
-    Raises:
-        OutOfMemoryError: the GPU ran out of memory anywhere in loading, training or evaluation (exit code 4;
-            the message has the memory figures and what to change in the recipe).
-        NonFiniteError: too many non-finite optimizer steps in a row, or non-finite trained weights (exit code 3).
-    """
-    from llmtune.core.guard import oom_guard
-
-    with oom_guard(stage.recipe):
-        return _run_stage(stage, base_dir)
-
-
-def _run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
     """Train ``stage`` as its recipe says and write the run directory.
 
     Args:
@@ -82,11 +68,16 @@ def _run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
         RecipeError: run-dir conflicts or a bad ``resume_from``.
         PreemptedError: stopped by SIGTERM/SIGUSR1 (exit code 75) or Ctrl-C (130) after writing a checkpoint.
         CheckpointSaveError: not enough disk space for a checkpoint, or a save failed (exit code 5).
+        OutOfMemoryError: the GPU ran out of memory anywhere in loading, training or evaluation (exit code 4;
+            the message has the memory figures and what to change in the recipe).
+        NonFiniteError: too many non-finite optimizer steps in a row, or non-finite trained weights (exit code 3).
         DataError: bad input rows (policy ``error``) or no usable rows.
         ModelLoadError: the base model cannot be loaded; ``model.from_run`` names an unfinished run.
     """
+    from llmtune.core.guard import oom_guard
+
     setup_logging()
-    with StopRequest() as stop:
+    with oom_guard(stage.recipe), StopRequest() as stop:
         return _run_stage(stage, base_dir, stop)
 
 
