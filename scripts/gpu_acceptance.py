@@ -80,21 +80,26 @@ def recipe(root: Path, name: str, stage: str, tiny: bool, **sections) -> Path:
     return path
 
 
+def run_logged(cmd: list[str], log: Path, timeout: float, cwd: Path, env: dict | None = None) -> tuple[int, float]:
+    """Run ``cmd`` with stdout+stderr appended to ``log``; returns (exit code, 124 on timeout; seconds)."""
+    start = time.perf_counter()
+    with open(log, "a") as fh:
+        fh.write(f"$ {' '.join(cmd)}\n")
+        fh.flush()
+        try:
+            rc = subprocess.call(cmd, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout,
+                                 env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+        except subprocess.TimeoutExpired:
+            rc = 124
+    return rc, round(time.perf_counter() - start, 1)
+
+
 def cli(root: Path, name: str, *args: str, timeout: int) -> tuple[int, str, float]:
     """Run ``python -m llmtune ARGS`` in ``root``; returns (exit code, log path, seconds)."""
     log = root / f"{name}.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{root}"
-           + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
-    start = time.perf_counter()
-    with open(log, "a") as fh:
-        fh.write(f"$ llmtune {' '.join(args)}\n")
-        fh.flush()
-        try:
-            rc = subprocess.call([sys.executable, "-m", "llmtune", *args], cwd=root, stdout=fh,
-                                 stderr=subprocess.STDOUT, env=env, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = 124
-    return rc, str(log), round(time.perf_counter() - start, 1)
+    path = os.pathsep.join(p for p in (str(ROOT), str(root), os.environ.get("PYTHONPATH")) if p)
+    rc, wall = run_logged([sys.executable, "-m", "llmtune", *args], log, timeout, root, {"PYTHONPATH": path})
+    return rc, str(log), wall
 
 
 def read_metrics(run: Path) -> tuple[list[dict], list[dict]]:
@@ -218,14 +223,8 @@ def check_zero3(root, args) -> dict:
     out = root / "zero3"
     cmd = [sys.executable, str(ROOT / "scripts" / "gpu_zero3_check.py"), "--out", str(out)] + (["--tiny"] if args.tiny else [])
     log = root / "zero3.log"
-    start = time.perf_counter()
-    with open(log, "w") as fh:
-        try:
-            rc = subprocess.call(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=args.timeout,
-                                 env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        except subprocess.TimeoutExpired:
-            rc = 124
-    result = {"returncode": rc, "wall_s": round(time.perf_counter() - start, 1), "log": str(log)}
+    rc, wall = run_logged(cmd, log, args.timeout, ROOT)
+    result = {"returncode": rc, "wall_s": wall, "log": str(log)}
     report = out / "result.json"
     if report.is_file():
         result["report"] = json.loads(report.read_text())
@@ -240,14 +239,8 @@ def check_bench(root, args) -> dict | None:
     log = root / "bench.log"
     out = root / "bench.json"
     cmd = [sys.executable, str(bench), "--tiny" if args.tiny else "--gpu", "--out", str(out), "--work", str(root / "bench")]
-    start = time.perf_counter()
-    with open(log, "w") as fh:
-        try:
-            rc = subprocess.call(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=args.bench_timeout,
-                                 env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        except subprocess.TimeoutExpired:
-            rc = 124
-    result = {"returncode": rc, "wall_s": round(time.perf_counter() - start, 1), "log": str(log),
+    rc, wall = run_logged(cmd, log, args.bench_timeout, ROOT)
+    result = {"returncode": rc, "wall_s": wall, "log": str(log),
               "table": log.read_text()[-4000:]}
     if out.is_file():
         result["report"] = json.loads(out.read_text())

@@ -224,18 +224,8 @@ def ppo_problems(doc: dict) -> list[tuple[str, str]]:
         problems.append(("ppo.rollout_batch_size", f"must be a multiple of train.global_batch_size ({glob}: rollouts "
                          f"per optimizer step); got {rollout}"))
         return problems
-    per_iter = epochs * rollout // glob
-    max_steps = _get(doc, "train.max_steps")
-    if max_steps is None:
-        problems.append(("train.max_steps", f"PPO needs max_steps (optimizer steps; one PPO iteration = {per_iter} "
-                         "steps = ppo_epochs x rollout_batch_size / global_batch_size)"))
-    for key in ("train.max_steps", "train.save_steps", "train.eval_steps"):
-        value = _get(doc, key)
-        if isinstance(value, int) and value % per_iter:
-            problems.append((key, f"must be a multiple of {per_iter} optimizer steps (one PPO iteration = ppo_epochs "
-                             f"{epochs} x rollout_batch_size {rollout} / global_batch_size {glob}); got {value}, "
-                             f"try {max(per_iter, round(value / per_iter) * per_iter)}"))
-    return problems
+    return problems + _iteration_problems(doc, "PPO", epochs * rollout // glob,
+                                          f"ppo_epochs {epochs} x rollout_batch_size {rollout} / global_batch_size {glob}")
 
 
 def grpo_problems(doc: dict) -> list[tuple[str, str]]:
@@ -258,16 +248,22 @@ def grpo_problems(doc: dict) -> list[tuple[str, str]]:
         problems.append(("grpo.rollout_batch_size", f"must be a multiple of train.global_batch_size ({glob}: "
                          f"completions per optimizer step); got {rollout}"))
         return problems
-    per_iter = mu * rollout // glob
+    return problems + _iteration_problems(doc, "GRPO", mu * rollout // glob,
+                                          f"num_iterations {mu} x rollout_batch_size {rollout} / global_batch_size {glob}")
+
+
+def _iteration_problems(doc: dict, stage: str, per_iter: int, formula: str) -> list[tuple[str, str]]:
+    """Online RL (PPO, GRPO) counts ``train.max_steps``/``save_steps``/``eval_steps`` in optimizer steps that must end
+    an iteration (one rollout batch = ``per_iter`` optimizer steps, ``formula`` says why); max_steps is required."""
+    problems: list[tuple[str, str]] = []
     if _get(doc, "train.max_steps") is None:
-        problems.append(("train.max_steps", f"GRPO needs max_steps (optimizer steps; one iteration = {per_iter} "
-                         "steps = num_iterations x rollout_batch_size / global_batch_size)"))
+        problems.append(("train.max_steps", f"{stage} needs max_steps (optimizer steps; one iteration = {per_iter} "
+                         f"steps = {formula})"))
     for key in ("train.max_steps", "train.save_steps", "train.eval_steps"):
         value = _get(doc, key)
         if isinstance(value, int) and value % per_iter:
-            problems.append((key, f"must be a multiple of {per_iter} optimizer steps (one iteration = num_iterations "
-                             f"{mu} x rollout_batch_size {rollout} / global_batch_size {glob}); got {value}, try "
-                             f"{max(per_iter, round(value / per_iter) * per_iter)}"))
+            problems.append((key, f"must be a multiple of {per_iter} optimizer steps (one {stage} iteration = "
+                             f"{formula}); got {value}, try {max(per_iter, round(value / per_iter) * per_iter)}"))
     return problems
 
 
