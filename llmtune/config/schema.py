@@ -144,7 +144,15 @@ class DataConfig(Section):
     )
     seed: int = Field(42, ge=0, le=SEED_MAX, description="Seed for mixing, shuffling and the validation split "
                       "(0 .. 2**32-1, numpy's range).")
-    num_proc: int | None = Field(None, ge=1, description="Processes for tokenization (default: one).")
+    num_proc: int | None = Field(
+        None, ge=1, description="Processes for tokenization; null = one per available CPU core (at most 8, shared by "
+        "the ranks of this machine) when at least 2,000 rows are tokenized, else one.")
+    cache: bool = Field(
+        True, description="Reuse the tokenized data of an identical earlier build (same files by content, tokenizer, "
+        "template, data section and llmtune code): a rerun, a resume and llmtune validate skip tokenization.")
+    cache_dir: str | None = Field(
+        None, description="Where tokenized data is cached (default $LLMTUNE_DATA_CACHE, else "
+        "$LLMTUNE_CACHE/data or ~/.cache/llmtune/data).")
     max_prompt_length: int | None = Field(
         None,
         ge=1,

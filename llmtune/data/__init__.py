@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmtune.config.schema import DataConfig
+from llmtune.data.cache import cached_build
 from llmtune.data.collators import PreferenceCollator, SFTCollator
 from llmtune.data.errors import DataError
 from llmtune.data.formats import row_kind
@@ -78,6 +79,10 @@ def build_sft_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".") ->
             bad rows under ``bad_rows: error`` (first 10 listed with file, row index and reason), no chat
             template, ``max_prompt_length >= max_length``, ``val_size`` too large, or no rows left at all.
     """
+    return cached_build("sft", cfg, tokenizer, base_dir, lambda: _build_sft_data(cfg, tokenizer, base_dir=base_dir))
+
+
+def _build_sft_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".") -> SFTData:
     report = DataReport(max_length=cfg.max_length, packing=cfg.packing, seed=cfg.seed)
     pools = read_sources(cfg, base_dir, report)
     if any(row_kind(row) == "chat" for pool in pools for _, row in pool):

@@ -18,6 +18,7 @@ import random
 from pathlib import Path
 
 from llmtune.config.schema import DataConfig
+from llmtune.data.cache import write_dataset
 from llmtune.data.errors import DataError, RowError
 from llmtune.data.formats import to_canonical
 from llmtune.data.report import DataReport, SourceReport
@@ -180,13 +181,19 @@ def _cut_counts(result) -> dict[str, int]:
 
 
 def to_dataset(rows: list[dict], columns: list[str], scalar: tuple[str, ...] = ()):
-    """A ``datasets.Dataset`` of int64 columns: lists of ints, except the ``scalar`` ones (one int per row)."""
+    """A memory-mapped ``datasets.Dataset`` of int64 columns: lists of ints, except the ``scalar`` ones (one int per
+    row); written chunk by chunk (:func:`~llmtune.data.cache.write_dataset`: in the cache entry being built, else in a
+    temporary file).
+
+    Raises:
+        DataError: the Arrow file cannot be written (disk full).
+    """
     import datasets
 
     features = datasets.Features(
         {c: datasets.Value("int64") if c in scalar else datasets.Sequence(datasets.Value("int64")) for c in columns}
     )
-    return datasets.Dataset.from_dict({c: [r[c] for r in rows] for c in columns}, features=features)
+    return write_dataset({c: (lambda a, b, c=c: [r[c] for r in rows[a:b]]) for c in columns}, len(rows), features)
 
 
 def reject_sft_options(cfg: DataConfig, rows: str, packing_reason: str, labels_reason: str) -> None:

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmtune.config.schema import DataConfig
+from llmtune.data.cache import cached_build
 from llmtune.data.errors import DataError, RowError
 from llmtune.data.pipeline import read_sources, reject_sft_options, to_dataset, tokenize_and_split
 from llmtune.data.report import DataReport
@@ -287,6 +288,12 @@ def build_preference_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = 
             tokenizer lacks EOS (or BOS its template renders); ``max_prompt_length >= max_length``;
             ``val_size`` too large; no pairs left.
     """
+    return cached_build("preference", cfg, tokenizer, base_dir, lambda: _build_preference_data(
+        cfg, tokenizer, base_dir=base_dir, exact_template=exact_template), exact_template=exact_template)
+
+
+def _build_preference_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".",
+                          exact_template: bool = False) -> PreferenceData:
     reject_sft_options(cfg, "preference pairs", "each pair is one chosen and one rejected sequence",
                        "only completions are scored")
     if cfg.chat_template is not None:

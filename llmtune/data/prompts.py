@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llmtune.config.schema import DataConfig
+from llmtune.data.cache import cached_build, write_dataset
 from llmtune.data.collators import SFTCollator
 from llmtune.data.errors import DataError, RowError
 from llmtune.data.pipeline import read_sources, reject_sft_options, tokenize_and_split
@@ -217,6 +218,10 @@ def build_prompt_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".")
             roles out of order, malformed rows; the first 10 listed with file, row index and reason);
             ``max_prompt_length`` too small for the generation prompt; ``val_size`` too large; no prompts left.
     """
+    return cached_build("prompt", cfg, tokenizer, base_dir, lambda: _build_prompt_data(cfg, tokenizer, base_dir=base_dir))
+
+
+def _build_prompt_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".") -> PromptData:
     reject_sft_options(cfg, "prompts", "each prompt is generated from on its own", "they carry no labels")
     apply_chat_template_config(cfg, tokenizer)
     limit = cfg.max_prompt_length or cfg.max_length
@@ -239,11 +244,13 @@ def _to_dataset(prompts: list[TokenizedPrompt]):
         "reference": datasets.Value("string"),
     })
     columns = {
-        "input_ids": [p.input_ids for p in prompts], "length": [len(p.input_ids) for p in prompts],
-        "index": list(range(len(prompts))), "prompt": [p.prompt for p in prompts],
-        "messages": [p.messages for p in prompts], "reference": [p.reference for p in prompts],
+        "input_ids": lambda a, b: [p.input_ids for p in prompts[a:b]],
+        "length": lambda a, b: [len(p.input_ids) for p in prompts[a:b]],
+        "index": lambda a, b: list(range(a, b)), "prompt": lambda a, b: [p.prompt for p in prompts[a:b]],
+        "messages": lambda a, b: [p.messages for p in prompts[a:b]],
+        "reference": lambda a, b: [p.reference for p in prompts[a:b]],
     }
-    return datasets.Dataset.from_dict(columns, features=features)
+    return write_dataset(columns, len(prompts), features)
 
 
 class PromptCollator:

@@ -28,6 +28,7 @@ left by default, then the response at its end (:class:`SFTTokenizer`); :func:`pr
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -388,6 +389,17 @@ def _map_batch(batch: dict, fn) -> dict:
 
 
 PROGRESS_MIN_ROWS = 2000  # a progress bar (stderr) while tokenizing at least this many rows
+AUTO_PROC_MIN_ROWS = 2000  # data.num_proc null: worker processes only from this many rows (start-up ~1 s each)
+AUTO_PROC_MAX = 8
+
+
+def auto_num_proc(n_rows: int) -> int:
+    """Tokenization processes for ``data.num_proc: null``: the CPU cores this process may use, divided by the ranks
+    launched on this machine (``LOCAL_WORLD_SIZE``), at most 8; one for fewer than 2,000 rows."""
+    if n_rows < AUTO_PROC_MIN_ROWS:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(AUTO_PROC_MAX, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
 
 
 def tokenize_rows(rows: list[dict], fn, num_proc: int | None = None) -> list:
@@ -397,12 +409,13 @@ def tokenize_rows(rows: list[dict], fn, num_proc: int | None = None) -> list:
         rows: canonical rows.
         fn: the row tokenizer (:class:`SFTTokenizer` or the preference pair tokenizer): a picklable callable
             returning a dataclass of type ``fn.result_type`` or raising :class:`RowError`.
-        num_proc: worker processes (``datasets.map``); None or 1 tokenizes in this process.
+        num_proc: worker processes (``datasets.map``); 1 tokenizes in this process; None: :func:`auto_num_proc`.
 
     Returns:
         One ``fn.result_type`` or :class:`RowError` per row, in order.
     """
-    if not num_proc or num_proc <= 1 or len(rows) < 2 * num_proc:
+    num_proc = auto_num_proc(len(rows)) if num_proc is None else num_proc
+    if num_proc <= 1 or len(rows) < 2 * num_proc:
         from tqdm.auto import tqdm
 
         from llmtune.utils import is_main_process

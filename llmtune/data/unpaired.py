@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from llmtune.config.schema import DataConfig
+from llmtune.data.cache import cached_build
 from llmtune.data.collators import SFTCollator
 from llmtune.data.errors import RowError
 from llmtune.data.pipeline import read_sources, reject_sft_options, to_dataset, tokenize_and_split
@@ -162,6 +163,13 @@ def build_unpaired_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".
             prompt and messages both given, a malformed completion) under ``bad_rows: error``, each with file, row
             index, field, what was expected and how to fix it.
     """
+    weights = {"desirable_weight": desirable_weight, "undesirable_weight": undesirable_weight}
+    return cached_build("unpaired", cfg, tokenizer, base_dir,
+                        lambda: _build_unpaired_data(cfg, tokenizer, base_dir=base_dir, **weights), **weights)
+
+
+def _build_unpaired_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".", desirable_weight: float = 1.0,
+                        undesirable_weight: float = 1.0) -> UnpairedData:
     reject_sft_options(cfg, "KTO rows", "each row is one prompt + completion scored on its own",
                        "only completions are scored")
     if cfg.chat_template is not None:

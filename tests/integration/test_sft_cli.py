@@ -208,3 +208,18 @@ def test_overrides_collect_all_problems_and_accept_brackets():
     assert paths == ["train.max_steps", "data.datasets.5.path", "train.seed", "train.lr"]
     recipe = load_recipe(raw={}, overrides=["data.datasets[0].path=x.jsonl"])
     assert recipe.data.datasets[0].path == "x.jsonl"
+
+
+def test_validate_caches_the_tokenized_data_and_training_reuses_it(workspace, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("LLMTUNE_DATA_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "cached"
+    args = [str(workspace / "recipe.yaml"), f"output.dir={out}", "train.save_steps=null", "train.eval_steps=null"]
+    assert main(["validate", *args]) == 0
+    assert "tokenized sft data cached in" in capsys.readouterr().err
+    assert main(["sft", *args]) == 0
+    assert "tokenized sft data reused from the cache" in capsys.readouterr().err
+    report = json.loads((out / "data_report.json").read_text())
+    reference = json.loads((workspace / "run" / "data_report.json").read_text())  # built and tokenized by the fixture
+    assert report == reference
+    assert [r["trained_tokens"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r] == \
+        [r["trained_tokens"] for r in read_jsonl(workspace / "run" / "metrics.jsonl") if "loss" in r]

@@ -112,5 +112,5 @@ def test_tokenizing_many_rows_shows_progress_and_few_rows_stay_quiet(tok, write,
     build_sft_data(cfg(a, b), tok)
     assert "tokenizing" not in capfd.readouterr().err
     monkeypatch.setattr(tokenize_mod, "PROGRESS_MIN_ROWS", 5)
-    data = build_sft_data(cfg(a, b), tok)
+    data = build_sft_data(cfg(a, b, cache=False), tok)  # the cache would skip tokenizing
     assert "tokenizing" in capfd.readouterr().err and data.report.train_rows == 12

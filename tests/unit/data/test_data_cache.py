@@ -1,0 +1,143 @@
+"""The tokenized-data cache (llmtune.data.cache): reuse, keys, crash safety, corrupt entries, every data kind."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+import llmtune.data.tokenize as tokenize_mod
+from llmtune.data import DataError, build_preference_data, build_prompt_data, build_sft_data
+from llmtune.data.cache import META, cache_key
+from llmtune.data.tokenize import auto_num_proc
+from llmtune.data.unpaired import build_unpaired_data
+from llmtune.models.tiny import make_tiny_tokenizer
+
+CHAT = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"answer {i}"}]}
+        for i in range(12)]
+
+
+@pytest.fixture()
+def cache_dir(tmp_path, monkeypatch):
+    path = tmp_path / "cache"
+    monkeypatch.setenv("LLMTUNE_DATA_CACHE", str(path))
+    return path
+
+
+def _entries(cache_dir):
+    return sorted(p for p in cache_dir.iterdir() if (p / META).is_file()) if cache_dir.exists() else []
+
+
+def _count_tokenizer_calls(monkeypatch) -> list:
+    calls = []
+    original = tokenize_mod.SFTTokenizer.__call__
+    monkeypatch.setattr(tokenize_mod.SFTTokenizer, "__call__", lambda self, row: calls.append(1) or original(self, row))
+    return calls
+
+
+def test_second_build_reuses_the_cache_with_identical_rows_and_report(tok, write, cfg, cache_dir, monkeypatch):
+    path = write("chat.jsonl", CHAT)
+    calls = _count_tokenizer_calls(monkeypatch)
+    first = build_sft_data(cfg(path, val_size=2), tok)
+    assert len(calls) == 12 and len(_entries(cache_dir)) == 1
+    second = build_sft_data(cfg(path, val_size=2, num_proc=1), tok)  # num_proc does not change the result
+    assert len(calls) == 12  # nothing tokenized again
+    assert second.train["input_ids"] == first.train["input_ids"] and second.train["labels"] == first.train["labels"]
+    assert second.eval["input_ids"] == first.eval["input_ids"]
+    assert second.report.to_dict() == first.report.to_dict()
+    # memory-mapped Arrow files inside the cache entry, on the miss and on the hit
+    for data in (first, second):
+        assert str(cache_dir) in data.train.cache_files[0]["filename"]
+
+
+def test_what_changes_the_result_changes_the_key(tok, write, cfg, cache_dir, tmp_path):
+    path = write("chat.jsonl", CHAT)
+    build_sft_data(cfg(path), tok)
+    build_sft_data(cfg(path, max_length=64), tok)
+    other = make_tiny_tokenizer()
+    other.chat_template = other.chat_template.replace("<|im_start|>", "<|im_start|> ")
+    build_sft_data(cfg(path), other)
+    assert len(_entries(cache_dir)) == 3
+    # the same file name with other content: a new entry with the new rows, never the stale ones
+    edited = [dict(r) for r in CHAT]
+    edited[0] = {"messages": [{"role": "user", "content": "new"}, {"role": "assistant", "content": "changed text"}]}
+    path.write_text("".join(json.dumps(r) + "\n" for r in edited))
+    data = build_sft_data(cfg(path), tok)
+    assert len(_entries(cache_dir)) == 4
+    assert any("changed text" in tok.decode(ids) for ids in data.train["input_ids"])
+
+
+def test_a_failed_build_stores_nothing_and_a_dead_staging_dir_is_removed(tok, write, cfg, cache_dir):
+    bad = write("bad.jsonl", CHAT[:3] + [{"messages": [{"role": "assistant", "content": "no user"}]}])
+    with pytest.raises(DataError, match="bad row"):
+        build_sft_data(cfg(bad), tok)
+    assert _entries(cache_dir) == [] and not any(cache_dir.iterdir())  # no entry, no staging left behind
+    dead = cache_dir / ".staging-abc-123"
+    dead.mkdir()
+    os.utime(dead, (0, 0))  # a build killed long ago
+    build_sft_data(cfg(write("ok.jsonl", CHAT)), tok)
+    assert not dead.exists() and len(_entries(cache_dir)) == 1
+
+
+def test_a_corrupt_entry_is_rebuilt(tok, write, cfg, cache_dir, capfd):
+    path = write("chat.jsonl", CHAT)
+    first = build_sft_data(cfg(path), tok).train["input_ids"][:]  # read now: the file is overwritten below
+    (entry,) = _entries(cache_dir)
+    arrow = next(entry.glob("*.arrow"))
+    arrow.write_bytes(arrow.read_bytes()[:50])  # cut off, as by a full disk or a copy that died
+    capfd.readouterr()
+    again = build_sft_data(cfg(path), tok)
+    assert "cannot be read" in capfd.readouterr().err
+    assert again.train["input_ids"][:] == first and len(first) == 12
+
+
+def test_a_hit_sets_the_chat_template_the_build_set(write, cfg, cache_dir):
+    path = write("chat.jsonl", CHAT)
+    build_sft_data(cfg(path, chat_template="llama3"), make_tiny_tokenizer())
+    fresh = make_tiny_tokenizer()
+    build_sft_data(cfg(path, chat_template="llama3"), fresh)
+    assert len(_entries(cache_dir)) == 1 and "<|start_header_id|>" in fresh.chat_template
+
+
+def test_cache_off_still_gives_file_backed_datasets(tok, write, cfg, cache_dir, monkeypatch):
+    path = write("chat.jsonl", CHAT)
+    calls = _count_tokenizer_calls(monkeypatch)
+    for _ in range(2):
+        data = build_sft_data(cfg(path, cache=False), tok)
+    assert len(calls) == 24 and _entries(cache_dir) == []
+    assert data.train.cache_files and str(cache_dir) not in data.train.cache_files[0]["filename"]
+    monkeypatch.setenv("LLMTUNE_DATA_CACHE", "off")
+    assert cache_key("sft", cfg(path), tok, ".", {}) is not None  # the key exists; the switch is in cache_root
+    build_sft_data(cfg(path), tok)
+    assert len(calls) == 36
+
+
+def test_every_data_kind_is_cached(tok, write, cfg, cache_dir):
+    pairs = write("pairs.jsonl", [{"prompt": f"q{i}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(8)])
+    unpaired = write("kto.jsonl", [{"prompt": f"q{i}", "completion": f"c {i}", "label": i % 2 == 0} for i in range(8)])
+    prompts = write("prompts.jsonl", [{"question": f"q{i}", "answer": f"{i}"} for i in range(8)])
+    builds = [
+        lambda: build_preference_data(cfg(pairs, chat_template="chatml"), tok),
+        lambda: build_preference_data(cfg(pairs, chat_template="chatml"), tok, exact_template=True),
+        lambda: build_unpaired_data(cfg(unpaired, chat_template="chatml"), tok),
+        lambda: build_prompt_data(cfg({"path": str(prompts), "format": "alpaca",
+                                       "columns": {"instruction": "question", "output": "answer"}}), tok),
+    ]
+    for i, build in enumerate(builds):
+        first = build()
+        assert len(_entries(cache_dir)) == i + 1
+        second = build()
+        assert len(_entries(cache_dir)) == i + 1  # a hit
+        assert second.train.to_list() == first.train.to_list() and second.report.to_dict() == first.report.to_dict()
+    assert builds[3]().train["reference"] == first.train["reference"]
+
+
+def test_auto_num_proc(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert auto_num_proc(1999) == 1 and auto_num_proc(2000) == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert auto_num_proc(10**6) == 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert auto_num_proc(10**6) == 1
