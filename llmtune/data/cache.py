@@ -293,7 +293,8 @@ def cached_build(kind: str, cfg: DataConfig, tokenizer, base_dir: str | Path, bu
     stored = _load(entry, tokenizer)
     if stored is None:  # e.g. removed between rename and read: the data built here is still valid
         return data
-    _say(f"tokenized {kind} data cached in {entry} (reused by a rerun and by llmtune validate)")
+    size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file()) / 2**20
+    _say(f"tokenized {kind} data cached in {entry} ({size:,.1f} MiB; reused by a rerun and by llmtune validate)")
     return stored
 
 
