@@ -19,8 +19,8 @@ cached here (``datasets`` caches the download itself); neither are tokenizers th
 An entry is a directory ``<cache_dir>/<key>/`` with one Arrow file per split (memory-mapped when read back: the
 training process holds no copy of the data in its own memory) and ``meta.pkl`` (the data report, the chat template
 the build set on the tokenizer, the other fields of the data object). It is written in a staging directory and
-renamed into place, so a crash or a kill never leaves a partial entry (leftover staging directories are removed
-by a later build); concurrent ranks that build the same entry keep the first one. An entry that cannot be read
+renamed into place, so a crash or a kill never leaves a partial entry (the staging directory of a killed build is
+removed by the next build); concurrent ranks that build the same entry keep the first one. An entry that cannot be read
 (a disk error, a file removed) is rebuilt, with a warning. Entries not used for ``LLMTUNE_DATA_CACHE_DAYS`` (default
 30) days are removed.
 
@@ -40,6 +40,7 @@ import json
 import os
 import pickle
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -272,7 +273,8 @@ def cached_build(kind: str, cfg: DataConfig, tokenizer, base_dir: str | Path, bu
     try:
         root.mkdir(parents=True, exist_ok=True)
         _cleanup(root)
-        staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{key}-", dir=root))
+        prefix = f"{STAGING_PREFIX}{key}-{socket.gethostname()}-{os.getpid()}-"
+        staging = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
     except OSError as exc:
         raise DataError(f"cannot create the data cache directory {root}: {exc.strerror or exc}. Set data.cache_dir or "
                         "$LLMTUNE_DATA_CACHE to a writable directory, or data.cache: false.") from None
@@ -355,14 +357,30 @@ def _load(entry: Path, tokenizer):
     return data
 
 
+def _dead_build(path: Path, now: float) -> bool:
+    """A staging directory whose build is gone: its process (on this host) no longer exists, or it is older than
+    ``STALE_STAGING_S`` (a build on another host of a shared file system)."""
+    _, _, rest = path.name[len(STAGING_PREFIX):].partition("-")  # <key>-<host>-<pid>-<random, no dash>
+    host, _, pid = rest.rpartition("-")[0].rpartition("-")
+    if host == socket.gethostname() and pid.isdigit():
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except OSError:  # exists, owned by someone else
+            pass
+    return now - path.stat().st_mtime > STALE_STAGING_S
+
+
 def _cleanup(root: Path) -> None:
-    """Remove staging directories of dead builds and entries unused for ``LLMTUNE_DATA_CACHE_DAYS`` days."""
+    """Remove staging directories of dead builds (a killed run) and entries unused for ``LLMTUNE_DATA_CACHE_DAYS``
+    days."""
     now = time.time()
     max_age = float(os.environ.get("LLMTUNE_DATA_CACHE_DAYS", "30")) * 86400
     for path in root.iterdir():
         try:
             if path.name.startswith(STAGING_PREFIX):
-                if now - path.stat().st_mtime > STALE_STAGING_S:
+                if _dead_build(path, now):
                     shutil.rmtree(path, ignore_errors=True)
             elif (path / META).is_file() and now - (path / META).stat().st_mtime > max_age:
                 shutil.rmtree(path, ignore_errors=True)

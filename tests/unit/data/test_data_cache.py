@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -73,11 +76,16 @@ def test_a_failed_build_stores_nothing_and_a_dead_staging_dir_is_removed(tok, wr
     with pytest.raises(DataError, match="bad row"):
         build_sft_data(cfg(bad), tok)
     assert _entries(cache_dir) == [] and not any(cache_dir.iterdir())  # no entry, no staging left behind
-    dead = cache_dir / ".staging-abc-123"
-    dead.mkdir()
-    os.utime(dead, (0, 0))  # a build killed long ago
+    old = cache_dir / ".staging-abc-otherhost-123-x1"
+    old.mkdir()
+    os.utime(old, (0, 0))  # a build on another host, long ago
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # a process that no longer exists, as a killed build
+    killed = cache_dir / f".staging-abc-{socket.gethostname()}-{child.pid}-x2"
+    live = cache_dir / f".staging-abc-{socket.gethostname()}-{os.getpid()}-x3"  # a build still running
+    killed.mkdir(), live.mkdir()
     build_sft_data(cfg(write("ok.jsonl", CHAT)), tok)
-    assert not dead.exists() and len(_entries(cache_dir)) == 1
+    assert not old.exists() and not killed.exists() and live.exists() and len(_entries(cache_dir)) == 1
 
 
 def test_a_corrupt_entry_is_rebuilt(tok, write, cfg, cache_dir, capfd):
