@@ -272,6 +272,32 @@ def cached_build(kind: str, cfg: DataConfig, tokenizer, base_dir: str | Path, bu
         return hit
     try:
         root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"cannot create the data cache directory {root}: {exc.strerror or exc}. Set data.cache_dir or "
+                        "$LLMTUNE_DATA_CACHE to a writable directory, or data.cache: false.") from None
+    from filelock import FileLock, Timeout
+
+    # One build per entry: the ranks of a launch (or two runs of one recipe) wait for the first and read its entry.
+    # flock: released by the kernel when a holder dies, so a killed build never blocks the next one.
+    lock = FileLock(str(root / f"{key}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        _say(f"waiting for another process that tokenizes the same data ({lock.lock_file})")
+        lock.acquire()
+    try:
+        return _build_entry(kind, root, key, tokenizer, build)
+    finally:
+        lock.release()
+
+
+def _build_entry(kind: str, root: Path, key: str, tokenizer, build: Callable[[], T]) -> T:
+    entry = root / key
+    hit = _load(entry, tokenizer)  # built while this process waited for the lock
+    if hit is not None:
+        _say(f"tokenized {kind} data reused from the cache {entry} (built by another process just now)")
+        return hit
+    try:
         _cleanup(root)
         prefix = f"{STAGING_PREFIX}{key}-{socket.gethostname()}-{os.getpid()}-"
         staging = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
