@@ -20,7 +20,8 @@ An entry is a directory ``<cache_dir>/<key>/`` with one Arrow file per split (me
 training process holds no copy of the data in its own memory) and ``meta.pkl`` (the data report, the chat template
 the build set on the tokenizer, the other fields of the data object). It is written in a staging directory and
 renamed into place, so a crash or a kill never leaves a partial entry (the staging directory of a killed build is
-removed by the next build); concurrent ranks that build the same entry keep the first one. An entry that cannot be read
+removed by the next build). One process builds an entry at a time (a file lock ``<key>.lock``, released by the
+kernel if its holder dies): the other ranks of a launch wait and read it instead of tokenizing again. An entry that cannot be read
 (a disk error, a file removed) is rebuilt, with a warning. Entries not used for ``LLMTUNE_DATA_CACHE_DAYS`` (default
 30) days are removed.
 
