@@ -72,3 +72,8 @@ def fuse_swiglu(model: torch.nn.Module) -> int:
             module.forward = types.MethodType(_swiglu_forward, module)
             switched += 1
     return switched
+
+
+def fused_mlps(model: torch.nn.Module) -> int:
+    """The number of MLP modules of ``model`` that run the :class:`SwiGLU` forward (see :func:`fuse_swiglu`)."""
+    return sum(getattr(m.forward, "__func__", None) is _swiglu_forward for m in model.modules())

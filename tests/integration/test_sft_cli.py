@@ -50,6 +50,9 @@ def test_run_dir_contents(workspace):
     assert lineage["stage"] == "sft" and lineage["summary"]["steps"] == 2
     assert lineage["base_model"]["kind"] == "local"
     assert len(lineage["data"][0]["sha256"]) == 64
+    summary = lineage["summary"]  # train.gradient_checkpointing: auto (default); a tiny model fits in any RAM
+    assert summary["gradient_checkpointing"] is False
+    assert summary["memory_estimate_gb"] == summary["memory_estimate"]["without_checkpointing_gb"] > 0
 
 
 def test_metrics_have_eval_before_and_after_and_training_fields(workspace):
