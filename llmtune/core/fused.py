@@ -27,7 +27,7 @@ class SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
+        return _product(gate, up)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -41,8 +41,18 @@ class SwiGLU(torch.autograd.Function):
         return d_gate, d_up
 
 
+def _product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
 def _swiglu_forward(self, x):
-    return self.down_proj(SwiGLU.apply(self.gate_proj(x), self.up_proj(x)))
+    from llmtune.core.recompute import register
+
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    product = SwiGLU.apply(gate, up)
+    # down_proj's LoRA A keeps its input for its weight gradient: recomputed from gate and up, which SwiGLU keeps
+    register(product, functools.partial(_product, gate.detach(), up.detach()))
+    return self.down_proj(product)
 
 
 @functools.lru_cache(maxsize=None)

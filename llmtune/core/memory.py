@@ -20,7 +20,8 @@ The estimate (per device, bytes; :func:`estimate_training_memory`) adds:
 
       6 h  (inputs and outputs of the two norms, rotated q, attention output = o_proj input)
       + 2 h_kv  (rotated k, v)
-      + 3 i  (gate, up, their product; 4 i without the fused SwiGLU of llmtune.core.fused)
+      + 2 i  (gate, up; their product is recomputed, llmtune.core.recompute; 4 i without the fused SwiGLU
+              of llmtune.core.fused: gate, silu(gate), up, product)
       + r x (LoRA modules of the layer)  (LoRA A outputs; with lora_dropout > 0 also the dropped inputs)
 
   With full recomputation (their section 4.2, "2 s b h" bytes per layer at 16 bit) a layer keeps only its input,
@@ -125,7 +126,7 @@ def activation_elements_per_token(model: torch.nn.Module, seq_len: int) -> tuple
     h_kv = (getattr(config, "num_key_value_heads", None) or heads) * getattr(config, "head_dim", h // heads)
     i = getattr(config, "intermediate_size", 4 * h) or 4 * h
     layers = _decoder_layers(model)
-    mlp = 3 if layers and fused_mlps(layers[0]) else 4
+    mlp = 2 if layers and fused_mlps(layers[0]) else 4  # fused: the product is recomputed (core.recompute)
     per_layer = 6 * h + 2 * h_kv + mlp * i
     if layers:
         _, rank, dropped = _lora_modules(layers[0])

@@ -16,6 +16,7 @@ samples per rank per forward; accumulation = global / (micro * world_size).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import resource
@@ -31,6 +32,7 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from llmtune.config import Recipe, RecipeError
 from llmtune.core.guard import NonFiniteGuard
+from llmtune.core.recompute import recompute_cheap_activations
 from llmtune.core.schedule import SCHEDULERS, apply_schedule_lr, build_scheduler
 from llmtune.core.stage import Stage
 
@@ -336,7 +338,8 @@ class CoreTrainer(NonFiniteGuard, Trainer):
         """
         if num_items_in_batch is None:  # outside the training loop
             num_items_in_batch = self.stage.count_items(inputs)
-        loss, metrics = self.stage.loss(model, inputs, num_items_in_batch.clamp(min=1))
+        with recompute_cheap_activations() if model.training else contextlib.nullcontext():
+            loss, metrics = self.stage.loss(model, inputs, num_items_in_batch.clamp(min=1))
         if model.training:
             for key, value in metrics.items():
                 self._metric_sums[key] += float(value)

@@ -8,7 +8,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from llmtune.config import load_recipe
-from llmtune.core import memory
+from llmtune.core import memory, recompute
 from llmtune.core.fused import fuse_swiglu
 from llmtune.core.lm_head import masked_token_logps
 from llmtune.models.adapters import adapter_recompute_context
@@ -41,8 +41,8 @@ def batch():
 
 
 def saved_activation_bytes(model, checkpointing: bool) -> dict[str, int]:
-    """Bytes of the distinct non-parameter storages autograd keeps for the backward of one SFT loss, per decoder
-    layer and outside them. Under (non-reentrant) checkpointing a layer keeps only its input, which the layer's
+    """Bytes of the distinct non-parameter storages autograd keeps for the backward of one SFT loss (in the core's
+    training forward, llmtune.core.recompute), per decoder layer and outside them. Under (non-reentrant) checkpointing a layer keeps only its input, which the layer's
     forward pre-hook records."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, tuple[str, int]] = {}
@@ -68,8 +68,16 @@ def saved_activation_bytes(model, checkpointing: bool) -> dict[str, int]:
     handles += [layer.register_forward_hook(lambda *_: where.__setitem__(0, "outside")) for layer in layers]
     inputs, labels = batch()
     model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logps, _ = masked_token_logps(model, inputs, labels)
+    original = recompute._pack  # the training forward's hooks (CoreTrainer.compute_loss): what they keep
+
+    def measuring_pack(t):
+        packed = original(t)
+        return pack(packed) if isinstance(packed, torch.Tensor) else packed
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(recompute, "_pack", measuring_pack)
+        with recompute.recompute_cheap_activations():
+            logps, _ = masked_token_logps(model, inputs, labels)
     logps.sum().backward()  # the graph is whole
     for h in handles:
         h.remove()
