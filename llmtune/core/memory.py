@@ -24,6 +24,10 @@ The estimate (per device, bytes; :func:`estimate_training_memory`) adds:
               of llmtune.core.fused: gate, silu(gate), up, product)
       + r x (LoRA modules of the layer)  (LoRA A outputs; with lora_dropout > 0 also the dropped inputs)
 
+  Under bf16/fp16 autocast with fp32 adapters (half-precision elements): ``4 h`` (each norm keeps an fp32 copy of its
+  input) ``+ 2 h + 2 h_kv + 2 i + r x modules`` ``+`` the input features of every LoRA module (peft casts each
+  module's input to fp32, autocast casts it back: every module keeps its own copy; ``6 h + i`` for all-linear).
+
   With full recomputation (their section 4.2, "2 s b h" bytes per layer at 16 bit) a layer keeps only its input,
   ``h`` per token, and the backward recomputes one layer at a time: ``L h + (one layer)`` per token;
 - the LM head and loss: the (N, V) fp32 logits of the trained positions (``llmtune.core.lm_head``) plus the final
@@ -88,18 +92,20 @@ def optimizer_state_bytes(optim: str, param_bytes: int) -> int:
     return states * (1 if "8bit" in name else param_bytes)
 
 
-def _lora_modules(layer: torch.nn.Module) -> tuple[int, int, int]:
-    """(LoRA modules, their rank sum, input features of those with dropout) of one decoder layer (peft layers)."""
-    count = rank = dropped = 0
+def _lora_modules(layer: torch.nn.Module) -> tuple[int, int, int, int]:
+    """(LoRA modules, their rank sum, their input features, input features of those with dropout) of one decoder
+    layer (peft layers)."""
+    count = rank = inputs = dropped = 0
     for module in layer.modules():
         r = getattr(module, "r", None)
         if isinstance(r, dict) and r and hasattr(module, "lora_A"):
             count += 1
             rank += max(r.values())
+            inputs += getattr(module, "in_features", 0)
             drop = getattr(module, "lora_dropout", {})
             if any(not isinstance(d, torch.nn.Identity) for d in getattr(drop, "values", lambda: [])()):
                 dropped += getattr(module, "in_features", 0)
-    return count, rank, dropped
+    return count, rank, inputs, dropped
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -108,12 +114,15 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(max(lists, key=len)) if lists else []
 
 
-def activation_elements_per_token(model: torch.nn.Module, seq_len: int) -> tuple[float, float]:
+def activation_elements_per_token(model: torch.nn.Module, seq_len: int, autocast: bool = False) -> tuple[float, float]:
     """Activation elements saved per token by ONE decoder layer without checkpointing, and with it (the layer input).
 
     Args:
         model: the model to train (plain or peft-wrapped), with its adapter attached.
         seq_len: tokens per sequence (only the eager attention's (T, T) scores depend on it).
+        autocast: bf16/fp16 mixed precision (autocast) with fp32 adapters: counted in half-precision elements, the
+            norms keep an fp32 copy of their input (2 elements each) and every LoRA module its own half copy of its
+            input (peft casts it to the adapter's fp32, autocast back to half for the matmul).
 
     Returns:
         ``(per_layer, per_layer_checkpointed)`` in elements per token (see the module docstring for the terms).
@@ -126,11 +135,13 @@ def activation_elements_per_token(model: torch.nn.Module, seq_len: int) -> tuple
     h_kv = (getattr(config, "num_key_value_heads", None) or heads) * getattr(config, "head_dim", h // heads)
     i = getattr(config, "intermediate_size", 4 * h) or 4 * h
     layers = _decoder_layers(model)
-    mlp = 2 if layers and fused_mlps(layers[0]) else 4  # fused: the product is recomputed (core.recompute)
-    per_layer = 6 * h + 2 * h_kv + mlp * i
-    if layers:
-        _, rank, dropped = _lora_modules(layers[0])
-        per_layer += rank + dropped * 1.25  # the dropped input and its mask (1 byte per element at fp32: ~1/4)
+    fused = bool(layers and fused_mlps(layers[0]))
+    _, rank, inputs, dropped = _lora_modules(layers[0]) if layers else (0, 0, 0, 0)
+    if autocast:  # fp32 norm inputs; q, out; k, v; gate, up (+ silu(gate)); each LoRA module's input copy
+        per_layer = 2 * 2 * h + 2 * h + 2 * h_kv + (2 if fused else 3) * i + inputs
+    else:  # norm inputs and outputs, q, out; k, v; gate, up (+ silu(gate) and the product when not fused)
+        per_layer = 6 * h + 2 * h_kv + (2 if fused else 4) * i  # fused: the product is recomputed (core.recompute)
+    per_layer += rank + dropped * 1.25  # LoRA A outputs; the dropped input and its mask (1 byte: ~1/4 at fp32)
     if getattr(config, "_attn_implementation", None) == "eager":
         per_layer += heads * seq_len  # softmax probabilities (B, a, T, T): a T per token
     return float(per_layer), float(h)
@@ -186,10 +197,14 @@ def estimate_training_memory(model: torch.nn.Module, recipe, data_kind: str, zer
     half = recipe.precision.bf16 or recipe.precision.fp16
     float_params = [p for p in model.parameters() if p.is_floating_point()]
     act_bytes = 2 if half else (float_params[0].element_size() if float_params else 4)
-    per_layer, per_layer_ckpt = activation_elements_per_token(model, seq_len)
-    n_layers = len(_decoder_layers(model)) or getattr(model.config, "num_hidden_layers", 1)
+    autocast = bool(half and not zero and elem == 4)  # DeepSpeed runs bf16/fp16 weights, adapters included
+    per_layer, per_layer_ckpt = activation_elements_per_token(model, seq_len, autocast=autocast)
+    layers = _decoder_layers(model)
+    n_layers = len(layers) or getattr(model.config, "num_hidden_layers", 1)
     h, vocab = model.config.hidden_size, model.config.vocab_size
     activations = int(tokens * act_bytes * n_layers * per_layer)
+    if autocast and layers:  # autocast's half copies of the LoRA factors, kept for the backward of each layer
+        activations += n_layers * 2 * sum(p.numel() for p in layers[0].parameters() if p.requires_grad)
     activations_ckpt = int(tokens * act_bytes * (n_layers * per_layer_ckpt + per_layer))
     head_rows = rows * (getattr(getattr(recipe, recipe.stage, None), "max_new_tokens", 0) or 0) \
         if data_kind == "prompt" else tokens
@@ -243,10 +258,14 @@ def choose_checkpointing(setting: bool | str, estimate: MemoryEstimate, device_b
                   f"device memory{tail}")
 
 
+def _size(n: int) -> str:
+    return f"{n / GB:.2f} GiB" if n >= GB / 10 else f"{n / 2**20:.1f} MiB"
+
+
 def describe(estimate: MemoryEstimate, device_bytes: int, on: bool, reason: str) -> str:
     """The one line printed before training."""
-    return (f"memory estimate per device: {estimate.total(False) / GB:.2f} GiB without gradient checkpointing, "
-            f"{estimate.total(True) / GB:.2f} GiB with it (weights {estimate.weights / GB:.2f}, grads + optimizer "
-            f"{estimate.trainable / GB:.2f}, LM head {estimate.head / GB:.2f}; {estimate.tokens} tokens per "
+    return (f"memory estimate per device: {_size(estimate.total(False))} without gradient checkpointing, "
+            f"{_size(estimate.total(True))} with it (weights {_size(estimate.weights)}, grads + optimizer "
+            f"{_size(estimate.trainable)}, LM head {_size(estimate.head)}; {estimate.tokens} tokens per "
             f"micro-batch); device memory {device_bytes / GB:.1f} GiB; gradient checkpointing "
             f"{'ON' if on else 'OFF'} ({reason})")

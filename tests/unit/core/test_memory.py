@@ -27,8 +27,8 @@ def lora_model(fused: bool = True, checkpointing: bool = False):
     return get_peft_model(model, LoraConfig(r=R, lora_alpha=16, target_modules="all-linear"))
 
 
-def recipe(**train):
-    return load_recipe(raw={"stage": "sft", "data": {"max_length": T},
+def recipe(precision=None, **train):
+    return load_recipe(raw={"stage": "sft", "data": {"max_length": T}, "precision": precision or {},
                             "train": {"micro_batch_size": B, "global_batch_size": B, **train}})
 
 
@@ -44,7 +44,7 @@ def saved_activation_bytes(model, checkpointing: bool) -> dict[str, int]:
     """Bytes of the distinct non-parameter storages autograd keeps for the backward of one SFT loss (in the core's
     training forward, llmtune.core.recompute), per decoder layer and outside them. Under (non-reentrant) checkpointing a layer keeps only its input, which the layer's
     forward pre-hook records."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}  # (autocast's weight copies count)
     seen: dict[int, tuple[str, int]] = {}
     where = ["outside"]
 
@@ -195,3 +195,19 @@ def test_recipe_value_is_kept(monkeypatch):
     model = lora_model()
     assert plan_checkpointing(model, recipe(gradient_checkpointing=False), _SFT(), 1)["gradient_checkpointing"] is False
     assert not checkpointing_enabled(model)
+
+
+def test_bf16_autocast_estimate_matches_saved_tensors():
+    """bf16 weights, fp32 LoRA factors, autocast (precision.bf16): fp32 norm inputs and a bf16 input copy per LoRA
+    module are what autocast really keeps."""
+    model = make_tiny_llama(make_tiny_tokenizer(), seed=0, hidden_size=64).to(torch.bfloat16)
+    fuse_swiglu(model)
+    model = get_peft_model(model, LoraConfig(r=R, lora_alpha=16, target_modules="all-linear"))
+    assert next(p for p in model.parameters() if p.requires_grad).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        measured = saved_activation_bytes(model, checkpointing=False)
+    est = memory.estimate_training_memory(model, recipe(precision={"bf16": True}), "sft")
+    fp32 = memory.estimate_training_memory(model, recipe(), "sft")
+    layers = measured["layer0"] + measured["layer1"]
+    assert est.activations == pytest.approx(layers, rel=0.1)
+    assert est.activations > fp32.activations / 2  # not simply half of the fp32 count: the copies are counted
