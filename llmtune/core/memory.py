@@ -25,8 +25,9 @@ The estimate (per device, bytes; :func:`estimate_training_memory`) adds:
       + r x (LoRA modules of the layer)  (LoRA A outputs; with lora_dropout > 0 also the dropped inputs)
 
   Under bf16/fp16 autocast with fp32 adapters (half-precision elements): ``4 h`` (each norm keeps an fp32 copy of its
-  input) ``+ 2 h + 2 h_kv + 2 i + r x modules`` ``+`` the input features of every LoRA module (peft casts each
-  module's input to fp32, autocast casts it back: every module keeps its own copy; ``6 h + i`` for all-linear).
+  input) ``+ 4 h + 2 h_kv + 2 i + r x modules``, plus autocast's half copies of the LoRA factors (per layer). The LoRA
+  layers share their input (llmtune.models.adapters.share_lora_inputs_under_autocast); with peft's own cast each
+  module would keep a copy (``+ 4 h + i`` per token per layer for all-linear).
 
   With full recomputation (their section 4.2, "2 s b h" bytes per layer at 16 bit) a layer keeps only its input,
   ``h`` per token, and the backward recomputes one layer at a time: ``L h + (one layer)`` per token;
@@ -120,9 +121,9 @@ def activation_elements_per_token(model: torch.nn.Module, seq_len: int, autocast
     Args:
         model: the model to train (plain or peft-wrapped), with its adapter attached.
         seq_len: tokens per sequence (only the eager attention's (T, T) scores depend on it).
-        autocast: bf16/fp16 mixed precision (autocast) with fp32 adapters: counted in half-precision elements, the
-            norms keep an fp32 copy of their input (2 elements each) and every LoRA module its own half copy of its
-            input (peft casts it to the adapter's fp32, autocast back to half for the matmul).
+        autocast: bf16/fp16 mixed precision (autocast) with fp32 adapters: counted in half-precision elements; the
+            norms keep an fp32 copy of their input (2 elements each); LoRA layers share their input
+            (:func:`llmtune.models.adapters.share_lora_inputs_under_autocast`) unless they drop it out.
 
     Returns:
         ``(per_layer, per_layer_checkpointed)`` in elements per token (see the module docstring for the terms).
@@ -136,12 +137,13 @@ def activation_elements_per_token(model: torch.nn.Module, seq_len: int, autocast
     i = getattr(config, "intermediate_size", 4 * h) or 4 * h
     layers = _decoder_layers(model)
     fused = bool(layers and fused_mlps(layers[0]))
-    _, rank, inputs, dropped = _lora_modules(layers[0]) if layers else (0, 0, 0, 0)
-    if autocast:  # fp32 norm inputs; q, out; k, v; gate, up (+ silu(gate)); each LoRA module's input copy
-        per_layer = 2 * 2 * h + 2 * h + 2 * h_kv + (2 if fused else 3) * i + inputs
-    else:  # norm inputs and outputs, q, out; k, v; gate, up (+ silu(gate) and the product when not fused)
-        per_layer = 6 * h + 2 * h_kv + (2 if fused else 4) * i  # fused: the product is recomputed (core.recompute)
-    per_layer += rank + dropped * 1.25  # LoRA A outputs; the dropped input and its mask (1 byte: ~1/4 at fp32)
+    _, rank, _, dropped = _lora_modules(layers[0]) if layers else (0, 0, 0, 0)
+    mlp = (2 if fused else 4) * i  # gate, up (+ silu(gate) and the product; fused: recomputed, core.recompute)
+    if autocast:  # fp32 copies of the norm inputs, norm outputs, q, out; k, v; MLP; a dropped input and its mask
+        per_layer = 2 * 2 * h + 2 * h + 2 * h + 2 * h_kv + mlp + dropped * 1.5
+    else:  # norm inputs and outputs, q, out; k, v; MLP; a dropped input and its mask (1 byte: ~1/4 at fp32)
+        per_layer = 6 * h + 2 * h_kv + mlp + dropped * 1.25
+    per_layer += rank  # LoRA A outputs
     if getattr(config, "_attn_implementation", None) == "eager":
         per_layer += heads * seq_len  # softmax probabilities (B, a, T, T): a T per token
     return float(per_layer), float(h)

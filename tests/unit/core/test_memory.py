@@ -197,12 +197,21 @@ def test_recipe_value_is_kept(monkeypatch):
     assert not checkpointing_enabled(model)
 
 
-def test_bf16_autocast_estimate_matches_saved_tensors():
-    """bf16 weights, fp32 LoRA factors, autocast (precision.bf16): fp32 norm inputs and a bf16 input copy per LoRA
-    module are what autocast really keeps."""
+def bf16_lora_model(shared: bool = True):
+    from llmtune.models.adapters import share_lora_inputs_under_autocast
+
     model = make_tiny_llama(make_tiny_tokenizer(), seed=0, hidden_size=64).to(torch.bfloat16)
     fuse_swiglu(model)
     model = get_peft_model(model, LoraConfig(r=R, lora_alpha=16, target_modules="all-linear"))
+    if shared:
+        assert share_lora_inputs_under_autocast(model) == 14  # 7 linear layers x 2 decoder layers
+    return model
+
+
+def test_bf16_autocast_estimate_matches_saved_tensors():
+    """bf16 weights, fp32 LoRA factors, autocast (precision.bf16): fp32 norm inputs and shared LoRA inputs are what
+    autocast really keeps."""
+    model = bf16_lora_model()
     assert next(p for p in model.parameters() if p.requires_grad).dtype == torch.float32
     with torch.autocast("cpu", dtype=torch.bfloat16):
         measured = saved_activation_bytes(model, checkpointing=False)
@@ -211,3 +220,21 @@ def test_bf16_autocast_estimate_matches_saved_tensors():
     layers = measured["layer0"] + measured["layer1"]
     assert est.activations == pytest.approx(layers, rel=0.1)
     assert est.activations > fp32.activations / 2  # not simply half of the fp32 count: the copies are counted
+
+
+def test_lora_layers_share_their_input_under_autocast_with_identical_gradients():
+    results = []
+    for shared in (False, True):
+        model = bf16_lora_model(shared)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            saved = saved_activation_bytes(model, checkpointing=False)  # runs forward + backward
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        results.append((sum(saved.values()), grads))
+    (peft_saved, peft_grads), (saved, grads) = results
+    assert all(torch.equal(peft_grads[k], grads[k]) for k in grads)  # the same bf16 operands
+    h, i, layers = 64, 128, 2
+    # q, k, v share the norm output, o its input, gate and up theirs, down's input is recomputed: 4 h + i fewer
+    assert peft_saved - saved == layers * B * T * (4 * h + i) * 2
+    model = bf16_lora_model()
+    masked_token_logps(model, *batch())[0].sum().backward()  # no autocast: peft's cast is left on (fp32 factors)
+    assert all(m.cast_input_dtype_enabled for m in model.modules() if hasattr(m, "cast_input_dtype_enabled"))
