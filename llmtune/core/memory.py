@@ -32,7 +32,8 @@ The estimate (per device, bytes; :func:`estimate_training_memory`) adds:
   With full recomputation (their section 4.2, "2 s b h" bytes per layer at 16 bit) a layer keeps only its input,
   ``h`` per token, and the backward recomputes one layer at a time: ``L h + (one layer)`` per token;
 - the LM head and loss: the (N, V) fp32 logits of the trained positions (``llmtune.core.lm_head``) plus the final
-  norm's input, or (B, T, V) logits with their fp32 log-softmax for stages that score every response position (PPO, GRPO).
+  norm's input, or (B, T, V) logits with their fp32 log-softmax for stages that score every response position
+  (PPO, GRPO).
 
 The activation coefficients are checked against the tensors autograd really saves in
 ``tests/unit/core/test_memory.py`` (within 10 %); weights and trainable state exactly.
@@ -178,11 +179,12 @@ def estimate_training_memory(model: torch.nn.Module, recipe, data_kind: str, zer
     Returns:
         A :class:`MemoryEstimate` (bytes).
     """
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    # ZeRO-3 partitioned parameters hold their full size in ds_numel (numel() is this rank's 0 or shard)
+    weights = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in model.parameters())
     weights += sum(b.numel() * b.element_size() for b in model.buffers())
     trainable = [p for p in model.parameters() if p.requires_grad]
-    n_train = sum(p.numel() for p in trainable)
-    grads = sum(p.numel() * p.element_size() for p in trainable)
+    n_train = sum(getattr(p, "ds_numel", p.numel()) for p in trainable)
+    grads = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in trainable)
     elem = trainable[0].element_size() if trainable else 4
     states = n_train * optimizer_state_bytes(recipe.train.optim, elem)
     master = n_train * 4 if zero and elem != 4 else 0

@@ -42,8 +42,8 @@ def batch():
 
 def saved_activation_bytes(model, checkpointing: bool) -> dict[str, int]:
     """Bytes of the distinct non-parameter storages autograd keeps for the backward of one SFT loss (in the core's
-    training forward, llmtune.core.recompute), per decoder layer and outside them. Under (non-reentrant) checkpointing a layer keeps only its input, which the layer's
-    forward pre-hook records."""
+    training forward, llmtune.core.recompute), per decoder layer and outside them. Under (non-reentrant)
+    checkpointing a layer keeps only its input, which the layer's forward pre-hook records."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}  # (autocast's weight copies count)
     seen: dict[int, tuple[str, int]] = {}
     where = ["outside"]
@@ -157,7 +157,8 @@ def test_pairwise_and_prompt_stages_count_their_sequences():
     assert memory.max_sequence_tokens(r, "pairwise") == (6, 100)
     r = load_recipe(raw={"stage": "grpo", "data": {"max_length": 100, "max_prompt_length": 60},
                          "train": {"micro_batch_size": 2, "global_batch_size": 8, "max_steps": 2},
-                         "reward": {"function": "llmtune.rewards:gsm8k_reward"}, "grpo": {"max_new_tokens": 30, "rollout_batch_size": 8, "num_generations": 4}})
+                         "reward": {"function": "llmtune.rewards:gsm8k_reward"},
+                         "grpo": {"max_new_tokens": 30, "rollout_batch_size": 8, "num_generations": 4}})
     assert memory.max_sequence_tokens(r, "prompt") == (2, 90)
 
 
