@@ -167,7 +167,7 @@ def max_sequence_tokens(recipe, data_kind: str) -> tuple[int, int]:
 
 
 def estimate_training_memory(model: torch.nn.Module, recipe, data_kind: str, zero: int = 0,
-                             world_size: int = 1) -> MemoryEstimate:
+                             world_size: int = 1, passes: int = 1) -> MemoryEstimate:
     """Peak memory of one training step on one device (see the module docstring for the terms and the source).
 
     Args:
@@ -175,6 +175,7 @@ def estimate_training_memory(model: torch.nn.Module, recipe, data_kind: str, zer
         recipe: the resolved recipe (micro batch, lengths, precision, optimizer).
         data_kind: the stage's ``data_kind`` (``sft``, ``pairwise``, ``prompt``).
         zero: DeepSpeed ZeRO stage (0 = none); world_size: ranks it shards over.
+        passes: forwards through the body kept for one backward (PPO: 2, the policy and the value adapter).
 
     Returns:
         A :class:`MemoryEstimate` (bytes).
@@ -206,10 +207,10 @@ def estimate_training_memory(model: torch.nn.Module, recipe, data_kind: str, zer
     layers = _decoder_layers(model)
     n_layers = len(layers) or getattr(model.config, "num_hidden_layers", 1)
     h, vocab = model.config.hidden_size, model.config.vocab_size
-    activations = int(tokens * act_bytes * n_layers * per_layer)
+    activations = int(tokens * act_bytes * n_layers * per_layer * passes)
     if autocast and layers:  # autocast's half copies of the LoRA factors, kept for the backward of each layer
         activations += n_layers * 2 * sum(p.numel() for p in layers[0].parameters() if p.requires_grad)
-    activations_ckpt = int(tokens * act_bytes * (n_layers * per_layer_ckpt + per_layer))
+    activations_ckpt = int(tokens * act_bytes * (n_layers * per_layer_ckpt * passes + per_layer))
     head_rows = rows * (getattr(getattr(recipe, recipe.stage, None), "max_new_tokens", 0) or 0) \
         if data_kind == "prompt" else tokens
     copies = 2 if data_kind == "prompt" else 1  # full logits + fp32 log-softmax vs. one fp32 buffer (lm_head.py)

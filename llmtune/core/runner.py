@@ -232,8 +232,9 @@ def plan_checkpointing(model, recipe: Recipe, stage: Stage, world_size: int) -> 
     from llmtune.models import enable_gradient_checkpointing
     from llmtune.models.adapters import checkpointing_enabled
 
+    passes = 2 if getattr(getattr(stage, "trainer_class", None), "value_forward", False) else 1  # PPO: + value
     estimate = memory.estimate_training_memory(model, recipe, stage.data_kind, zero=zero_stage(recipe) or 0,
-                                               world_size=world_size)
+                                               world_size=world_size, passes=passes)
     device = memory.device_memory_bytes()
     on, reason = memory.choose_checkpointing(recipe.train.gradient_checkpointing, estimate, device)
     if torch.distributed.is_available() and torch.distributed.is_initialized():  # every rank makes the same choice

@@ -239,3 +239,13 @@ def test_lora_layers_share_their_input_under_autocast_with_identical_gradients()
     model = bf16_lora_model()
     masked_token_logps(model, *batch())[0].sum().backward()  # no autocast: peft's cast is left on (fp32 factors)
     assert all(m.cast_input_dtype_enabled for m in model.modules() if hasattr(m, "cast_input_dtype_enabled"))
+
+
+def test_ppo_keeps_two_passes_of_activations():
+    one = memory.estimate_training_memory(lora_model(), recipe(), "sft")
+    two = memory.estimate_training_memory(lora_model(), recipe(), "sft", passes=2)
+    assert two.activations == 2 * one.activations
+    assert two.activations_checkpointed - one.activations_checkpointed == B * T * 2 * 64 * 4  # layer inputs
+    from llmtune.stages import STAGES
+
+    assert STAGES["ppo"].trainer_class.value_forward and not getattr(STAGES["grpo"].trainer_class, "value_forward")
