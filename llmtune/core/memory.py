@@ -18,16 +18,18 @@ The estimate (per device, bytes; :func:`estimate_training_memory`) adds:
   fused attention kernel (SDPA / FlashAttention keep no (T, T) scores; the eager kernel adds ``a T`` per token, their
   ``5 a s / h`` term without dropout). Per token per layer, in elements of the activation dtype::
 
-      6 h  (inputs and outputs of the two norms, rotated q, attention output = o_proj input)
+      6 h  (inputs and outputs of the two norms, rotated q, attention output = o_proj input; 4 h when the norm
+            outputs are recomputed, llmtune.core.fused.recompute_norm_outputs)
       + 2 h_kv  (rotated k, v)
       + 2 i  (gate, up; their product is recomputed, llmtune.core.recompute; 4 i without the fused SwiGLU
               of llmtune.core.fused: gate, silu(gate), up, product)
       + r x (LoRA modules of the layer)  (LoRA A outputs; with lora_dropout > 0 also the dropped inputs)
 
   Under bf16/fp16 autocast with fp32 adapters (half-precision elements): ``4 h`` (each norm keeps an fp32 copy of its
-  input) ``+ 4 h + 2 h_kv + 2 i + r x modules``, plus autocast's half copies of the LoRA factors (per layer). The LoRA
-  layers share their input (llmtune.models.adapters.share_lora_inputs_under_autocast); with peft's own cast each
-  module would keep a copy (``+ 4 h + i`` per token per layer for all-linear).
+  input) ``+ 2 h`` (norm outputs, unless recomputed) ``+ 2 h + 2 h_kv + 2 i + r x modules``, plus autocast's half
+  copies of the LoRA factors (per layer). The LoRA layers share their input
+  (llmtune.models.adapters.share_lora_inputs_under_autocast); with peft's own cast each module would keep a copy
+  (``+ 6 h + i`` per token per layer for all-linear).
 
   With full recomputation (their section 4.2, "2 s b h" bytes per layer at 16 bit) a layer keeps only its input,
   ``h`` per token, and the backward recomputes one layer at a time: ``L h + (one layer)`` per token;
@@ -129,7 +131,7 @@ def activation_elements_per_token(model: torch.nn.Module, seq_len: int, autocast
     Returns:
         ``(per_layer, per_layer_checkpointed)`` in elements per token (see the module docstring for the terms).
     """
-    from llmtune.core.fused import fused_mlps
+    from llmtune.core.fused import fused_mlps, recomputed_norms
 
     config = model.config
     h = config.hidden_size
@@ -138,15 +140,19 @@ def activation_elements_per_token(model: torch.nn.Module, seq_len: int, autocast
     i = getattr(config, "intermediate_size", 4 * h) or 4 * h
     layers = _decoder_layers(model)
     fused = bool(layers and fused_mlps(layers[0]))
+    norm_outputs = 2 * h - (min(recomputed_norms(layers[0]), 2) * h if layers else 0)  # recomputed: not kept
     _, rank, _, dropped = _lora_modules(layers[0]) if layers else (0, 0, 0, 0)
     mlp = (2 if fused else 4) * i  # gate, up (+ silu(gate) and the product; fused: recomputed, core.recompute)
     if autocast:  # fp32 copies of the norm inputs, norm outputs, q, out; k, v; MLP; a dropped input and its mask
-        per_layer = 2 * 2 * h + 2 * h + 2 * h + 2 * h_kv + mlp + dropped * 1.5
+        per_layer = 2 * 2 * h + norm_outputs + 2 * h + 2 * h_kv + mlp + dropped * 1.5
     else:  # norm inputs and outputs, q, out; k, v; MLP; a dropped input and its mask (1 byte: ~1/4 at fp32)
-        per_layer = 6 * h + 2 * h_kv + mlp + dropped * 1.25
+        per_layer = 2 * h + norm_outputs + 2 * h + 2 * h_kv + mlp + dropped * 1.25
     per_layer += rank  # LoRA A outputs
-    if getattr(config, "_attn_implementation", None) == "eager":
+    attention = getattr(config, "_attn_implementation", None)
+    if attention == "eager":
         per_layer += heads * seq_len  # softmax probabilities (B, a, T, T): a T per token
+    elif attention == "llmtune_sdpa_varlen":  # padding-free rows: o_proj's input is a concatenated copy
+        per_layer += h
     return float(per_layer), float(h)
 
 

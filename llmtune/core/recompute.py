@@ -34,7 +34,7 @@ class _Recipe:
 def register(tensor: torch.Tensor, fn: Callable[[], torch.Tensor]) -> None:
     """Announce that ``fn()`` (no grad) returns a tensor equal to ``tensor``, laid out the same (contiguous). A no-op
     outside :func:`recompute_cheap_activations`; ``fn`` must only hold tensors the backward keeps anyway."""
-    if _registry is not None and tensor.requires_grad and tensor.is_contiguous():
+    if _registry is not None and tensor.is_contiguous():  # (a first norm's output needs no grad, yet is saved)
         _registry[tensor.untyped_storage().data_ptr()] = (weakref.ref(tensor), fn)
 
 

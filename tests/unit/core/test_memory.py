@@ -9,7 +9,7 @@ from peft import LoraConfig, get_peft_model
 
 from llmtune.config import load_recipe
 from llmtune.core import memory, recompute
-from llmtune.core.fused import fuse_swiglu
+from llmtune.core.fused import fuse_swiglu, recompute_norm_outputs
 from llmtune.core.lm_head import masked_token_logps
 from llmtune.models.adapters import adapter_recompute_context
 from llmtune.models.tiny import make_tiny_llama, make_tiny_tokenizer
@@ -18,9 +18,11 @@ B, T, R = 2, 40, 8
 
 
 def lora_model(fused: bool = True, checkpointing: bool = False):
+    """The tiny LoRA Llama as SFT/DPO train it (fused: SwiGLU + recomputed norm outputs, llmtune.core.fused)."""
     model = make_tiny_llama(make_tiny_tokenizer(), seed=0, hidden_size=64)
     if fused:
         fuse_swiglu(model)
+        assert recompute_norm_outputs(model) == 5  # 2 per layer + the final norm
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
             "use_reentrant": False, "context_fn": adapter_recompute_context})
@@ -203,6 +205,7 @@ def bf16_lora_model(shared: bool = True):
 
     model = make_tiny_llama(make_tiny_tokenizer(), seed=0, hidden_size=64).to(torch.bfloat16)
     fuse_swiglu(model)
+    recompute_norm_outputs(model)
     model = get_peft_model(model, LoraConfig(r=R, lora_alpha=16, target_modules="all-linear"))
     if shared:
         assert share_lora_inputs_under_autocast(model) == 14  # 7 linear layers x 2 decoder layers
@@ -234,8 +237,9 @@ def test_lora_layers_share_their_input_under_autocast_with_identical_gradients()
     (peft_saved, peft_grads), (saved, grads) = results
     assert all(torch.equal(peft_grads[k], grads[k]) for k in grads)  # the same bf16 operands
     h, i, layers = 64, 128, 2
-    # q, k, v share the norm output, o its input, gate and up theirs, down's input is recomputed: 4 h + i fewer
-    assert peft_saved - saved == layers * B * T * (4 * h + i) * 2
+    # q, k, v share the norm output, o its input, gate and up theirs (norm outputs recomputed), down's input is
+    # recomputed: 6 h + i fewer
+    assert peft_saved - saved == layers * B * T * (6 * h + i) * 2
     model = bf16_lora_model()
     masked_token_logps(model, *batch())[0].sum().backward()  # no autocast: peft's cast is left on (fp32 factors)
     assert all(m.cast_input_dtype_enabled for m in model.modules() if hasattr(m, "cast_input_dtype_enabled"))

@@ -33,13 +33,14 @@ def run(model, with_recipes: bool):
     return loss.detach(), grads, sum(sizes.values())
 
 
-def test_swiglu_product_is_recomputed_with_identical_gradients():
+def test_swiglu_product_and_norm_outputs_are_recomputed_with_identical_gradients():
     loss_a, grads_a, saved_a = run(lora_model(), with_recipes=False)
     loss_b, grads_b, saved_b = run(lora_model(), with_recipes=True)
     assert torch.equal(loss_a, loss_b)
     assert grads_a.keys() == grads_b.keys() and all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
-    intermediate, layers = 128, 2  # tiny Llama, hidden 64
-    assert saved_a - saved_b == layers * B * T * intermediate * 4  # one fp32 (tokens, intermediate) per layer
+    hidden, intermediate, layers = 64, 128, 2  # tiny Llama
+    # per layer one fp32 (tokens, intermediate) product and two (tokens, hidden) norm outputs
+    assert saved_a - saved_b == layers * B * T * (intermediate + 2 * hidden) * 4
 
 
 def test_unfused_mlps_and_checkpointed_layers_are_unchanged():
