@@ -130,10 +130,15 @@ def read_metrics(path: str | Path) -> list[dict]:
     return records
 
 
-def truncate_metrics(path: str | Path, step: int) -> int:
+def truncate_metrics(path: str | Path, step: int, *, including_step: bool = False) -> int:
     """Before resuming from the checkpoint of optimizer step ``step``: drop the records the resumed run will write
     again (steps after ``step``, and the end-of-training summary of the interrupted attempt) and torn lines.
     The file is rewritten atomically (temp file + rename).
+
+    Args:
+        including_step: drop the records of ``step`` too: ``samples.jsonl`` of PPO/GRPO, whose records carry the
+            optimizer step at which their rollout was sampled (the resumed run samples the rollout of ``step``
+            again).
 
     Returns:
         The number of records dropped.
@@ -146,7 +151,8 @@ def truncate_metrics(path: str | Path, step: int) -> int:
         return 0
     records = read_jsonl(path, skip_bad_lines=True)
     kept = [r for r in records
-            if not (isinstance(r.get("step"), int) and r["step"] > step) and "train_runtime" not in r]
+            if not (isinstance(r.get("step"), int) and r["step"] >= step + (not including_step))
+            and "train_runtime" not in r]
     tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "w") as fh:
         fh.write("".join(json.dumps(r) + "\n" for r in kept))

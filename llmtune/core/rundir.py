@@ -28,6 +28,7 @@ from llmtune.utils import get_logger
 RECIPE = "recipe.resolved.yaml"
 DATA_REPORT = "data_report.json"
 METRICS = "metrics.jsonl"
+SAMPLES = "samples.jsonl"  # PPO/GRPO: a few rollout records per iteration, each with the step it was sampled at
 LOSS_PLOT = "loss.png"
 CHECKPOINTS = "checkpoints"
 ADAPTER = "adapter"

@@ -101,6 +101,7 @@ def _run_stage(stage: Stage, base_dir: str | Path, stop: StopRequest) -> dict:
         run.prepare(resume=resume, overwrite=recipe.output.overwrite, resume_from=recipe.train.resume_from)
         if resume:  # the steps after the checkpoint are trained again: their old records go
             truncate_metrics(run / rd.METRICS, _checkpoint_step(resume_ckpt))
+            truncate_metrics(run / rd.SAMPLES, _checkpoint_step(resume_ckpt), including_step=True)
     set_seed(recipe.train.seed)
     if is_main_process():
         dump_recipe(recipe, run / rd.RECIPE)

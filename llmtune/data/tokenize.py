@@ -431,15 +431,18 @@ def tokenize_rows(rows: list[dict], fn, num_proc: int | None = None) -> list:
     import datasets
 
     table = datasets.Dataset.from_dict({"row": [json.dumps(r) for r in rows]})
-    mapped = table.map(
+    from llmtune.data.cache import arrow_path
+
+    mapped = table.map(  # results go to a memory-mapped scratch file, not into this process's memory
         _map_batch, batched=True, num_proc=num_proc, fn_kwargs={"fn": fn}, remove_columns=["row"],
-        desc=f"tokenizing ({num_proc} processes)",
-        keep_in_memory=True, load_from_cache_file=False, new_fingerprint=uuid.uuid4().hex,
+        desc=f"tokenizing ({num_proc} processes)", cache_file_name=str(arrow_path("tokenized", scratch=True)),
+        load_from_cache_file=False, new_fingerprint=uuid.uuid4().hex,
     )
-    return [
-        RowError(r["kind"], r["reason"], bad=r["bad"]) if r["kind"] else fn.result_type(**json.loads(r["result"]))
-        for r in mapped
-    ]
+    out = []
+    for batch in mapped.iter(batch_size=1000):
+        for result, kind, reason, bad in zip(batch["result"], batch["kind"], batch["reason"], batch["bad"]):
+            out.append(RowError(kind, reason, bad=bad) if kind else fn.result_type(**json.loads(result)))
+    return out
 
 
 def render_labels(input_ids, labels, tokenizer) -> str:

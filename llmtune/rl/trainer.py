@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from llmtune.core.rundir import SAMPLES
 from llmtune.core.trainer import CoreTrainer
 from llmtune.data.templates import template_eos_ids
 from llmtune.rl import ops
@@ -33,7 +34,6 @@ from llmtune.rl.generation import HFGenerationBackend
 from llmtune.rl.rollout import decode_responses, join, response_token_logps, split_generation
 from llmtune.rl.scoring import build_reward_sources
 
-SAMPLES = "samples.jsonl"
 
 
 class _StepSlots(torch.utils.data.Dataset):

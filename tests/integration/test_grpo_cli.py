@@ -130,6 +130,9 @@ def test_resume_reproduces_the_uninterrupted_run(workspace, grpo_run):
     (copy / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
     assert main(["grpo", str(grpo_recipe(workspace, "grpo_resumed")), "train.resume_from=latest"]) == 0
     assert _losses(copy) == pytest.approx(_losses(grpo_run), abs=1e-6)
+    # the rollouts sampled again after the checkpoint replace the interrupted run's, once each
+    samples, original = (read_jsonl(r / "samples.jsonl") for r in (copy, grpo_run))
+    assert [(s["step"], s["completion"]) for s in samples] == [(s["step"], s["completion"]) for s in original]
     one, two = (load_file(r / "adapter" / "adapter_model.safetensors") for r in (copy, grpo_run))
     assert one.keys() == two.keys() and all(torch.allclose(one[k], two[k], atol=1e-6) for k in one)
 

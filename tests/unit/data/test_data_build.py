@@ -86,9 +86,12 @@ def test_report_counts_save_and_summary(tok, write, cfg, tmp_path):
 
 def test_num_proc_gives_the_same_rows(tok, write, cfg):
     a, b = _sources(write, n_a=6, n_b=6)
-    one = build_sft_data(cfg(a, b, val_size=2), tok)
-    two = build_sft_data(cfg(a, b, val_size=2, num_proc=2), tok)
+    long = write("long.jsonl", [{"text": "word " * 80}, {"text": "short"}])  # dropped by the tokenizer: too long
+    kwargs = {"val_size": 2, "max_length": 32, "truncation": "drop", "cache": False}  # no cache: tokenize twice
+    one = build_sft_data(cfg(a, b, long, **kwargs), tok)
+    two = build_sft_data(cfg(a, b, long, num_proc=2, **kwargs), tok)
     assert one.train.to_dict() == two.train.to_dict() and one.eval.to_dict() == two.eval.to_dict()
+    assert one.report.to_dict() == two.report.to_dict() and one.report.drop_counts() == {"longer than max_length": 1}
 
 
 def test_no_chat_template_needed_for_text_only(write, cfg):

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -72,12 +75,18 @@ def test_a_failed_build_stores_nothing_and_a_dead_staging_dir_is_removed(tok, wr
     bad = write("bad.jsonl", CHAT[:3] + [{"messages": [{"role": "assistant", "content": "no user"}]}])
     with pytest.raises(DataError, match="bad row"):
         build_sft_data(cfg(bad), tok)
-    assert _entries(cache_dir) == [] and not any(cache_dir.iterdir())  # no entry, no staging left behind
-    dead = cache_dir / ".staging-abc-123"
-    dead.mkdir()
-    os.utime(dead, (0, 0))  # a build killed long ago
+    # no entry, no staging left behind (only the lock file of the key)
+    assert _entries(cache_dir) == [] and [p.suffix for p in cache_dir.iterdir()] == [".lock"]
+    old = cache_dir / ".staging-abc-otherhost-123-x1"
+    old.mkdir()
+    os.utime(old, (0, 0))  # a build on another host, long ago
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # a process that no longer exists, as a killed build
+    killed = cache_dir / f".staging-abc-{socket.gethostname()}-{child.pid}-x2"
+    live = cache_dir / f".staging-abc-{socket.gethostname()}-{os.getpid()}-x3"  # a build still running
+    killed.mkdir(), live.mkdir()
     build_sft_data(cfg(write("ok.jsonl", CHAT)), tok)
-    assert not dead.exists() and len(_entries(cache_dir)) == 1
+    assert not old.exists() and not killed.exists() and live.exists() and len(_entries(cache_dir)) == 1
 
 
 def test_a_corrupt_entry_is_rebuilt(tok, write, cfg, cache_dir, capfd):
@@ -141,3 +150,39 @@ def test_auto_num_proc(monkeypatch):
     assert auto_num_proc(10**6) == 4
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert auto_num_proc(10**6) == 1
+
+
+BUILD_SCRIPT = """
+import sys, time
+import llmtune.data.tokenize as tokenize_mod
+from llmtune.config.schema import DataConfig, DatasetConfig
+from llmtune.data import build_sft_data
+from llmtune.models.tiny import make_tiny_tokenizer
+
+original = tokenize_mod.SFTTokenizer.__call__
+def counted(self, row):
+    with open(sys.argv[2], "a") as fh:
+        fh.write("x\\n")
+    time.sleep(0.05)  # a slow tokenizer: both processes start while the first one builds
+    return original(self, row)
+tokenize_mod.SFTTokenizer.__call__ = counted
+data = build_sft_data(DataConfig(datasets=[DatasetConfig(path=sys.argv[1])], val_size=2), make_tiny_tokenizer())
+print(len(data.train), data.train.cache_files[0]["filename"])
+"""
+
+
+@pytest.mark.slow  # two interpreters importing torch: ~10 s
+def test_concurrent_builds_of_one_entry_tokenize_once(write, cache_dir, tmp_path):
+    """Ranks of a launch build the same data at the same time: one tokenizes, the others wait and read its entry."""
+    path = write("chat.jsonl", CHAT)
+    calls = tmp_path / "calls.txt"
+    env = {**os.environ, "LLMTUNE_DATA_CACHE": str(cache_dir), "HF_HUB_OFFLINE": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", BUILD_SCRIPT, str(path), str(calls)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    assert len(calls.read_text().splitlines()) == 12  # not 24
+    (entry,) = _entries(cache_dir)
+    assert [o[0].split() for o in outs] == [["10", o[0].split()[1]] for o in outs]
+    assert all(str(entry) in o[0] for o in outs)
+    assert sum("waiting for another process" in o[1] for o in outs) == 1
