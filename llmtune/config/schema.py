@@ -235,8 +235,10 @@ class TrainConfig(Section):
     group_by_length: bool = Field(
         True, description="Batch training rows of similar length together (less padding; the order stays seeded)."
     )
-    gradient_checkpointing: bool = Field(
-        False, description="Recompute activations in backward (non-reentrant; saves memory, ~30% slower)."
+    gradient_checkpointing: bool | Literal["auto"] = Field(
+        "auto", description="Recompute activations in backward (non-reentrant; saves memory, ~30% slower). auto: "
+        "off when the memory estimate printed before training without it fits in 85% of the device memory (CPU: the "
+        "RAM this process can get), else on (llmtune.core.memory)."
     )
     seed: int = Field(42, ge=0, le=SEED_MAX, description="Seed for initialisation, dropout and data order "
                       "(0 .. 2**32-1, numpy's range).")

@@ -8,6 +8,7 @@ invalid too.
 from __future__ import annotations
 
 import difflib
+import re
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -61,6 +62,29 @@ def _all_field_names(model: type[BaseModel], prefix: str = "") -> dict[str, str]
         else:
             out.setdefault(name, f"{prefix}{name}")
     return out
+
+
+_UNION_TAG = re.compile(r"^(bool|int|float|str|none|literal\[.*\]|list\[.*\]|dict\[.*\]|[A-Z]\w*)$")
+
+
+def _strip_union_tags(errors: list[dict]) -> list[dict]:
+    """Drop the member tags pydantic appends to the location of each failed member of a union (``bool``,
+    ``literal['auto']``, ``list[str]`` ...): the user's key is the field, not a Python type."""
+    out = []
+    for err in errors:
+        loc = list(err["loc"])
+        while len(loc) > 1 and isinstance(loc[-1], str) and _UNION_TAG.match(loc[-1]):
+            loc.pop()
+        out.append({**err, "loc": tuple(loc)})
+    return out
+
+
+def _merge_union_errors(problems: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """One problem per key: the messages of a union's failed members joined with "or"."""
+    merged: dict[str, list[str]] = {}
+    for key, message in problems:
+        merged.setdefault(key, []).append(message)
+    return [(key, messages[0] if len(messages) == 1 else "; or ".join(messages)) for key, messages in merged.items()]
 
 
 def _format_pydantic(err: dict) -> tuple[str, str]:
@@ -301,7 +325,7 @@ def validate_recipe(doc: dict, source: str | None = None) -> Recipe:
     try:
         recipe = Recipe.model_validate(doc)
     except ValidationError as exc:
-        problems += [_format_pydantic(e) for e in exc.errors()]
+        problems += _merge_union_errors([_format_pydantic(e) for e in _strip_union_tags(exc.errors())])
     problems += cross_field_problems(doc)
     if problems:
         raise RecipeError(problems, source=source)

@@ -5,7 +5,9 @@ Convention of Kaplan et al. 2020 / Chowdhury et al. 2022 (PaLM, appendix B): mat
 ``N`` = weights of every linear layer (LM head included), ``N_t`` = trainable ones among them, ``L`` layers,
 ``d`` hidden size and ``T`` tokens per sequence: forward ``2N + 4 L T d`` (attention scores and values), backward
 through the activations the same again, plus ``2 N_t`` for the weight gradients; a frozen reference forward
-(DPO) adds one more forward.
+(DPO) adds one more forward; PPO's value model (a second adapter on the same base, without the LM head) adds one more
+forward and backward through the body. Sampling (PPO, GRPO rollouts) costs a forward per generated token with a KV
+cache: ``2N + 4 L c d``, ``c`` = the tokens it attends to (prompt + half the completion on average).
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ def linear_weights(model: torch.nn.Module) -> tuple[int, int]:
             n = n * 2 if hasattr(p, "quant_state") else n  # bitsandbytes 4-bit packs two weights per byte
             total += n
             trainable += n if p.requires_grad else 0
-    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    inner = getattr(model, "policy", model)  # online RL: the peft policy inside llmtune.rl.model.PolicyModel
+    embeddings = getattr(inner, "get_input_embeddings", lambda: None)()
     if embeddings is not None and getattr(embeddings, "weight", None) is not None:
-        out = getattr(model, "get_output_embeddings", lambda: None)()
+        out = getattr(inner, "get_output_embeddings", lambda: None)()
         tied = out is not None and out.weight is embeddings.weight
         if not tied:  # an embedding lookup is not a matmul; a tied one is the LM head as well
             total -= embeddings.weight.numel()
@@ -39,19 +42,36 @@ def linear_weights(model: torch.nn.Module) -> tuple[int, int]:
     return total, max(trainable, 0)
 
 
-def train_flops_per_token(model: torch.nn.Module, seq_len: float, reference_forward: bool = False) -> float:
+def forward_flops_per_token(model: torch.nn.Module, seq_len: float) -> float:
+    """Model FLOPs of one forward per token: ``2N + 4 L T d`` (see the module docstring).
+
+    Args:
+        model: plain, peft-wrapped or an online-RL policy wrapper. seq_len: tokens attended to (T).
+    """
+    n, _ = linear_weights(model)
+    config = getattr(model, "config", None)
+    layers = getattr(config, "num_hidden_layers", 0) or 0
+    hidden = getattr(config, "hidden_size", 0) or 0
+    return 2 * n + 4 * layers * seq_len * hidden
+
+
+def train_flops_per_token(model: torch.nn.Module, seq_len: float, reference_forward: bool = False,
+                          value_forward: bool = False) -> float:
     """Model FLOPs per processed token of one training step (see the module docstring).
 
     Args:
         model: the trained model (peft-wrapped or plain). seq_len: mean tokens per sequence.
         reference_forward: a frozen reference forward per step (DPO without precomputed reference log-probs).
+        value_forward: a value-model forward and backward through the body per step (PPO).
     """
-    n, n_trainable = linear_weights(model)
-    config = getattr(model, "config", None)
-    layers = getattr(config, "num_hidden_layers", 0) or 0
-    hidden = getattr(config, "hidden_size", 0) or 0
-    forward = 2 * n + 4 * layers * seq_len * hidden
-    return 2 * forward + 2 * n_trainable + (forward if reference_forward else 0)
+    _, n_trainable = linear_weights(model)
+    forward = forward_flops_per_token(model, seq_len)
+    out = 2 * forward + 2 * n_trainable + (forward if reference_forward else 0)
+    if value_forward:
+        config = getattr(model, "config", None)
+        head = (getattr(config, "vocab_size", 0) or 0) * (getattr(config, "hidden_size", 0) or 0)
+        out += 2 * (forward - 2 * head)
+    return out
 
 
 def peak_tflops() -> float | None:

@@ -141,7 +141,8 @@ class RunDir:
 
         Keys that only extend or observe a run may change: ``train.max_steps``, ``num_epochs``, ``*_steps`` of
         eval/save/logging, ``resume_from``, ``save_total_limit``, ``eval_batch_size``, ``output.*``, a node's
-        rank/master address/port and ``ppo.sample_every`` / ``grpo.sample_every``.
+        rank/master address/port, ``ppo.sample_every`` / ``grpo.sample_every``, and what changes how but not what
+        is computed: ``train.gradient_checkpointing``, ``data.num_proc``, ``data.cache``, ``data.cache_dir``.
 
         Raises:
             RecipeError: one problem per changed key, with its old and new value.
@@ -155,6 +156,8 @@ class RunDir:
         free = {"train.max_steps", "train.num_epochs", "train.eval_steps", "train.save_steps", "train.logging_steps",
                 "train.resume_from", "train.save_total_limit", "train.eval_batch_size", "train.eval_at_start",
                 "train.early_stopping_patience", "train.dataloader_num_workers", "train.max_nonfinite_steps",
+                # how, not what: recomputation gives the same gradients; tokenization processes and its cache
+                "train.gradient_checkpointing", "data.num_proc", "data.cache", "data.cache_dir",
                 # where this process sits in the job (differs per node of one job), what PPO writes as samples
                 "distributed.node_rank", "distributed.master_addr", "distributed.master_port", "ppo.sample_every",
                 "grpo.sample_every"}

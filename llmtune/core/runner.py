@@ -131,8 +131,9 @@ def _run_stage(stage: Stage, base_dir: str | Path, stop: StopRequest) -> dict:
     model = stage.prepare_model(model, tokenizer)
     quantized = recipe.model.load_in_4bit or recipe.model.load_in_8bit
     model = attach_adapter(
-        model, recipe.adapter, gradient_checkpointing=recipe.train.gradient_checkpointing, quantized=quantized
+        model, recipe.adapter, gradient_checkpointing=recipe.train.gradient_checkpointing is True, quantized=quantized
     )
+    memory_plan = plan_checkpointing(model, recipe, stage, args.world_size)
     trainable, total = count_parameters(model)
     batch = batch_layout(recipe, args.world_size)
     log.info(
@@ -201,6 +202,7 @@ def _run_stage(stage: Stage, base_dir: str | Path, stop: StopRequest) -> dict:
         "adapter": str(adapter_dir),
         "batch": batch,  # effective global batch = micro x accumulation x ranks
         "zero_stage": zero_stage(recipe),
+        **memory_plan,  # memory_estimate_gb (for the checkpointing chosen), gradient_checkpointing, memory_estimate
     }
     if trainer.is_world_process_zero():
         tokenizer.save_pretrained(str(adapter_dir))
@@ -221,6 +223,34 @@ def _run_stage(stage: Stage, base_dir: str | Path, stop: StopRequest) -> dict:
             push_to_hub(adapter_dir, recipe.output.hub_model_id, private=recipe.output.hub_private,
                         message=f"llmtune {stage.name} adapter ({trainer.state.global_step} steps)")
     return summary
+
+
+def plan_checkpointing(model, recipe: Recipe, stage: Stage, world_size: int) -> dict:
+    """Estimate this run's peak memory per device (:mod:`llmtune.core.memory`), log it in one line with the device
+    memory and the gradient-checkpointing choice (``train.gradient_checkpointing``: true / false / auto), switch
+    checkpointing on when chosen, and return what the lineage summary records."""
+    from llmtune.core import memory
+    from llmtune.models import enable_gradient_checkpointing
+    from llmtune.models.adapters import checkpointing_enabled
+
+    passes = 2 if getattr(getattr(stage, "trainer_class", None), "value_forward", False) else 1  # PPO: + value
+    estimate = memory.estimate_training_memory(model, recipe, stage.data_kind, zero=zero_stage(recipe) or 0,
+                                               world_size=world_size, passes=passes)
+    device = memory.device_memory_bytes()
+    on, reason = memory.choose_checkpointing(recipe.train.gradient_checkpointing, estimate, device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():  # every rank makes the same choice
+        flag = torch.tensor([int(on)], device="cuda" if torch.cuda.is_available() else "cpu")
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        on = bool(flag.item())
+    if checkpointing_enabled(model):  # asked for, or already on in the given model (attach_adapter kept it)
+        on = True
+    elif on:
+        enable_gradient_checkpointing(model.get_base_model() if hasattr(model, "get_base_model") else model)
+    if is_main_process():
+        log.info("%s", memory.describe(estimate, device, on, reason))
+    return {"memory_estimate_gb": round(estimate.total(on) / memory.GB, 3), "gradient_checkpointing": on,
+            "memory_estimate": {**estimate.summary(), "device_memory_gb": round(device / memory.GB, 1),
+                                "reason": reason}}
 
 
 def _checkpoint_step(checkpoint: Path) -> int:

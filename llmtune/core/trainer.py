@@ -16,6 +16,7 @@ samples per rank per forward; accumulation = global / (micro * world_size).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import resource
@@ -31,6 +32,7 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from llmtune.config import Recipe, RecipeError
 from llmtune.core.guard import NonFiniteGuard
+from llmtune.core.recompute import recompute_cheap_activations
 from llmtune.core.schedule import SCHEDULERS, apply_schedule_lr, build_scheduler
 from llmtune.core.stage import Stage
 
@@ -324,7 +326,8 @@ class CoreTrainer(NonFiniteGuard, Trainer):
         )
         self.seen_tokens += seen
         self._window_tokens += seen
-        self._window_rows += sum(b["input_ids"].shape[0] for b in batch_samples)
+        self._window_rows += sum(  # padding-free SFT: the rows of a (1, L) sequence are numbered by row_index
+            int(b["row_index"].max()) + 1 if "row_index" in b else b["input_ids"].shape[0] for b in batch_samples)
         return count
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -335,7 +338,8 @@ class CoreTrainer(NonFiniteGuard, Trainer):
         """
         if num_items_in_batch is None:  # outside the training loop
             num_items_in_batch = self.stage.count_items(inputs)
-        loss, metrics = self.stage.loss(model, inputs, num_items_in_batch.clamp(min=1))
+        with recompute_cheap_activations() if model.training else contextlib.nullcontext():
+            loss, metrics = self.stage.loss(model, inputs, num_items_in_batch.clamp(min=1))
         if model.training:
             for key, value in metrics.items():
                 self._metric_sums[key] += float(value)
@@ -356,7 +360,7 @@ class CoreTrainer(NonFiniteGuard, Trainer):
             seen = self.seen_tokens * self.args.world_size
             logs["tokens_per_s"] = (seen - self._last_log_tokens) / max(now - self._last_log_time, 1e-9)
             self._last_log_time, self._last_log_tokens = now, seen
-            logs.update(self._flops_metrics(logs["tokens_per_s"]))
+            logs.update(self._flops_metrics(logs[self.flops_tokens_key]))
             keys = sorted(self._metric_sums)
             values = [self._metric_sums[k] for k in keys] + [float(self._metric_counts[k]) for k in keys]
             peak = peak_memory_gb()
@@ -373,16 +377,25 @@ class CoreTrainer(NonFiniteGuard, Trainer):
             self._metric_counts.clear()
         super().log(logs, start_time)
 
+    # The throughput the training FLOPs are counted over (online RL: its training time only, rollouts excluded),
+    # and whether a step also runs a value model through the body (PPO).
+    flops_tokens_key = "tokens_per_s"
+    value_forward = False
+
     def _flops_metrics(self, tokens_per_s: float) -> dict[str, float]:
-        """``model_tflops_per_s`` (model FLOPs, :mod:`llmtune.core.flops`; all ranks) and ``mfu`` = that over the
-        peak of all ranks' devices (only where the peak is known: GPU table or ``LLMTUNE_PEAK_TFLOPS``)."""
+        """``flops_per_token`` (model FLOPs per processed token, :mod:`llmtune.core.flops`) at ``mean_seq_len``
+        (tokens per sequence of the logging window, this rank), ``model_tflops_per_s`` = that x ``tokens_per_s``
+        (all ranks) and ``mfu`` = that over the peak of all ranks' devices (only where the peak is known: GPU table
+        or ``LLMTUNE_PEAK_TFLOPS``)."""
         from llmtune.core.flops import peak_tflops, train_flops_per_token
 
         seq_len = self._window_tokens / max(self._window_rows, 1)
         self._window_tokens = self._window_rows = 0
         reference = bool(getattr(self.stage, "reference_forward", False))
-        flops = train_flops_per_token(self.model, seq_len, reference_forward=reference) * tokens_per_s
-        out = {"model_tflops_per_s": flops / 1e12}
+        per_token = train_flops_per_token(self.model, seq_len, reference_forward=reference,
+                                          value_forward=self.value_forward)
+        out = {"flops_per_token": per_token, "mean_seq_len": seq_len,
+               "model_tflops_per_s": per_token * tokens_per_s / 1e12}
         peak = peak_tflops()
         if peak:
             out["mfu"] = out["model_tflops_per_s"] / (peak * self.args.world_size)

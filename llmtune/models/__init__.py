@@ -10,7 +10,7 @@ Typical use (the core does this)::
 
     tokenizer = load_tokenizer(recipe.model)
     model = load_model(recipe.model, recipe.precision)
-    model = attach_adapter(model, recipe.adapter, gradient_checkpointing=recipe.train.gradient_checkpointing,
+    model = attach_adapter(model, recipe.adapter, gradient_checkpointing=recipe.train.gradient_checkpointing is True,
                            quantized=recipe.model.load_in_4bit or recipe.model.load_in_8bit)
 """
 

@@ -71,6 +71,7 @@ class OnlineRLTrainer(CoreTrainer):
     """
 
     steps_per_iteration: int = 1
+    flops_tokens_key = "train_tokens_per_s"  # model FLOPs / MFU of the optimizer steps over their own time
     score_name, length_name, per_source_eval = "score", "response_length", False  # eval metric names
 
     def __init__(self, *positional, stage, model, train_dataset, eval_dataset=None, data_collator=None,
@@ -170,13 +171,23 @@ class OnlineRLTrainer(CoreTrainer):
 
     def sample(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sample completions of (B, P) prompts; ``(responses, mask, ended)`` as ``rollout.split_generation``.
-        Logs ``generation_tokens_per_s`` (real completion tokens per second of sampling, this rank)."""
+        Logs ``generation_tokens_per_s`` (real completion tokens per second of sampling, this rank),
+        ``generation_tflops_per_s`` (their model FLOPs, a KV-cached forward per token, :mod:`llmtune.core.flops`)
+        and ``generation_mfu`` (that over this device's peak, where known)."""
+        from llmtune.core.flops import forward_flops_per_token, peak_tflops
+
         start = time.perf_counter()
         sequences = self.generate(batch, greedy=False, max_new_tokens=self.cfg.max_new_tokens)
         seconds = time.perf_counter() - start
         self._generation_s += seconds
         responses, mask, ended = split_generation(sequences, batch["input_ids"].shape[1], self.eos_ids, self.pad_id)
-        self.add_metrics({"generation_tokens_per_s": float(mask.sum()) / max(seconds, 1e-9)})
+        tokens_per_s = float(mask.sum()) / max(seconds, 1e-9)
+        # a generated token attends to its prompt and the completion so far: on average prompt + half of it
+        context = float(batch["attention_mask"].sum(1).float().mean()) + float(mask.sum(1).float().mean() + 1) / 2
+        tflops = forward_flops_per_token(self.model, context) * tokens_per_s / 1e12
+        peak = peak_tflops()
+        self.add_metrics({"generation_tokens_per_s": tokens_per_s, "generation_tflops_per_s": tflops,
+                          **({"generation_mfu": tflops / peak} if peak else {})})
         return responses, mask, ended
 
     def add_metrics(self, metrics: dict[str, float]) -> None:

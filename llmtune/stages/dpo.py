@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from llmtune.config import Recipe, RecipeError
-from llmtune.core.fused import fuse_swiglu
+from llmtune.core.fused import fuse_swiglu, recompute_norm_outputs
 from llmtune.core.lm_head import pair_logps
 from llmtune.core.stage import PairwiseStage, StageData
 from llmtune.utils import get_logger
@@ -94,6 +94,7 @@ class DPOStage(PairwiseStage):
 
     def prepare_model(self, model, tokenizer):
         fuse_swiglu(model)  # same gradients, one activation fewer per MLP (llmtune.core.fused)
+        recompute_norm_outputs(model)  # same gradients, the norm outputs recomputed in the backward
         return model
 
     @property

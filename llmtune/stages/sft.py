@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from llmtune.core.fused import fuse_swiglu
+from llmtune.core.fused import fuse_swiglu, recompute_norm_outputs
 from llmtune.core.lm_head import masked_token_logps, rows_of
 from llmtune.core.ops import count_trained_tokens
 from llmtune.core.padding_free import PaddingFreeCollator, use_varlen_attention
@@ -37,6 +37,7 @@ class SFTStage(Stage):
         if self.recipe.data.padding_free:  # attention row by row in the (1, L) sequences of PaddingFreeCollator
             use_varlen_attention(model)
         fuse_swiglu(model)  # same gradients, one activation fewer per MLP
+        recompute_norm_outputs(model)  # same gradients, the norm outputs recomputed in the backward
         return model
 
     def count_items(self, batch):

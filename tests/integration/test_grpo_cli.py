@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from llmtune.cli import main
 from llmtune.models.tiny import save_tiny_model
 from llmtune.utils import read_jsonl
+from tests.integration.flops_expect import PEAK, check_mfu
 
 COMMON = {"adapter": {"lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0}}
 # a reward that varies between completions of a random model (so groups carry signal) + the shipped format reward
@@ -66,8 +67,20 @@ def workspace(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def grpo_run(workspace):
-    assert main(["grpo", str(grpo_recipe(workspace, "grpo"))]) == 0
+    with pytest.MonkeyPatch.context() as mp:  # a peak, so that metrics.jsonl has an MFU (test_grpo_mfu_is_logged)
+        mp.setenv("LLMTUNE_PEAK_TFLOPS", str(PEAK))
+        assert main(["grpo", str(grpo_recipe(workspace, "grpo"))]) == 0
     return workspace / "grpo"
+
+
+def test_grpo_mfu_is_logged(workspace, grpo_run):  # training passes over their own time; sampling apart
+    records = list(read_jsonl(grpo_run / "metrics.jsonl"))
+    check_mfu(records, workspace / "model", "train_tokens_per_s", lora_r=4)
+    rollouts = [r for r in records if "generation_tokens_per_s" in r]
+    assert rollouts
+    for r in rollouts:
+        assert r["generation_tflops_per_s"] > 0
+        assert r["generation_mfu"] == pytest.approx(r["generation_tflops_per_s"] / PEAK, rel=1e-9)
 
 
 def _losses(run):

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from llmtune.cli import main
 from llmtune.models.tiny import save_tiny_model
 from llmtune.utils import read_jsonl
+from tests.integration.flops_expect import PEAK, check_mfu
 
 RUN_FILES = ["recipe.resolved.yaml", "data_report.json", "metrics.jsonl", "loss.png", "checkpoints", "adapter",
              "lineage.json"]
@@ -52,8 +53,10 @@ def workspace(tmp_path_factory):
                       rm={"center_rewards_coef": 0.01}, output={"dir": str(root / "rm")}, **common)
     dpo = write_recipe(root, "dpo", "dpo", model={"from_run": str(root / "sft")}, data=pair_data,
                        dpo={"beta": 0.1}, output={"dir": str(root / "dpo")}, **common)
-    for command, recipe in (("sft", sft), ("rm", rm), ("dpo", dpo)):
-        assert main([command, str(recipe)]) == 0, command
+    with pytest.MonkeyPatch.context() as mp:  # a peak, so that metrics.jsonl has an MFU (test_dpo_mfu_is_logged)
+        mp.setenv("LLMTUNE_PEAK_TFLOPS", str(PEAK))
+        for command, recipe in (("sft", sft), ("rm", rm), ("dpo", dpo)):
+            assert main([command, str(recipe)]) == 0, command
     return root
 
 
@@ -87,6 +90,11 @@ def test_adapter_changed(workspace, stage):
     assert lora_b and all(v.abs().sum() > 0 for v in lora_b.values())  # lora_B starts at zero
     if stage == "rm":
         assert [k for k in weights if "score" in k] == ["base_model.model.score.weight"]
+
+
+def test_dpo_mfu_is_logged(workspace):  # policy forward + backward and the reference forward
+    check_mfu(read_jsonl(workspace / "dpo" / "metrics.jsonl"), workspace / "model", "tokens_per_s", lora_r=4,
+              reference=True)
 
 
 def test_rm_metrics(workspace):

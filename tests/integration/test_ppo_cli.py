@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from llmtune.cli import main
 from llmtune.models.tiny import save_tiny_model
 from llmtune.utils import read_jsonl
+from tests.integration.flops_expect import PEAK, check_mfu
 
 QA = [("What is 2 + 3?", "It is 5. #### 5", "It is 7."), ("Say hello.", "Hello! How are you today?", "No."),
       ("What is 12 * 7?", "12 * 7 = 84. #### 84", "12 * 7 = 74."), ("Name a color.", "The sea is blue.", "Dog.")]
@@ -115,8 +116,20 @@ def _losses(run):
 @pytest.fixture(scope="module")
 def ppo_rm_run(workspace):
     if not (workspace / "ppo_rm" / "lineage.json").is_file():
-        assert main(["ppo", str(ppo_recipe(workspace, "ppo_rm", {"from_run": str(workspace / "rm")}))]) == 0
+        with pytest.MonkeyPatch.context() as mp:  # a peak, so that metrics.jsonl has an MFU (test_ppo_mfu_is_logged)
+            mp.setenv("LLMTUNE_PEAK_TFLOPS", str(PEAK))
+            assert main(["ppo", str(ppo_recipe(workspace, "ppo_rm", {"from_run": str(workspace / "rm")}))]) == 0
     return workspace / "ppo_rm"
+
+
+def test_ppo_mfu_is_logged(workspace, ppo_rm_run):  # policy and value passes over the training time; sampling apart
+    records = list(read_jsonl(ppo_rm_run / "metrics.jsonl"))
+    check_mfu(records, workspace / "model", "train_tokens_per_s", lora_r=4, adapters=2, value=True)
+    rollouts = [r for r in records if "generation_tokens_per_s" in r]
+    assert rollouts
+    for r in rollouts:
+        assert r["generation_tflops_per_s"] > 0
+        assert r["generation_mfu"] == pytest.approx(r["generation_tflops_per_s"] / PEAK, rel=1e-9)
 
 
 def test_resume_from_an_iteration_checkpoint_reproduces_the_run(workspace, ppo_rm_run):

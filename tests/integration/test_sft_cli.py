@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from llmtune.cli import main
 from llmtune.models.tiny import save_tiny_model
 from llmtune.utils import read_jsonl
+from tests.integration.flops_expect import PEAK, check_mfu
 
 QA = [("What is 2 + 3?", "It is 5."), ("Say hello.", "Hello! How are you today?"),
       ("What is 12 * 7?", "12 * 7 = 84. #### 84"), ("Name a color.", "The sea is blue.")]
@@ -33,7 +34,9 @@ def workspace(tmp_path_factory):
         "output": {"dir": str(root / "run")},
     }
     (root / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    assert main(["sft", str(root / "recipe.yaml")]) == 0
+    with pytest.MonkeyPatch.context() as mp:  # a peak, so that metrics.jsonl has an MFU (test_mfu_is_logged)
+        mp.setenv("LLMTUNE_PEAK_TFLOPS", str(PEAK))
+        assert main(["sft", str(root / "recipe.yaml")]) == 0
     return root
 
 
@@ -50,6 +53,9 @@ def test_run_dir_contents(workspace):
     assert lineage["stage"] == "sft" and lineage["summary"]["steps"] == 2
     assert lineage["base_model"]["kind"] == "local"
     assert len(lineage["data"][0]["sha256"]) == 64
+    summary = lineage["summary"]  # train.gradient_checkpointing: auto (default); a tiny model fits in any RAM
+    assert summary["gradient_checkpointing"] is False
+    assert summary["memory_estimate_gb"] == summary["memory_estimate"]["without_checkpointing_gb"] > 0
 
 
 def test_metrics_have_eval_before_and_after_and_training_fields(workspace):
@@ -62,6 +68,10 @@ def test_metrics_have_eval_before_and_after_and_training_fields(workspace):
         assert r["trained_tokens"] > 0 and r["tokens_per_s"] > 0 and r["peak_mem_gb"] > 0 and r["grad_norm"] > 0
     for r in evals:
         assert r["eval_ppl"] == pytest.approx(2.718281828 ** r["eval_loss"], rel=1e-6)
+
+
+def test_mfu_is_logged(workspace):
+    check_mfu(read_jsonl(workspace / "run" / "metrics.jsonl"), workspace / "model", "tokens_per_s", lora_r=4)
 
 
 def test_adapter_changed_base_did_not(workspace):

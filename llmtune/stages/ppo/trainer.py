@@ -93,6 +93,8 @@ class PPOTrainer(OnlineRLTrainer):
         RewardFunctionError: ``reward.function`` cannot be imported or returns bad values.
     """
 
+    value_forward = True  # each micro-batch also runs the value adapter through the body (model FLOPs)
+
     def __init__(self, *positional, stage, **kwargs):
         recipe = stage.recipe
         self.ppo = recipe.ppo

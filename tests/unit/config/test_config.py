@@ -86,3 +86,10 @@ def test_override_types_are_yaml():
     assert recipe.train.gradient_checkpointing is True
     with pytest.raises(RecipeError, match="section.key=value"):
         load_recipe(raw={}, overrides=["train.learning_rate"])
+
+
+def test_a_union_field_gets_one_problem_under_its_own_key():
+    found = problems({"train": {"gradient_checkpointing": "maybe"}, "adapter": {"target_modules": 5}})
+    assert set(found) == {"train.gradient_checkpointing", "adapter.target_modules"}  # no ".bool", ".literal['auto']"
+    assert "true or false" in found["train.gradient_checkpointing"] and "'auto'" in found["train.gradient_checkpointing"]
+    assert "list" in found["adapter.target_modules"] and "string" in found["adapter.target_modules"]

@@ -262,3 +262,21 @@ def test_a_kill_during_rotation_leaves_no_partial_checkpoint(tmp_path, monkeypat
     monkeypatch.undo()
     ck.clean_staging(tmp_path / "checkpoints")  # what the next save does first
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint-2", "checkpoint-3"]
+
+
+def test_resume_allows_how_but_not_what_is_computed_to_change(tmp_path):
+    """A run started before train.gradient_checkpointing: auto (resolved false) resumes under the new default;
+    tokenization processes and the data cache may change too; the learning rate may not."""
+    import yaml
+
+    from llmtune.config import RecipeError, load_recipe
+    from llmtune.core.rundir import RECIPE, RunDir
+
+    old = load_recipe(raw={"train": {"gradient_checkpointing": False}, "data": {"num_proc": 1}}).model_dump(mode="json")
+    del old["data"]["cache"]  # an older llmtune did not write this key
+    (tmp_path / RECIPE).write_text(yaml.safe_dump(old))
+    run = RunDir(tmp_path)
+    run.check_resume_recipe(load_recipe(raw={"data": {"cache": False, "num_proc": 4}}).model_dump(mode="json"))
+    with pytest.raises(RecipeError) as info:
+        run.check_resume_recipe(load_recipe(raw={"train": {"learning_rate": 1e-3}}).model_dump(mode="json"))
+    assert [key for key, _ in info.value.problems] == ["train.learning_rate"]

@@ -21,6 +21,8 @@ def test_linear_weights_and_flops_of_a_lora_llama():
     forward = 2 * (n + lora) + 4 * 2 * T * d
     assert train_flops_per_token(model, T) == 2 * forward + 2 * lora
     assert train_flops_per_token(model, T, reference_forward=True) == 3 * forward + 2 * lora
+    # PPO: the value adapter's pass through the body (no LM head), forward and backward
+    assert train_flops_per_token(model, T, value_forward=True) == 2 * forward + 2 * lora + 2 * (forward - 2 * V * d)
 
 
 def test_peak_from_environment(monkeypatch):
