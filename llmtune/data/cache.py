@@ -21,9 +21,10 @@ training process holds no copy of the data in its own memory) and ``meta.pkl`` (
 the build set on the tokenizer, the other fields of the data object). It is written in a staging directory and
 renamed into place, so a crash or a kill never leaves a partial entry (the staging directory of a killed build is
 removed by the next build). One process builds an entry at a time (a file lock ``<key>.lock``, released by the
-kernel if its holder dies): the other ranks of a launch wait and read it instead of tokenizing again. An entry that cannot be read
-(a disk error, a file removed) is rebuilt, with a warning. Entries not used for ``LLMTUNE_DATA_CACHE_DAYS`` (default
-30) days are removed.
+kernel if its holder dies): the other ranks of a launch wait and read it instead of tokenizing again. An entry
+that cannot be read (a disk error, a file removed) is rebuilt, with a warning. Entries not used for
+``LLMTUNE_DATA_CACHE_DAYS`` (default 30) days are removed. ``meta.pkl`` is a pickle: the cache directory is
+created private to its owner (mode 0700); do not point ``data.cache_dir`` at a directory others can write.
 
 Where: ``data.cache_dir``, else ``$LLMTUNE_DATA_CACHE``, else ``<$LLMTUNE_CACHE or ~/.cache/llmtune>/data``;
 ``data.cache: false`` (or ``LLMTUNE_DATA_CACHE=off``) turns it off (the Arrow files then live in a temporary
@@ -110,7 +111,8 @@ def write_dataset(columns: dict[str, Callable[[int, int], list]], n_rows: int, f
         writer.close()
     except OSError as exc:
         raise DataError(f"cannot write the tokenized data to {path.parent}: {exc.strerror or exc}. Free disk space "
-                        "there, or point data.cache_dir (or $LLMTUNE_DATA_CACHE / $TMPDIR) at a disk with room.") from None
+                        "there, or point data.cache_dir (or $LLMTUNE_DATA_CACHE / $TMPDIR) at a disk with room."
+                        ) from None
     return datasets.Dataset.from_file(str(path))
 
 
@@ -118,7 +120,8 @@ def write_dataset(columns: dict[str, Callable[[int, int], list]], n_rows: int, f
 
 
 def cache_root(cfg: DataConfig) -> Path | None:
-    """The cache directory for ``cfg``, or None when caching is off (``data.cache: false``, ``LLMTUNE_DATA_CACHE=off``)."""
+    """The cache directory for ``cfg``, or None when caching is off (``data.cache: false`` or
+    ``LLMTUNE_DATA_CACHE=off``)."""
     env = os.environ.get("LLMTUNE_DATA_CACHE", "")
     if not cfg.cache or env.lower() in ("off", "0", "false", "none"):
         return None
@@ -271,16 +274,19 @@ def cached_build(kind: str, cfg: DataConfig, tokenizer, base_dir: str | Path, bu
     if hit is not None:
         _say(f"tokenized {kind} data reused from the cache {entry} (data.cache: false rebuilds it)")
         return hit
+    lock_file = root / f"{key}.lock"
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)  # meta.pkl is a pickle: only its owner may write here
+        lock_file.touch(exist_ok=True)  # a directory where no file can be created fails here, not in the lock
     except OSError as exc:
-        raise DataError(f"cannot create the data cache directory {root}: {exc.strerror or exc}. Set data.cache_dir or "
-                        "$LLMTUNE_DATA_CACHE to a writable directory, or data.cache: false.") from None
+        raise DataError(f"cannot create the data cache directory {root} or write in it: {exc.strerror or exc}. Set "
+                        "data.cache_dir or $LLMTUNE_DATA_CACHE to a writable directory, or data.cache: false."
+                        ) from None
     from filelock import FileLock, Timeout
 
     # One build per entry: the ranks of a launch (or two runs of one recipe) wait for the first and read its entry.
     # flock: released by the kernel when a holder dies, so a killed build never blocks the next one.
-    lock = FileLock(str(root / f"{key}.lock"))
+    lock = FileLock(str(lock_file))
     try:
         lock.acquire(timeout=0)
     except Timeout:
@@ -373,12 +379,13 @@ def _load(entry: Path, tokenizer):
         splits = {name: None if file is None else datasets.Dataset.from_file(str(entry / file))
                   for name, file in meta["splits"].items()}
         data = meta["type"](**splits, **meta["fields"])
+        template = meta["chat_template"]
     except Exception as exc:  # truncated/corrupt files, a removed split, an old class: rebuild
         _say(f"the cache entry {entry} cannot be read ({type(exc).__name__}: {str(exc)[:200]}); rebuilding it")
         shutil.rmtree(entry, ignore_errors=True)
         return None
-    if meta["chat_template"] is not None and getattr(tokenizer, "chat_template", None) != meta["chat_template"]:
-        tokenizer.chat_template = meta["chat_template"]
+    if template is not None and getattr(tokenizer, "chat_template", None) != template:
+        tokenizer.chat_template = template
     with contextlib.suppress(OSError):
         os.utime(meta_file)  # last use, for the expiry below
     return data
@@ -403,13 +410,35 @@ def _cleanup(root: Path) -> None:
     """Remove staging directories of dead builds (a killed run) and entries unused for ``LLMTUNE_DATA_CACHE_DAYS``
     days."""
     now = time.time()
-    max_age = float(os.environ.get("LLMTUNE_DATA_CACHE_DAYS", "30")) * 86400
+    max_age = cache_days() * 86400
     for path in root.iterdir():
         try:
             if path.name.startswith(STAGING_PREFIX):
-                if _dead_build(path, now):
+                if path.is_dir() and _dead_build(path, now):
                     shutil.rmtree(path, ignore_errors=True)
+                elif not path.is_dir():
+                    path.unlink()
             elif (path / META).is_file() and now - (path / META).stat().st_mtime > max_age:
                 shutil.rmtree(path, ignore_errors=True)
+            elif path.suffix == ".lock" and not (root / path.stem).exists() \
+                    and now - path.stat().st_mtime > STALE_STAGING_S:
+                path.unlink()  # the lock of an entry that is gone (expired, or its build failed)
         except OSError:
             continue
+
+
+def cache_days() -> float:
+    """``$LLMTUNE_DATA_CACHE_DAYS`` (default 30): entries unused this long are removed.
+
+    Raises:
+        DataError: the variable is not a positive number.
+    """
+    raw = os.environ.get("LLMTUNE_DATA_CACHE_DAYS", "30")
+    try:
+        days = float(raw)
+    except ValueError:
+        days = float("nan")
+    if not days > 0:
+        raise DataError(f"LLMTUNE_DATA_CACHE_DAYS={raw!r}: expected a positive number of days (default 30); set it "
+                        "to e.g. 30, or unset it.")
+    return days

@@ -27,11 +27,10 @@ left by default, then the response at its end (:class:`SFTTokenizer`); :func:`pr
 
 from __future__ import annotations
 
-import json
 import os
-import uuid
+import sys
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from llmtune.data.errors import DataError, RowError
 
@@ -376,21 +375,41 @@ class SFTTokenizer:
         return row["prompt"] + completion, [p for p in pieces if p[0]]
 
 
-def _map_batch(batch: dict, fn) -> dict:
-    out: dict[str, list] = {"result": [], "kind": [], "reason": [], "bad": []}
-    for row in batch["row"]:
+_WORKER_FN = None  # the row tokenizer of a tokenization worker process
+
+
+def _init_worker(fn) -> None:
+    """Tokenization worker start-up: keep ``fn``, and (Linux) be killed when the parent dies, so a ``kill -9`` of
+    ``llmtune`` leaves no worker running (``PR_SET_PDEATHSIG``)."""
+    global _WORKER_FN
+    _WORKER_FN = fn
+    if sys.platform.startswith("linux"):
         try:
-            values = (json.dumps(asdict(fn(json.loads(row)))), "", "", False)
+            import ctypes
+            import signal
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+        if os.getppid() == 1:  # the parent died before the call above
+            os._exit(1)
+
+
+def _tokenize_chunk(rows: list[dict]) -> list:
+    """Worker side of :func:`tokenize_rows`: results (or :class:`RowError`) of a chunk of rows, in order."""
+    out: list = []
+    for row in rows:
+        try:
+            out.append(_WORKER_FN(row))
         except RowError as err:
-            values = ("", err.kind, err.reason, err.bad)
-        for key, value in zip(out, values):
-            out[key].append(value)
+            out.append(err)
     return out
 
 
 PROGRESS_MIN_ROWS = 2000  # a progress bar (stderr) while tokenizing at least this many rows
 AUTO_PROC_MIN_ROWS = 2000  # data.num_proc null: worker processes only from this many rows (start-up ~1 s each)
 AUTO_PROC_MAX = 8
+WORKER_CHUNK_ROWS = 256  # rows per task sent to a tokenization worker
 
 
 def auto_num_proc(n_rows: int) -> int:
@@ -409,7 +428,8 @@ def tokenize_rows(rows: list[dict], fn, num_proc: int | None = None) -> list:
         rows: canonical rows.
         fn: the row tokenizer (:class:`SFTTokenizer` or the preference pair tokenizer): a picklable callable
             returning a dataclass of type ``fn.result_type`` or raising :class:`RowError`.
-        num_proc: worker processes (``datasets.map``); 1 tokenizes in this process; None: :func:`auto_num_proc`.
+        num_proc: worker processes (a ``multiprocessing`` pool, forked where the platform allows; rows and results
+            are pickled); 1 tokenizes in this process; None: :func:`auto_num_proc`.
 
     Returns:
         One ``fn.result_type`` or :class:`RowError` per row, in order.
@@ -428,20 +448,23 @@ def tokenize_rows(rows: list[dict], fn, num_proc: int | None = None) -> list:
             except RowError as err:
                 out.append(err)
         return out
-    import datasets
+    import multiprocessing
 
-    table = datasets.Dataset.from_dict({"row": [json.dumps(r) for r in rows]})
-    from llmtune.data.cache import arrow_path
+    from tqdm.auto import tqdm
 
-    mapped = table.map(  # results go to a memory-mapped scratch file, not into this process's memory
-        _map_batch, batched=True, num_proc=num_proc, fn_kwargs={"fn": fn}, remove_columns=["row"],
-        desc=f"tokenizing ({num_proc} processes)", cache_file_name=str(arrow_path("tokenized", scratch=True)),
-        load_from_cache_file=False, new_fingerprint=uuid.uuid4().hex,
-    )
+    from llmtune.utils import is_main_process
+
+    chunk = max(1, min(WORKER_CHUNK_ROWS, len(rows) // (4 * num_proc)))
+    chunks = [rows[i : i + chunk] for i in range(0, len(rows), chunk)]
+    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
     out = []
-    for batch in mapped.iter(batch_size=1000):
-        for result, kind, reason, bad in zip(batch["result"], batch["kind"], batch["reason"], batch["bad"]):
-            out.append(RowError(kind, reason, bad=bad) if kind else fn.result_type(**json.loads(result)))
+    quiet = len(rows) < PROGRESS_MIN_ROWS or not is_main_process()
+    with context.Pool(num_proc, initializer=_init_worker, initargs=(fn,)) as pool, \
+            tqdm(total=len(rows), desc=f"tokenizing ({num_proc} processes)", unit="row", leave=False, disable=quiet,
+                 mininterval=1.0) as bar:
+        for results in pool.imap(_tokenize_chunk, chunks):  # in order
+            out += results
+            bar.update(len(results))
     return out
 
 

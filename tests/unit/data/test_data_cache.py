@@ -186,3 +186,71 @@ def test_concurrent_builds_of_one_entry_tokenize_once(write, cache_dir, tmp_path
     assert [o[0].split() for o in outs] == [["10", o[0].split()[1]] for o in outs]
     assert all(str(entry) in o[0] for o in outs)
     assert sum("waiting for another process" in o[1] for o in outs) == 1
+
+
+def test_a_cache_dir_where_no_file_can_be_created_is_a_clear_error(tok, write, cfg, tmp_path, monkeypatch):
+    """/proc: mkdir succeeds (it exists) but no lock file can be made; filelock alone hangs there for ever."""
+    monkeypatch.setenv("LLMTUNE_DATA_CACHE", "/proc")
+    with pytest.raises(DataError, match="cannot create the data cache directory /proc or write in it"):
+        build_sft_data(cfg(write("chat.jsonl", CHAT)), tok)
+
+
+def test_bad_cache_days_and_a_meta_without_a_template_key(tok, write, cfg, cache_dir, monkeypatch, capfd):
+    import pickle
+
+    path = write("chat.jsonl", CHAT)
+    monkeypatch.setenv("LLMTUNE_DATA_CACHE_DAYS", "abc")
+    with pytest.raises(DataError, match="LLMTUNE_DATA_CACHE_DAYS='abc': expected a positive number"):
+        build_sft_data(cfg(path), tok)
+    monkeypatch.delenv("LLMTUNE_DATA_CACHE_DAYS")
+    first = build_sft_data(cfg(path), tok).train["input_ids"][:]
+    (entry,) = _entries(cache_dir)
+    meta = pickle.loads((entry / META).read_bytes())
+    del meta["chat_template"]  # a damaged or foreign meta.pkl: rebuilt, not a traceback
+    (entry / META).write_bytes(pickle.dumps(meta))
+    capfd.readouterr()
+    assert build_sft_data(cfg(path), tok).train["input_ids"][:] == first
+    assert "cannot be read (KeyError" in capfd.readouterr().err
+    assert oct(cache_dir.stat().st_mode & 0o777) == "0o700"  # private: meta.pkl is a pickle
+
+
+KILLED_SCRIPT = """
+import sys, time
+import llmtune.data.tokenize as tokenize_mod
+from llmtune.config.schema import DataConfig, DatasetConfig
+from llmtune.data import build_sft_data
+from llmtune.models.tiny import make_tiny_tokenizer
+
+original = tokenize_mod.SFTTokenizer.__call__
+def slow(self, row):
+    time.sleep(0.5)
+    return original(self, row)
+tokenize_mod.SFTTokenizer.__call__ = slow
+build_sft_data(DataConfig(datasets=[DatasetConfig(path=sys.argv[1])], num_proc=2), make_tiny_tokenizer())
+"""
+
+
+@pytest.mark.slow  # an interpreter importing torch, then worker processes: ~10 s
+def test_tokenization_workers_die_with_a_killed_parent(write, cache_dir):
+    import signal
+    import time
+
+    import psutil
+
+    path = write("chat.jsonl", CHAT * 20)
+    env = {**os.environ, "LLMTUNE_DATA_CACHE": str(cache_dir), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SCRIPT, str(path)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    parent = psutil.Process(proc.pid)
+    deadline = time.time() + 90
+    while len(parent.children()) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    workers = parent.children()
+    assert len(workers) >= 2, "no tokenization workers started"
+    time.sleep(1.0)  # the workers are tokenizing
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    for p in alive:
+        p.kill()
+    assert not alive  # killed with their parent, not left running (re-parented to init)

@@ -19,7 +19,7 @@ from llmtune.data.errors import RowError
 from llmtune.data.formats import to_canonical
 from llmtune.data.preference import PairTokenizer, TokenizedPair
 from llmtune.data.sources import read_source
-from llmtune.data.tokenize import _map_batch
+from llmtune.data.tokenize import tokenize_rows
 from llmtune.models.tiny import make_tiny_tokenizer
 
 X = -100
@@ -309,9 +309,10 @@ def test_render_pair_marks_both_completions(tok, write, cfg):
 
 
 def test_pairs_survive_worker_processes(tok):
-    out = _map_batch({"row": [json.dumps(PAIR), json.dumps({**PAIR, "prompt": ""})]}, PairTokenizer(_raw_tok(), 64))
-    assert out["kind"] == ["", "empty prompt"]
-    assert TokenizedPair(**json.loads(out["result"][0])) == PairTokenizer(_raw_tok(), 64)(PAIR)
+    rows = [PAIR, {**PAIR, "prompt": ""}] * 4
+    out = tokenize_rows(rows, PairTokenizer(_raw_tok(), 64), num_proc=2)  # pickled to workers and back
+    assert [getattr(r, "kind", "") for r in out] == ["", "empty prompt"] * 4
+    assert out[0] == out[6] == PairTokenizer(_raw_tok(), 64)(PAIR) and isinstance(out[0], TokenizedPair)
     with pytest.raises(RowError, match="the prompt has no tokens"):
         PairTokenizer(_raw_tok(), 64)({**PAIR, "prompt": ""})
 
