@@ -166,6 +166,10 @@ def counted(self, row):
     time.sleep(0.05)  # a slow tokenizer: both processes start while the first one builds
     return original(self, row)
 tokenize_mod.SFTTokenizer.__call__ = counted
+import os, pathlib
+pathlib.Path(sys.argv[3], f"ready-{os.getpid()}").touch()  # imports done: both start the build together
+while not pathlib.Path(sys.argv[3], "go").exists():
+    time.sleep(0.01)
 data = build_sft_data(DataConfig(datasets=[DatasetConfig(path=sys.argv[1])], val_size=2), make_tiny_tokenizer())
 print(len(data.train), data.train.cache_files[0]["filename"])
 """
@@ -177,8 +181,16 @@ def test_concurrent_builds_of_one_entry_tokenize_once(write, cache_dir, tmp_path
     path = write("chat.jsonl", CHAT)
     calls = tmp_path / "calls.txt"
     env = {**os.environ, "LLMTUNE_DATA_CACHE": str(cache_dir), "HF_HUB_OFFLINE": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", BUILD_SCRIPT, str(path), str(calls)], env=env,
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", BUILD_SCRIPT, str(path), str(calls), str(sync)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    import time
+
+    deadline = time.time() + 120
+    while len(list(sync.glob("ready-*"))) < 2 and time.time() < deadline and all(p.poll() is None for p in procs):
+        time.sleep(0.05)
+    (sync / "go").touch()  # both interpreters are up: their builds start within milliseconds of each other
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
     assert len(calls.read_text().splitlines()) == 12  # not 24
