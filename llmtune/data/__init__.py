@@ -17,6 +17,8 @@ for a given recipe, ``data.seed`` and input files; the shared steps live in :mod
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from itertools import islice
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,11 +28,12 @@ from llmtune.data.cache import cached_build
 from llmtune.data.collators import PreferenceCollator, SFTCollator
 from llmtune.data.errors import DataError
 from llmtune.data.formats import row_kind
-from llmtune.data.packing import pack_rows
+from llmtune.data.packing import pack_plan, pack_sequence
 from llmtune.data.pipeline import read_sources, to_dataset, tokenize_and_split
 from llmtune.data.preference import PreferenceData, build_preference_data, render_pair
 from llmtune.data.prompts import PromptCollator, PromptData, build_prompt_data, prompt_ids
 from llmtune.data.report import DataReport
+from llmtune.data.spill import SpillView
 from llmtune.data.templates import BUILTIN_TEMPLATES, apply_chat_template_config
 from llmtune.data.tokenize import IGNORE_INDEX, SFTTokenizer, Tokenized, render_labels
 
@@ -42,6 +45,8 @@ __all__ = [
     "PromptCollator", "PromptData", "SFTCollator", "SFTData", "apply_chat_template_config", "build_preference_data",
     "build_prompt_data", "build_sft_data", "prompt_ids", "render_labels", "render_pair",
 ]
+
+PACK_READ_BINS = 256  # packed sequences whose rows are read from the build's row files at once
 
 
 @dataclass
@@ -85,27 +90,42 @@ def build_sft_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".") ->
 def _build_sft_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".") -> SFTData:
     report = DataReport(max_length=cfg.max_length, packing=cfg.packing, seed=cfg.seed)
     pools = read_sources(cfg, base_dir, report)
-    if any(row_kind(row) == "chat" for pool in pools for _, row in pool):
+    if any(row_kind(row) == "chat" for pool in pools for row in pool.rows):
         apply_chat_template_config(cfg, tokenizer)
     fn = SFTTokenizer(tokenizer, cfg.max_length, cfg.truncation, cfg.train_on, cfg.max_prompt_length,
                       cfg.truncation_mode, cfg.truncation_keep_system)
     train_rows, eval_rows = tokenize_and_split(cfg, pools, fn, report)
-    train, evals = _sequences(cfg, train_rows), _sequences(cfg, eval_rows)
-    report.train_sequences, report.eval_sequences = len(train), len(evals)
-    report.tokens, report.trained_tokens = _count_tokens(train)
-    report.eval_tokens, report.eval_trained_tokens = _count_tokens(evals)
-    return SFTData(train=_to_dataset(train), eval=_to_dataset(evals) if eval_rows else None, report=report)
+    train, report.train_sequences, report.tokens, report.trained_tokens = _write_sequences(cfg, train_rows)
+    evals = None
+    if len(eval_rows):
+        evals, report.eval_sequences, report.eval_tokens, report.eval_trained_tokens = _write_sequences(cfg, eval_rows)
+    return SFTData(train=train, eval=evals, report=report)
 
 
-def _to_dataset(rows: list[dict]):
-    return to_dataset(rows, list(rows[0]) if rows else ["input_ids", "labels"])
+def _write_sequences(cfg: DataConfig, rows: SpillView) -> tuple[datasets.Dataset, int, int, int]:
+    """The training sequences of ``rows`` (packed when ``data.packing``) as a dataset, streamed from the build's row
+    files; returns ``(dataset, sequences, tokens, trained tokens)`` (trained = label != -100)."""
+    counts = [0, 0, 0]
 
+    def sequences() -> Iterator[dict[str, list[int]]]:
+        if cfg.packing:
+            plan = pack_plan([len(r.input_ids) for r in rows], cfg.max_length)
+            for a in range(0, len(plan), PACK_READ_BINS):  # read the members of a group of bins at once
+                group = plan[a : a + PACK_READ_BINS]
+                members = iter(rows.take([k for bin_ in group for k in bin_]))
+                for bin_ in group:
+                    yield pack_sequence((r.input_ids, r.labels) for r in islice(members, len(bin_)))
+        else:
+            for r in rows:
+                yield {"input_ids": r.input_ids, "labels": r.labels}
 
-def _sequences(cfg: DataConfig, rows: list[Tokenized]) -> list[dict[str, list[int]]]:
-    pairs = [(r.input_ids, r.labels) for r in rows]
-    return pack_rows(pairs, cfg.max_length) if cfg.packing else [{"input_ids": i, "labels": la} for i, la in pairs]
+    def counted() -> Iterator[dict[str, list[int]]]:
+        for seq in sequences():
+            counts[0] += 1
+            counts[1] += len(seq["input_ids"])
+            counts[2] += sum(x != IGNORE_INDEX for x in seq["labels"])
+            yield seq
 
-
-def _count_tokens(seqs: list[dict[str, list[int]]]) -> tuple[int, int]:
-    """(all tokens, tokens with a label != -100)."""
-    return sum(len(r["input_ids"]) for r in seqs), sum(sum(x != IGNORE_INDEX for x in r["labels"]) for r in seqs)
+    columns = ["input_ids", "labels", "position_ids"] if cfg.packing else ["input_ids", "labels"]
+    dataset = to_dataset(counted(), columns)
+    return dataset, counts[0], counts[1], counts[2]

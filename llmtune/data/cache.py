@@ -47,6 +47,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -82,15 +83,15 @@ def arrow_path(stem: str = "split", *, scratch: bool = False) -> Path:
     return root / f"{stem}-{uuid.uuid4().hex[:8]}.arrow"
 
 
-def write_dataset(columns: dict[str, Callable[[int, int], list]], n_rows: int, features):
-    """Write ``n_rows`` rows to an Arrow file chunk by chunk and return them as a memory-mapped ``datasets.Dataset``.
+def write_dataset(batches: Iterable[dict[str, list]], features):
+    """Write batches of rows (column -> values) to an Arrow file as they come and return them as a memory-mapped
+    ``datasets.Dataset``; only one batch is in memory at a time.
 
-    Chunked writing keeps the peak memory at the Python rows plus one chunk: ``Dataset.from_dict`` of 11,035 ShareGPT
-    rows (14M tokens) peaked 1.26 GiB above the rows themselves; this path adds ~0.1 GiB.
+    ``Dataset.from_dict`` of 11,035 ShareGPT rows (14M tokens) peaked 1.26 GiB above the rows themselves; this path
+    adds ~0.1 GiB.
 
     Args:
-        columns: column name -> ``get(start, stop)`` returning that column's values for rows ``[start, stop)``.
-        n_rows: number of rows.
+        batches: dicts of equal-length column lists (every column of ``features`` in each).
         features: the ``datasets.Features`` of the columns.
 
     Raises:
@@ -102,11 +103,12 @@ def write_dataset(columns: dict[str, Callable[[int, int], list]], n_rows: int, f
     path = arrow_path()
     try:
         writer = ArrowWriter(path=str(path), features=features)
-        for start in range(0, n_rows, ARROW_CHUNK_ROWS):
-            stop = min(n_rows, start + ARROW_CHUNK_ROWS)
-            writer.write_batch({name: get(start, stop) for name, get in columns.items()})
-        if n_rows == 0:
-            writer.write_batch({name: [] for name in columns})
+        written = False
+        for batch in batches:
+            writer.write_batch(batch)
+            written = True
+        if not written:
+            writer.write_batch({name: [] for name in features})
         writer.finalize()
         writer.close()
     except OSError as exc:
@@ -267,6 +269,7 @@ def cached_build(kind: str, cfg: DataConfig, tokenizer, base_dir: str | Path, bu
     """
     root = cache_root(cfg)
     key = cache_key(kind, cfg, tokenizer, base_dir, params) if root is not None else None
+    build = _spilled(build)
     if key is None:
         return build()
     entry = root / key
@@ -296,6 +299,18 @@ def cached_build(kind: str, cfg: DataConfig, tokenizer, base_dir: str | Path, bu
         return _build_entry(kind, root, key, tokenizer, build)
     finally:
         lock.release()
+
+
+def _spilled(build: Callable[[], T]) -> Callable[[], T]:
+    """``build`` run with its own row-file directory (:func:`~llmtune.data.spill.spilling`; in the staging entry when
+    the cache is on), removed when it returns or raises."""
+    from llmtune.data.spill import spilling
+
+    def run() -> T:
+        with spilling():
+            return build()
+
+    return run
 
 
 def _build_entry(kind: str, root: Path, key: str, tokenizer, build: Callable[[], T]) -> T:
@@ -348,8 +363,8 @@ def _store(staging: Path, data, tokenizer) -> None:
             continue
         file = _split_file(value)
         if file is None or not (staging / file).is_file():  # not written by write_dataset (in memory): write it now
-            value = write_dataset({c: (lambda a, b, c=c, v=value: v[a:b][c]) for c in value.column_names},
-                                  len(value), value.features)
+            value = write_dataset((value[a : a + ARROW_CHUNK_ROWS] for a in range(0, len(value), ARROW_CHUNK_ROWS)),
+                                  value.features)
             file = _split_file(value)
         splits[name] = file
     meta = {"format": CACHE_FORMAT, "type": type(data), "splits": splits, "fields": fields,

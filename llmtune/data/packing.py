@@ -17,12 +17,56 @@ does not change which predictions are trained.)
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from collections.abc import Iterable, Sequence
 
 from llmtune.data.tokenize import IGNORE_INDEX
 
 
+def pack_plan(lengths: Sequence[int], max_length: int) -> list[list[int]]:
+    """Best-fit-decreasing bins of row indices (each bin's rows hold at most ``max_length`` tokens together).
+
+    Args:
+        lengths: tokens of each row, each <= ``max_length``.
+        max_length: maximum tokens per packed sequence.
+
+    Returns:
+        One sorted list of row indices per packed sequence, in the order the sequences are opened (deterministic).
+
+    Raises:
+        ValueError: a row is longer than ``max_length``.
+    """
+    order = sorted(range(len(lengths)), key=lambda k: (-lengths[k], k))
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (tokens still free, bin index), sorted
+    for k in order:
+        n = lengths[k]
+        if n > max_length:
+            raise ValueError(f"row of {n} tokens does not fit max_length {max_length}; truncate or drop it first")
+        j = bisect_left(free, (n, -1))
+        if j < len(free):
+            room, b = free.pop(j)
+            bins[b].append(k)
+        else:
+            room, b = max_length, len(bins)
+            bins.append([k])
+        if room - n > 0:
+            insort(free, (room - n, b))
+    return [sorted(members) for members in bins]
+
+
+def pack_sequence(rows: Iterable[tuple[list[int], list[int]]]) -> dict[str, list[int]]:
+    """One packed sequence ``{"input_ids", "labels", "position_ids"}`` of the ``(input_ids, labels)`` rows of a bin,
+    in order (each row's first label -100, positions restarting at 0)."""
+    seq: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
+    for ids, labels in rows:
+        seq["input_ids"] += ids
+        seq["labels"] += [IGNORE_INDEX, *labels[1:]]
+        seq["position_ids"] += range(len(ids))
+    return seq
+
+
 def pack_rows(rows: list[tuple[list[int], list[int]]], max_length: int) -> list[dict[str, list[int]]]:
-    """Pack ``(input_ids, labels)`` rows into sequences.
+    """Pack ``(input_ids, labels)`` rows into sequences (:func:`pack_plan`, then :func:`pack_sequence` per bin).
 
     Args:
         rows: tokenized rows, each of length <= ``max_length``.
@@ -35,29 +79,4 @@ def pack_rows(rows: list[tuple[list[int], list[int]]], max_length: int) -> list[
     Raises:
         ValueError: a row is longer than ``max_length``.
     """
-    order = sorted(range(len(rows)), key=lambda k: (-len(rows[k][0]), k))
-    bins: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (tokens still free, bin index), sorted
-    for k in order:
-        n = len(rows[k][0])
-        if n > max_length:
-            raise ValueError(f"row of {n} tokens does not fit max_length {max_length}; truncate or drop it first")
-        j = bisect_left(free, (n, -1))
-        if j < len(free):
-            room, b = free.pop(j)
-            bins[b].append(k)
-        else:
-            room, b = max_length, len(bins)
-            bins.append([k])
-        if room - n > 0:
-            insort(free, (room - n, b))
-    packed = []
-    for members in bins:
-        seq: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
-        for k in sorted(members):
-            ids, labels = rows[k]
-            seq["input_ids"] += ids
-            seq["labels"] += [IGNORE_INDEX, *labels[1:]]
-            seq["position_ids"] += range(len(ids))
-        packed.append(seq)
-    return packed
+    return [pack_sequence(rows[k] for k in members) for members in pack_plan([len(r[0]) for r in rows], max_length)]

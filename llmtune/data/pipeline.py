@@ -15,19 +15,25 @@ The row tokenizer is any picklable callable returning a result with a ``truncate
 from __future__ import annotations
 
 import random
+from array import array
+from collections.abc import Iterable, Iterator
+from bisect import bisect_right
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from llmtune.config.schema import DataConfig
-from llmtune.data.cache import write_dataset
+from llmtune.data.cache import ARROW_CHUNK_ROWS, write_dataset
 from llmtune.data.errors import DataError, RowError
 from llmtune.data.formats import to_canonical
 from llmtune.data.report import DataReport, SourceReport
 from llmtune.data.sources import read_source
-from llmtune.data.tokenize import tokenize_rows
+from llmtune.data.spill import RowPool, SpillList, SpillView, current_spill_dir
+from llmtune.data.tokenize import RowTokenizer
 
 MAX_LISTED_BAD_ROWS = 10
-
-Entry = tuple[int, int]  # (source index, index into that source's valid rows)
+TOKENIZE_CHUNK_ROWS = 4096  # entries of the mixed order per step: their canonical rows are in memory at once
 
 
 def _raise_bad_rows(bad: list[tuple[str, int, RowError]]) -> None:
@@ -49,16 +55,17 @@ def record_bad(cfg: DataConfig, report: DataReport, dropped: list[tuple[str, int
     report.dropped += [{"source": p, "row": r, "kind": e.kind, "reason": e.reason} for p, r, e in dropped]
 
 
-def read_sources(
-    cfg: DataConfig, base_dir: str | Path, report: DataReport, kind: str = "sft"
-) -> list[list[tuple[int, dict]]]:
-    """Canonical rows ``[(row_id, row)]`` per source; bad rows raise or are recorded in ``report``.
+def read_sources(cfg: DataConfig, base_dir: str | Path, report: DataReport, kind: str = "sft") -> list[RowPool]:
+    """Canonical rows per source, as :class:`~llmtune.data.spill.RowPool` s (``pool[j] = (row_id, row)``, the rows
+    on disk); bad rows raise or are recorded in ``report``.
 
     Args:
-        kind: ``sft`` or ``preference``: which formats the sources may have (see :func:`to_canonical`).
+        kind: ``sft``, ``preference``, ``prompt`` or ``unpaired``: which formats the sources may have (see
+            :func:`to_canonical`).
     """
-    pools: list[list[tuple[int, dict]]] = []
+    pools: list[RowPool] = []
     bad: list[tuple[str, int, RowError]] = []
+    directory = current_spill_dir()
     for i, ds in enumerate(cfg.datasets):
         raw = read_source(ds, i, base_dir)
         fmt, valid, source_bad = to_canonical(raw, ds, kind)
@@ -67,16 +74,26 @@ def read_sources(
             rows_valid=len(valid), weight=ds.weight, stopped_early=raw.stopped_early,
             truncated_json=raw.truncated_json,
         ))
-        pools.append(valid)
+        pool = RowPool(directory)
+        for row_id, row in valid:
+            pool.append(row_id, row)
+        pools.append(pool)
         bad += [(ds.path, row, err) for row, err in source_bad]
     record_bad(cfg, report, bad)
     return pools
 
 
-def mix(cfg: DataConfig, sizes: list[int]) -> list[Entry]:
-    """``(source, index)`` entries: ``weight`` x each source's rows, shuffled with ``cfg.seed``."""
+def mix(cfg: DataConfig, sizes: list[int]) -> array:
+    """The mixed order as global row numbers ``g`` (source ``s``'s row ``j`` is ``sum(sizes[:s]) + j``): ``weight``
+    x each source's rows, shuffled with ``cfg.seed`` (an ``array('q')``, 8 bytes per entry; the same order as
+    shuffling the ``(s, j)`` list with :class:`random.Random`).
+
+    Raises:
+        DataError: a fractional weight rounds a source to no row at all.
+    """
     rng = random.Random(cfg.seed)
-    entries: list[Entry] = []
+    entries = array("q")
+    base = 0
     for s, (ds, n) in enumerate(zip(cfg.datasets, sizes)):
         copies = int(ds.weight)
         rest = round((ds.weight - copies) * n)
@@ -86,8 +103,10 @@ def mix(cfg: DataConfig, sizes: list[int]) -> list[Entry]:
                 f"source would not be trained on at all; raise the weight to at least {1 / n:.3g} (one row) or "
                 "remove the source."
             )
-        entries += [(s, j) for _ in range(copies) for j in range(n)]
-        entries += [(s, j) for j in sorted(rng.sample(range(n), rest))]
+        for _ in range(copies):
+            entries.extend(range(base, base + n))
+        entries.extend(base + j for j in sorted(rng.sample(range(n), rest)))
+        base += n
     rng.shuffle(entries)
     return entries
 
@@ -103,76 +122,131 @@ def val_count(val_size: float, n: int) -> int:
     return int(val_size)
 
 
-def tokenize_mixed(cfg: DataConfig, pools, fn, report: DataReport) -> tuple[list[Entry], dict]:
-    """Mix, then tokenize in mixed order, only as far as ``data.max_samples`` needs.
+@dataclass
+class TokenizedRows:
+    """What :func:`tokenize_mixed` produced.
 
-    Returns:
-        ``(accepted, results)``: the kept ``(source, index)`` entries in order (with repeats), and the
-        tokenization result (or :class:`RowError`) of every distinct entry tried.
+    Attributes:
+        accepted: the kept global row numbers in training order, with repeats (``array('q')``).
+        slot: per global row, where its result is in ``results`` (-1: not tokenized, -2: failed).
+        results: the results of every row tokenized without error (a :class:`SpillList`).
+        truncated: global row -> the cut counts of each truncated result.
+        offsets: global row number of each source's first row (length = sources + 1).
+    """
+
+    accepted: array
+    slot: np.ndarray
+    results: SpillList
+    truncated: dict[int, dict[str, int]]
+    offsets: list[int]
+
+    def source_of(self, g: np.ndarray) -> np.ndarray:
+        return np.searchsorted(np.asarray(self.offsets), g, side="right") - 1
+
+
+def tokenize_mixed(cfg: DataConfig, pools: list[RowPool], fn, report: DataReport) -> TokenizedRows:
+    """Mix, then tokenize in mixed order, only as far as ``data.max_samples`` needs; results go to disk as they come
+    (chunks of at most ``TOKENIZE_CHUNK_ROWS`` rows, one pool of worker processes for all of them).
 
     Raises:
         DataError: bad rows under ``bad_rows: error``, or no row left at all.
     """
+    offsets = [0]
+    for pool in pools:
+        offsets.append(offsets[-1] + len(pool))
     entries = mix(cfg, [len(p) for p in pools])
     target = cfg.max_samples or len(entries)
-    results: dict = {}
-    accepted: list[Entry] = []
+    slot = np.full(offsets[-1], -1, dtype=np.int64)
+    results = SpillList(current_spill_dir(), "tokenized")
+    failed: list[tuple[int, RowError]] = []
+    truncated: dict[int, dict[str, int]] = {}
+    accepted = array("q")
     pos = 0
-    while pos < len(entries) and len(accepted) < target:
-        need = target - len(accepted)
-        chunk = entries[pos : pos + (len(entries) if cfg.max_samples is None else max(64, need + need // 4))]
-        todo = list(dict.fromkeys(e for e in chunk if e not in results))
-        results.update(zip(todo, tokenize_rows([pools[s][j][1] for s, j in todo], fn, cfg.num_proc)))
-        for entry in chunk:
-            pos += 1
-            if not isinstance(results[entry], RowError):
-                accepted.append(entry)
-                if len(accepted) == target:
-                    break
-    failed = sorted((e, r) for e, r in results.items() if isinstance(r, RowError))
-    record_bad(cfg, report, [(cfg.datasets[s].path, pools[s][j][0], r) for (s, j), r in failed])
+    distinct = int(np.count_nonzero(np.bincount(np.frombuffer(entries, dtype=np.int64), minlength=offsets[-1])))
+    with RowTokenizer(fn, cfg.num_proc, distinct if cfg.max_samples is None else min(distinct, target)) as tok:
+        while pos < len(entries) and len(accepted) < target:
+            need = target - len(accepted)
+            size = TOKENIZE_CHUNK_ROWS if cfg.max_samples is None else max(64, need + need // 4)
+            chunk = entries[pos : pos + size]
+            todo = [g for g in dict.fromkeys(chunk) if slot[g] == -1]
+            rows = _rows(pools, offsets, todo)
+            for g, result in zip(todo, tok.map(rows)):
+                if isinstance(result, RowError):
+                    slot[g] = -2
+                    failed.append((g, result))
+                else:
+                    slot[g] = results.append(result)
+                    if result.truncated:
+                        truncated[g] = _cut_counts(result)
+            for g in chunk:
+                pos += 1
+                if slot[g] >= 0:
+                    accepted.append(g)
+                    if len(accepted) == target:
+                        break
+    failed.sort(key=lambda item: item[0])
+    sources = np.searchsorted(np.asarray(offsets), [g for g, _ in failed], side="right") - 1
+    record_bad(cfg, report, [(cfg.datasets[s].path, pools[s].row_ids[g - offsets[s]], r)
+                             for s, (g, r) in zip(sources.tolist(), failed)])
     if not accepted:
         counts = "; ".join(f"{k}: {n}" for k, n in report.drop_counts().items()) or "no rows"
         raise DataError(
             f"no training rows left after tokenization ({counts}). Raise data.max_length or check the chat template."
         )
-    return accepted, results
+    return TokenizedRows(accepted, slot, results, truncated, offsets)
 
 
-def tokenize_and_split(cfg: DataConfig, pools, fn, report: DataReport) -> tuple[list, list]:
+def _rows(pools: list[RowPool], offsets: list[int], todo: list[int]) -> list[dict]:
+    """The canonical rows of global rows ``todo``, in that order."""
+    by_source: dict[int, list[int]] = {}
+    for k, g in enumerate(todo):
+        by_source.setdefault(bisect_right(offsets, g) - 1, []).append(k)
+    out: list = [None] * len(todo)
+    for s, ks in by_source.items():
+        for k, row in zip(ks, pools[s].rows.take(todo[k] - offsets[s] for k in ks)):
+            out[k] = row
+    return out
+
+
+def tokenize_and_split(cfg: DataConfig, pools: list[RowPool], fn, report: DataReport) -> tuple[SpillView, SpillView]:
     """Tokenize the mixed rows and split them into train and eval results (report counts filled in).
 
     The eval rows are the first ``val_size`` distinct rows of the shuffled order; their repeats (from
     ``weight`` > 1) leave train too.
 
     Returns:
-        ``(train, eval)``: tokenization results in training order; ``eval`` is empty when ``val_size == 0``.
+        ``(train, eval)``: tokenization results in training order, as read-only lists backed by the build's row
+        files (:class:`SpillView`; valid until the build ends); ``eval`` is empty when ``val_size == 0``.
 
     Raises:
         DataError: see :func:`tokenize_mixed`; ``val_size`` leaves no training rows.
     """
-    accepted, results = tokenize_mixed(cfg, pools, fn, report)
-    distinct = list(dict.fromkeys(accepted))
+    tok = tokenize_mixed(cfg, pools, fn, report)
+    accepted = np.frombuffer(tok.accepted, dtype=np.int64)
+    _, first = np.unique(accepted, return_index=True)
+    distinct = accepted[np.sort(first)]  # in order of first appearance
     n_val = val_count(cfg.val_size, len(accepted))
     if n_val and n_val >= len(distinct):
         raise DataError(
             f"data.val_size={cfg.val_size} asks for {n_val} eval rows but only {len(distinct)} distinct rows are "
             "kept; lower val_size so that training rows remain."
         )
-    held_out = set(distinct[:n_val])
-    train_entries = [e for e in accepted if e not in held_out]
     eval_entries = distinct[:n_val]
+    train_entries = accepted[~np.isin(accepted, eval_entries)] if n_val else accepted
+    n_sources = len(report.sources)
+    train_counts = np.bincount(tok.source_of(train_entries), minlength=n_sources)
+    eval_counts = np.bincount(tok.source_of(eval_entries), minlength=n_sources)
+    kept_counts = np.bincount(tok.source_of(distinct), minlength=n_sources)
     for s, src in enumerate(report.sources):
-        src.train_rows = sum(1 for e in train_entries if e[0] == s)
-        src.eval_rows = sum(1 for e in eval_entries if e[0] == s)
-        src.rows_kept = len({e for e in distinct if e[0] == s})
-    report.truncated_rows = [
-        {"source": cfg.datasets[s].path, "row": pools[s][j][0], **_cut_counts(results[(s, j)])}
-        for s, j in sorted(distinct)
-        if results[(s, j)].truncated
-    ]
+        src.train_rows, src.eval_rows, src.rows_kept = int(train_counts[s]), int(eval_counts[s]), int(kept_counts[s])
+    kept = set(distinct.tolist()) if tok.truncated else set()
+    report.truncated_rows = []
+    for g in sorted(g for g in tok.truncated if g in kept):
+        s = bisect_right(tok.offsets, g) - 1
+        report.truncated_rows.append({"source": cfg.datasets[s].path, "row": pools[s].row_ids[g - tok.offsets[s]],
+                                      **tok.truncated[g]})
     report.train_rows, report.eval_rows = len(train_entries), len(eval_entries)
-    return [results[e] for e in train_entries], [results[e] for e in eval_entries]
+    return SpillView(tok.results, tok.slot[train_entries]), SpillView(tok.results, tok.slot[eval_entries])
 
 
 def _cut_counts(result) -> dict[str, int]:
@@ -180,10 +254,25 @@ def _cut_counts(result) -> dict[str, int]:
     return {k: getattr(result, k) for k in ("prompt_tokens_cut", "response_tokens_cut") if hasattr(result, k)}
 
 
-def to_dataset(rows: list[dict], columns: list[str], scalar: tuple[str, ...] = ()):
+def batched(rows: Iterable[dict], columns: list[str], size: int = ARROW_CHUNK_ROWS) -> Iterator[dict[str, list]]:
+    """Group row dicts into column batches of at most ``size`` rows (for :func:`write_dataset`)."""
+    batch: dict[str, list] = {c: [] for c in columns}
+    n = 0
+    for row in rows:
+        for c in columns:
+            batch[c].append(row[c])
+        n += 1
+        if n == size:
+            yield batch
+            batch, n = {c: [] for c in columns}, 0
+    if n:
+        yield batch
+
+
+def to_dataset(rows: Iterable[dict], columns: list[str], scalar: tuple[str, ...] = ()):
     """A memory-mapped ``datasets.Dataset`` of int64 columns: lists of ints, except the ``scalar`` ones (one int per
-    row); written chunk by chunk (:func:`~llmtune.data.cache.write_dataset`: in the cache entry being built, else in a
-    temporary file).
+    row); ``rows`` (any iterable of row dicts, e.g. a generator over a :class:`SpillView`) are written chunk by chunk
+    (:func:`~llmtune.data.cache.write_dataset`: in the cache entry being built, else in a temporary file).
 
     Raises:
         DataError: the Arrow file cannot be written (disk full).
@@ -193,7 +282,7 @@ def to_dataset(rows: list[dict], columns: list[str], scalar: tuple[str, ...] = (
     features = datasets.Features(
         {c: datasets.Value("int64") if c in scalar else datasets.Sequence(datasets.Value("int64")) for c in columns}
     )
-    return write_dataset({c: (lambda a, b, c=c: [r[c] for r in rows[a:b]]) for c in columns}, len(rows), features)
+    return write_dataset(batched(rows, columns), features)
 
 
 def reject_sft_options(cfg: DataConfig, rows: str, packing_reason: str, labels_reason: str) -> None:

@@ -41,6 +41,7 @@ With ``data.truncation: drop`` every pair that would need a cut is dropped inste
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -303,24 +304,27 @@ def _build_preference_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path =
                        cfg.truncation_keep_system, exact_template=exact_template)
     report = DataReport(max_length=cfg.max_length, seed=cfg.seed, kind="preference")
     pools = read_sources(cfg, base_dir, report, kind="preference")
-    if not fn.chat and any(not isinstance(row["prompt"], str) for pool in pools for _, row in pool):
+    if not fn.chat and any(not isinstance(row["prompt"], str) for pool in pools for row in pool.rows):
         apply_chat_template_config(cfg, tokenizer)  # raises: message prompts need a chat template
     train_pairs, eval_pairs = tokenize_and_split(cfg, pools, fn, report)
-    train, evals = [p.to_row() for p in train_pairs], [p.to_row() for p in eval_pairs]
-    report.train_sequences, report.eval_sequences = len(train), len(evals)
+    report.train_sequences, report.eval_sequences = len(train_pairs), len(eval_pairs)
     report.tokens, report.trained_tokens = _count_tokens(train_pairs)
     report.eval_tokens, report.eval_trained_tokens = _count_tokens(eval_pairs)
     return PreferenceData(
-        train=to_dataset(train, PAIR_COLUMNS, scalar=("prompt_length",)),
-        eval=to_dataset(evals, PAIR_COLUMNS, scalar=("prompt_length",)) if evals else None,
+        train=to_dataset((p.to_row() for p in train_pairs), PAIR_COLUMNS, scalar=("prompt_length",)),
+        eval=to_dataset((p.to_row() for p in eval_pairs), PAIR_COLUMNS, scalar=("prompt_length",))
+        if len(eval_pairs) else None,
         report=report,
     )
 
 
-def _count_tokens(pairs: list[TokenizedPair]) -> tuple[int, int]:
+def _count_tokens(pairs: Iterable[TokenizedPair]) -> tuple[int, int]:
     """(tokens of all chosen and rejected sequences, their completion tokens)."""
-    completion = sum(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
-    return completion + sum(2 * len(p.prompt_ids) for p in pairs), completion
+    completion = prompt = 0
+    for p in pairs:
+        completion += len(p.chosen_ids) + len(p.rejected_ids)
+        prompt += 2 * len(p.prompt_ids)
+    return completion + prompt, completion
 
 
 def render_pair(row: dict, tokenizer) -> str:

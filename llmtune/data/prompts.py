@@ -27,6 +27,7 @@ Under ``data.truncation: drop`` such prompts are dropped instead. Both are count
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,7 +38,7 @@ from llmtune.config.schema import DataConfig
 from llmtune.data.cache import cached_build, write_dataset
 from llmtune.data.collators import SFTCollator
 from llmtune.data.errors import DataError, RowError
-from llmtune.data.pipeline import read_sources, reject_sft_options, tokenize_and_split
+from llmtune.data.pipeline import batched, read_sources, reject_sft_options, tokenize_and_split
 from llmtune.data.report import DataReport
 from llmtune.data.templates import apply_chat_template_config
 from llmtune.data.tokenize import (
@@ -232,10 +233,14 @@ def _build_prompt_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = "."
     report.train_sequences, report.eval_sequences = len(train), len(evals)
     report.tokens = sum(len(p.input_ids) for p in train)
     report.eval_tokens = sum(len(p.input_ids) for p in evals)
-    return PromptData(train=_to_dataset(train), eval=_to_dataset(evals) if evals else None, report=report)
+    return PromptData(train=_to_dataset(train), eval=_to_dataset(evals) if len(evals) else None, report=report)
 
 
-def _to_dataset(prompts: list[TokenizedPrompt]):
+PROMPT_COLUMNS = ["input_ids", "length", "index", "prompt", "messages", "reference"]
+
+
+def _to_dataset(prompts: Iterable[TokenizedPrompt]):
+    """The prompt dataset: ``index`` = the prompt's position in its split."""
     import datasets
 
     features = datasets.Features({
@@ -243,14 +248,9 @@ def _to_dataset(prompts: list[TokenizedPrompt]):
         "index": datasets.Value("int64"), "prompt": datasets.Value("string"), "messages": datasets.Value("string"),
         "reference": datasets.Value("string"),
     })
-    columns = {
-        "input_ids": lambda a, b: [p.input_ids for p in prompts[a:b]],
-        "length": lambda a, b: [len(p.input_ids) for p in prompts[a:b]],
-        "index": lambda a, b: list(range(a, b)), "prompt": lambda a, b: [p.prompt for p in prompts[a:b]],
-        "messages": lambda a, b: [p.messages for p in prompts[a:b]],
-        "reference": lambda a, b: [p.reference for p in prompts[a:b]],
-    }
-    return write_dataset(columns, len(prompts), features)
+    rows = ({"input_ids": p.input_ids, "length": len(p.input_ids), "index": i, "prompt": p.prompt,
+             "messages": p.messages, "reference": p.reference} for i, p in enumerate(prompts))
+    return write_dataset(batched(rows, PROMPT_COLUMNS), features)
 
 
 class PromptCollator:

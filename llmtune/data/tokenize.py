@@ -421,51 +421,80 @@ def auto_num_proc(n_rows: int) -> int:
     return max(1, min(AUTO_PROC_MAX, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
 
 
-def tokenize_rows(rows: list[dict], fn, num_proc: int | None = None) -> list:
-    """Tokenize canonical rows; failures are returned (not raised) as :class:`RowError` in their place.
+class RowTokenizer:
+    """Tokenize canonical rows chunk after chunk with one set of worker processes (a context manager); failures are
+    returned (not raised) as :class:`RowError` in their place, and a progress bar (stderr, main process, from
+    ``PROGRESS_MIN_ROWS`` rows) counts every row of every chunk.
 
     Args:
-        rows: canonical rows.
-        fn: the row tokenizer (:class:`SFTTokenizer` or the preference pair tokenizer): a picklable callable
-            returning a dataclass of type ``fn.result_type`` or raising :class:`RowError`.
-        num_proc: worker processes (a ``multiprocessing`` pool, forked where the platform allows; rows and results
-            are pickled); 1 tokenizes in this process; None: :func:`auto_num_proc`.
-
-    Returns:
-        One ``fn.result_type`` or :class:`RowError` per row, in order.
+        fn: the row tokenizer (:class:`SFTTokenizer`, the pair/prompt/unpaired tokenizers): a picklable callable
+            returning a result or raising :class:`RowError`.
+        num_proc: worker processes (a ``multiprocessing`` pool, forked where the platform allows, started at the
+            first chunk big enough to share; rows and results are pickled; workers die with their parent);
+            1 tokenizes in this process; None: :func:`auto_num_proc` of ``total``.
+        total: rows expected over all chunks (the progress bar's total and the auto process count).
     """
-    num_proc = auto_num_proc(len(rows)) if num_proc is None else num_proc
-    if num_proc <= 1 or len(rows) < 2 * num_proc:
+
+    def __init__(self, fn, num_proc: int | None = None, total: int = 0):
+        self.fn = fn
+        self.num_proc = auto_num_proc(total) if num_proc is None else num_proc
+        self.total = total
+        self._pool = None
+        self._bar = None
+
+    def __enter__(self) -> RowTokenizer:
         from tqdm.auto import tqdm
 
         from llmtune.utils import is_main_process
 
-        out: list = []
-        quiet = len(rows) < PROGRESS_MIN_ROWS or not is_main_process()
-        for row in tqdm(rows, desc="tokenizing", unit="row", leave=False, disable=quiet, mininterval=1.0):
-            try:
-                out.append(fn(row))
-            except RowError as err:
-                out.append(err)
-        return out
-    import multiprocessing
+        desc = "tokenizing" + (f" ({self.num_proc} processes)" if self.num_proc > 1 else "")
+        quiet = self.total < PROGRESS_MIN_ROWS or not is_main_process()
+        self._bar = tqdm(total=self.total or None, desc=desc, unit="row", leave=False, disable=quiet, mininterval=1.0)
+        return self
 
-    from tqdm.auto import tqdm
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.terminate() if exc[0] is not None else self._pool.close()
+            self._pool.join()
+            self._pool = None
+        self._bar.close()
 
-    from llmtune.utils import is_main_process
+    def map(self, rows: list[dict]) -> Iterator:
+        """One result (or :class:`RowError`) per row, in order, yielded as they come (workers go on with the rest of
+        ``rows`` while the caller stores each result)."""
+        if self.num_proc <= 1 or len(rows) < 2 * self.num_proc:
+            for row in rows:
+                try:
+                    yield self.fn(row)
+                except RowError as err:
+                    yield err
+                self._bar.update(1)
+            return
+        if self._pool is None:
+            import multiprocessing
 
-    chunk = max(1, min(WORKER_CHUNK_ROWS, len(rows) // (4 * num_proc)))
-    chunks = [rows[i : i + chunk] for i in range(0, len(rows), chunk)]
-    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    out = []
-    quiet = len(rows) < PROGRESS_MIN_ROWS or not is_main_process()
-    with context.Pool(num_proc, initializer=_init_worker, initargs=(fn,)) as pool, \
-            tqdm(total=len(rows), desc=f"tokenizing ({num_proc} processes)", unit="row", leave=False, disable=quiet,
-                 mininterval=1.0) as bar:
-        for results in pool.imap(_tokenize_chunk, chunks):  # in order
-            out += results
-            bar.update(len(results))
-    return out
+            context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
+                                                  else "spawn")
+            self._pool = context.Pool(self.num_proc, initializer=_init_worker, initargs=(self.fn,))
+        chunk = max(1, min(WORKER_CHUNK_ROWS, len(rows) // (4 * self.num_proc)))
+        for results in self._pool.imap(_tokenize_chunk, [rows[i : i + chunk] for i in range(0, len(rows), chunk)]):
+            yield from results
+            self._bar.update(len(results))
+
+
+def tokenize_rows(rows: list[dict], fn, num_proc: int | None = None) -> list:
+    """Tokenize canonical rows at once (:class:`RowTokenizer` for one chunk).
+
+    Args:
+        rows: canonical rows.
+        fn: the row tokenizer (see :class:`RowTokenizer`).
+        num_proc: worker processes; None: :func:`auto_num_proc`.
+
+    Returns:
+        One result or :class:`RowError` per row, in order.
+    """
+    with RowTokenizer(fn, num_proc, len(rows)) as tok:
+        return list(tok.map(rows))
 
 
 def render_labels(input_ids, labels, tokenizer) -> str:

@@ -18,6 +18,7 @@ for imbalanced data (Ethayarajh et al. 2024, Eq. 8: ``desirable_weight * n_D / (
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -177,26 +178,41 @@ def _build_unpaired_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = "
     pairs = PairTokenizer(tokenizer, cfg.max_length, cfg.max_prompt_length, cfg.truncation_mode, cfg.truncation)
     report = UnpairedReport(max_length=cfg.max_length, seed=cfg.seed, kind="unpaired")
     pools = read_sources(cfg, base_dir, report, kind="unpaired")
-    if not pairs.chat and any(not isinstance(row["prompt"], str) for pool in pools for _, row in pool):
+    if not pairs.chat and any(not isinstance(row["prompt"], str) for pool in pools for row in pool.rows):
         apply_chat_template_config(cfg, tokenizer)  # raises: message prompts need a chat template
         pairs = PairTokenizer(tokenizer, cfg.max_length, cfg.max_prompt_length, cfg.truncation_mode, cfg.truncation)
     train_res, eval_res = tokenize_and_split(cfg, pools, UnpairedTokenizer(pairs), report)
-    train = [row for i, r in enumerate(train_res) for row in r.to_rows(i)]
-    evals = [row for i, r in enumerate(eval_res) for row in r.to_rows(i)]
-    report.train_sequences, report.eval_sequences = len(train), len(evals)
-    report.tokens, report.trained_tokens = _count_tokens(train)
-    report.eval_tokens, report.eval_trained_tokens = _count_tokens(evals)
-    n_d = sum(r["label"] for r in train)
-    report.kto_balance = kto_balance(n_d, len(train) - n_d, desirable_weight, undesirable_weight)
+    scalar = ("prompt_length", "label", "pair_index")
+    train_counts, eval_counts = _Counts(), _Counts()
+    train = to_dataset(train_counts.rows(train_res), UNPAIRED_COLUMNS, scalar)
+    evals = to_dataset(eval_counts.rows(eval_res), UNPAIRED_COLUMNS, scalar) if len(eval_res) else None
+    report.train_sequences, report.tokens, report.trained_tokens = train_counts.summary()
+    report.eval_sequences, report.eval_tokens, report.eval_trained_tokens = eval_counts.summary()
+    report.kto_balance = kto_balance(train_counts.desirable, train_counts.rows_ - train_counts.desirable,
+                                     desirable_weight, undesirable_weight)
     if not report.kto_balance["in_range"]:
         log.warning("KTO data: %s", report.kto_balance["advice"])
-    scalar = ("prompt_length", "label", "pair_index")
-    return UnpairedData(to_dataset(train, UNPAIRED_COLUMNS, scalar),
-                        to_dataset(evals, UNPAIRED_COLUMNS, scalar) if evals else None, report)
+    return UnpairedData(train, evals, report)
 
 
-def _count_tokens(rows: list[dict]) -> tuple[int, int]:
-    return sum(len(r["input_ids"]) for r in rows), sum(len(r["input_ids"]) - r["prompt_length"] for r in rows)
+class _Counts:
+    """Rows, tokens, completion tokens and desirable rows of the dataset rows of a split, counted while written."""
+
+    def __init__(self):
+        self.rows_ = self.tokens = self.trained = self.desirable = 0
+
+    def rows(self, results: Iterable[TokenizedUnpaired]) -> Iterator[dict]:
+        """The dataset rows of ``results`` (``pair_index`` = the result's position), counted."""
+        for i, r in enumerate(results):
+            for row in r.to_rows(i):
+                self.rows_ += 1
+                self.tokens += len(row["input_ids"])
+                self.trained += len(row["input_ids"]) - row["prompt_length"]
+                self.desirable += row["label"]
+                yield row
+
+    def summary(self) -> tuple[int, int, int]:
+        return self.rows_, self.tokens, self.trained
 
 
 class UnpairedCollator:
