@@ -46,7 +46,7 @@ __all__ = [
     "build_prompt_data", "build_sft_data", "prompt_ids", "render_labels", "render_pair",
 ]
 
-PACK_READ_BINS = 256  # packed sequences whose rows are read from the build's row files at once
+PACK_READ_TOKENS = 1 << 18  # tokens of packed sequences whose rows are read from the build's row files at once
 
 
 @dataclass
@@ -110,8 +110,9 @@ def _write_sequences(cfg: DataConfig, rows: SpillView) -> tuple[datasets.Dataset
     def sequences() -> Iterator[dict[str, list[int]]]:
         if cfg.packing:
             plan = pack_plan([len(r.input_ids) for r in rows], cfg.max_length)
-            for a in range(0, len(plan), PACK_READ_BINS):  # read the members of a group of bins at once
-                group = plan[a : a + PACK_READ_BINS]
+            bins = max(1, PACK_READ_TOKENS // cfg.max_length)
+            for a in range(0, len(plan), bins):  # read the members of a group of bins at once
+                group = plan[a : a + bins]
                 members = iter(rows.take([k for bin_ in group for k in bin_]))
                 for bin_ in group:
                     yield pack_sequence((r.input_ids, r.labels) for r in islice(members, len(bin_)))

@@ -33,6 +33,7 @@ from llmtune.data.spill import RowPool, SpillList, SpillView, current_spill_dir
 from llmtune.data.tokenize import RowTokenizer
 
 MAX_LISTED_BAD_ROWS = 10
+ARROW_CHUNK_VALUES = 1 << 18  # list elements (token ids) per Arrow batch written
 TOKENIZE_CHUNK_ROWS = 4096  # entries of the mixed order per step: their canonical rows are in memory at once
 
 
@@ -254,17 +255,22 @@ def _cut_counts(result) -> dict[str, int]:
     return {k: getattr(result, k) for k in ("prompt_tokens_cut", "response_tokens_cut") if hasattr(result, k)}
 
 
-def batched(rows: Iterable[dict], columns: list[str], size: int = ARROW_CHUNK_ROWS) -> Iterator[dict[str, list]]:
-    """Group row dicts into column batches of at most ``size`` rows (for :func:`write_dataset`)."""
+def batched(rows: Iterable[dict], columns: list[str]) -> Iterator[dict[str, list]]:
+    """Group row dicts into column batches (for :func:`write_dataset`) of at most ``ARROW_CHUNK_ROWS`` rows and about
+    ``ARROW_CHUNK_VALUES`` list elements (token ids: a batch of long rows stays a few MB)."""
+    size, max_values = ARROW_CHUNK_ROWS, ARROW_CHUNK_VALUES
     batch: dict[str, list] = {c: [] for c in columns}
-    n = 0
+    n = values = 0
     for row in rows:
         for c in columns:
-            batch[c].append(row[c])
+            value = row[c]
+            batch[c].append(value)
+            if isinstance(value, list):
+                values += len(value)
         n += 1
-        if n == size:
+        if n == size or values >= max_values:
             yield batch
-            batch, n = {c: [] for c in columns}, 0
+            batch, n, values = {c: [] for c in columns}, 0, 0
     if n:
         yield batch
 

@@ -26,7 +26,8 @@ from typing import Any
 
 from llmtune.data.errors import DataError
 
-READ_CHUNK_ROWS = 1024  # records decoded per read when iterating
+READ_CHUNK_ROWS = 1024  # at most this many records decoded per read ...
+READ_CHUNK_BYTES = 1 << 18  # ... and about this many bytes of pickles (token ids unpickle to ~12x their bytes)
 
 _current: contextvars.ContextVar[tuple[Path, list] | None] = contextvars.ContextVar("llmtune_spill", default=None)
 
@@ -75,6 +76,12 @@ class SpillList(Sequence):
     def __len__(self) -> int:
         return len(self._offsets) - 1
 
+    def chunk_rows(self) -> int:
+        """Records per read: ``READ_CHUNK_BYTES`` of the average record, between 1 and ``READ_CHUNK_ROWS``."""
+        n = len(self)
+        average = self._offsets[-1] / n if n else 1
+        return max(1, min(READ_CHUNK_ROWS, int(READ_CHUNK_BYTES / max(average, 1))))
+
     def _read(self, start: int, stop: int) -> bytes:
         if self._dirty:
             try:
@@ -96,8 +103,9 @@ class SpillList(Sequence):
             if step != 1:
                 return [self[i] for i in range(start, stop, step)]
             out: list = []
-            for a in range(start, stop, READ_CHUNK_ROWS):
-                out += self._run(a, min(stop, a + READ_CHUNK_ROWS))
+            size = self.chunk_rows()
+            for a in range(start, stop, size):
+                out += self._run(a, min(stop, a + size))
             return out
         n = len(self)
         if k < 0:
@@ -111,10 +119,11 @@ class SpillList(Sequence):
         indices = list(indices)
         out: list = [None] * len(indices)
         order = sorted(range(len(indices)), key=indices.__getitem__)
+        size = self.chunk_rows()
         p = 0
         while p < len(order):
             q = p + 1
-            while q < len(order) and indices[order[q]] - indices[order[q - 1]] <= 1 and q - p < READ_CHUNK_ROWS:
+            while q < len(order) and indices[order[q]] - indices[order[q - 1]] <= 1 and q - p < size:
                 q += 1
             first, last = indices[order[p]], indices[order[q - 1]]
             run = self._run(first, last + 1)
@@ -124,8 +133,9 @@ class SpillList(Sequence):
         return out
 
     def __iter__(self) -> Iterator[Any]:
-        for a in range(0, len(self), READ_CHUNK_ROWS):
-            yield from self._run(a, min(len(self), a + READ_CHUNK_ROWS))
+        size = self.chunk_rows()
+        for a in range(0, len(self), size):
+            yield from self._run(a, min(len(self), a + size))
 
     def close(self) -> None:
         """Close and delete the file (idempotent)."""
@@ -157,17 +167,14 @@ class SpillView(Sequence):
         return self.store[int(self.indices[k])]
 
     def __iter__(self) -> Iterator[Any]:
-        for a in range(0, len(self), READ_CHUNK_ROWS):
-            yield from self[a : a + READ_CHUNK_ROWS]
+        size = self.store.chunk_rows()
+        for a in range(0, len(self), size):
+            yield from self[a : a + size]
 
     def take(self, ks: Iterable[int]) -> list:
         """The records at view positions ``ks``."""
         return self.store.take(int(self.indices[k]) for k in ks)
 
-    def chunks(self, size: int = READ_CHUNK_ROWS) -> Iterator[list]:
-        """The records as lists of at most ``size``, in order."""
-        for a in range(0, len(self), size):
-            yield self[a : a + size]
 
 
 class RowPool(Sequence):
@@ -191,8 +198,9 @@ class RowPool(Sequence):
         return self.row_ids[j], self.rows[j]
 
     def __iter__(self) -> Iterator[tuple[int, dict]]:
-        for a in range(0, len(self), READ_CHUNK_ROWS):
-            yield from self[a : a + READ_CHUNK_ROWS]
+        size = self.rows.chunk_rows()
+        for a in range(0, len(self), size):
+            yield from self[a : a + size]
 
     def close(self) -> None:
         self.rows.close()
