@@ -126,9 +126,23 @@ def resolve_columns(fmt: str, ds: DatasetConfig, key: str, builtin: dict[str, st
 TURN_FIELDS = ("role", "content")  # mapped to keys inside each turn of a message list, not to row columns
 
 
-def check_column_mapping(raw: RawSource, ds: DatasetConfig, key: str) -> None:
+def row_columns(raw: RawSource) -> set[str]:
+    """The columns of any dict row of ``raw``."""
+    present: set[str] = set()
+    for row in raw.rows:
+        if isinstance(row, dict):
+            present.update(row)
+    return present
+
+
+def check_column_mapping(raw: RawSource, ds: DatasetConfig, key: str, present: set[str] | None = None) -> None:
     """Every column that ``ds.columns`` names must exist: in some row of the file for row fields, in the turns of
     the first conversation for ``role``/``content``.
+
+    Args:
+        raw: the source's rows (its first dict row gives the turn keys).
+        present: the columns of every row of the source, when ``raw`` holds only its first rows (default: the
+            columns of ``raw``'s rows).
 
     Raises:
         DataError: naming the file, the mapping key, the missing column and the columns that exist.
@@ -137,10 +151,7 @@ def check_column_mapping(raw: RawSource, ds: DatasetConfig, key: str) -> None:
 
     if not ds.columns:
         return
-    present: set[str] = set()
-    for row in raw.rows:
-        if isinstance(row, dict):
-            present.update(row)
+    present = row_columns(raw) if present is None else present
     if not present:
         return
     turn_keys: set[str] = set()
@@ -629,10 +640,61 @@ def row_kind(row: dict) -> str:
     return "text" if "text" in row else "prompt_completion"
 
 
+def source_format(raw: RawSource, ds: DatasetConfig, kind: str = "sft") -> tuple[str, dict[str, str], Callable]:
+    """The format of a source, its column mapping and its row adapter, from its first rows (``raw``: at least its
+    first row, as :func:`detect_format` needs).
+
+    Raises:
+        DataError: undetectable format, a format of another kind, invalid column mapping, ``system_prompt`` on a
+            non-chat format.
+    """
+    key = f"data.datasets[{raw.index}]"
+    fmt = ds.format if ds.format != "auto" else (raw.format or detect_format(raw, ds, key, kind))
+    if fmt not in KIND_FORMATS[kind]:
+        other = next(k for k, formats in KIND_FORMATS.items() if fmt in formats)
+        where = f"{key}.format: {fmt!r}" if ds.format != "auto" else f"{key}: {raw.path} (format {fmt!r})"
+        if kind == "prompt" and fmt == "text":
+            raise DataError(
+                f"{where} is plain text, which has no prompt part to generate from. Prompts come from {{prompt}} "
+                "rows, messages/sharegpt conversations, alpaca, prompt_completion or preference data; point "
+                f"{key}.path at such data (or set {key}.format and {key}.columns)."
+            )
+        raise DataError(
+            f"{where} is {KIND_NAMES[other]}, but this stage needs {KIND_NAMES[kind]}: one of the formats "
+            f"{', '.join(KIND_FORMATS[kind])}. Point {key}.path at such data (or set {key}.format)."
+        )
+    cols = resolve_columns(fmt, ds, key, raw.columns_map if fmt == raw.format else None)
+    if ds.system_prompt is not None and fmt in ("text", "prompt_completion") and kind != "prompt":
+        raise DataError(f"{key}.system_prompt applies to chat formats (alpaca, sharegpt, messages), not {fmt!r}.")
+    return fmt, cols, PROMPT_ADAPTERS[fmt] if kind == "prompt" else ADAPTERS[fmt]
+
+
+def convert_rows(raw: RawSource, ds: DatasetConfig, cols: dict[str, str], adapter: Callable
+                 ) -> tuple[list[tuple[int, dict]], list[tuple[int, RowError]]]:
+    """Convert and validate the rows of ``raw`` (a whole source or a batch of one).
+
+    Returns:
+        ``(valid, bad)``: ``[(row_id, canonical_row)]`` and ``[(row_id, RowError)]`` (with the rows the reader
+        could not parse), both in file order.
+    """
+    valid: list[tuple[int, dict]] = []
+    bad: list[tuple[int, RowError]] = list(raw.bad)
+    for row_id, row in zip(raw.row_ids, raw.rows):
+        try:
+            if not isinstance(row, dict):
+                raise RowError("not an object", f"row is {_type_name(row)}; expected an object with named fields")
+            valid.append((row_id, adapter(row, cols, ds)))
+        except RowError as err:
+            bad.append((row_id, err))
+    bad.sort(key=lambda item: item[0])
+    return valid, bad
+
+
 def to_canonical(
     raw: RawSource, ds: DatasetConfig, kind: str = "sft"
 ) -> tuple[str, list[tuple[int, dict]], list[tuple[int, RowError]]]:
-    """Convert and validate every row of a source.
+    """Convert and validate every row of a source held in memory (:func:`source_format`, then
+    :func:`convert_rows`; the pipeline does the same batch by batch).
 
     Args:
         raw: the rows as read.
@@ -651,34 +713,8 @@ def to_canonical(
     """
     key = f"data.datasets[{raw.index}]"
     check_column_mapping(raw, ds, key)
-    fmt = ds.format if ds.format != "auto" else (raw.format or detect_format(raw, ds, key, kind))
-    if fmt not in KIND_FORMATS[kind]:
-        other = next(k for k, formats in KIND_FORMATS.items() if fmt in formats)
-        where = f"{key}.format: {fmt!r}" if ds.format != "auto" else f"{key}: {raw.path} (format {fmt!r})"
-        if kind == "prompt" and fmt == "text":
-            raise DataError(
-                f"{where} is plain text, which has no prompt part to generate from. Prompts come from {{prompt}} "
-                "rows, messages/sharegpt conversations, alpaca, prompt_completion or preference data; point "
-                f"{key}.path at such data (or set {key}.format and {key}.columns)."
-            )
-        raise DataError(
-            f"{where} is {KIND_NAMES[other]}, but this stage needs {KIND_NAMES[kind]}: one of the formats "
-            f"{', '.join(KIND_FORMATS[kind])}. Point {key}.path at such data (or set {key}.format)."
-        )
-    cols = resolve_columns(fmt, ds, key, raw.columns_map if fmt == raw.format else None)
-    if ds.system_prompt is not None and fmt in ("text", "prompt_completion") and kind != "prompt":
-        raise DataError(f"{key}.system_prompt applies to chat formats (alpaca, sharegpt, messages), not {fmt!r}.")
-    adapter = PROMPT_ADAPTERS[fmt] if kind == "prompt" else ADAPTERS[fmt]
-    valid: list[tuple[int, dict]] = []
-    bad: list[tuple[int, RowError]] = list(raw.bad)
-    for row_id, row in zip(raw.row_ids, raw.rows):
-        try:
-            if not isinstance(row, dict):
-                raise RowError("not an object", f"row is {_type_name(row)}; expected an object with named fields")
-            valid.append((row_id, adapter(row, cols, ds)))
-        except RowError as err:
-            bad.append((row_id, err))
-    bad.sort(key=lambda item: item[0])
+    fmt, cols, adapter = source_format(raw, ds, kind)
+    valid, bad = convert_rows(raw, ds, cols, adapter)
     if not valid and bad:
         raise DataError(schema_message(raw, fmt, cols, bad, key))
     return fmt, valid, bad

@@ -14,6 +14,7 @@ The row tokenizer is any picklable callable returning a result with a ``truncate
 
 from __future__ import annotations
 
+import itertools
 import random
 from array import array
 from collections.abc import Iterable, Iterator
@@ -26,9 +27,9 @@ import numpy as np
 from llmtune.config.schema import DataConfig
 from llmtune.data.cache import ARROW_CHUNK_ROWS, write_dataset
 from llmtune.data.errors import DataError, RowError
-from llmtune.data.formats import to_canonical
+from llmtune.data import sources
+from llmtune.data.formats import check_column_mapping, convert_rows, row_columns, schema_message, source_format
 from llmtune.data.report import DataReport, SourceReport
-from llmtune.data.sources import read_source
 from llmtune.data.spill import RowPool, SpillList, SpillView, current_spill_dir
 from llmtune.data.tokenize import RowTokenizer
 
@@ -58,30 +59,74 @@ def record_bad(cfg: DataConfig, report: DataReport, dropped: list[tuple[str, int
 
 def read_sources(cfg: DataConfig, base_dir: str | Path, report: DataReport, kind: str = "sft") -> list[RowPool]:
     """Canonical rows per source, as :class:`~llmtune.data.spill.RowPool` s (``pool[j] = (row_id, row)``, the rows
-    on disk); bad rows raise or are recorded in ``report``.
+    on disk), read batch by batch (:func:`~llmtune.data.sources.iter_source`); bad rows raise or are recorded in
+    ``report``. Memory: a batch of rows, the row ids, and the bad rows.
 
     Args:
         kind: ``sft``, ``preference``, ``prompt`` or ``unpaired``: which formats the sources may have (see
-            :func:`to_canonical`).
+            :func:`~llmtune.data.formats.to_canonical`, whose checks and messages this applies batch by batch).
+
+    Raises:
+        DataError: as :func:`~llmtune.data.sources.read_source` and :func:`~llmtune.data.formats.to_canonical`;
+            bad rows under ``bad_rows: error``.
     """
     pools: list[RowPool] = []
     bad: list[tuple[str, int, RowError]] = []
-    directory = current_spill_dir()
     for i, ds in enumerate(cfg.datasets):
-        raw = read_source(ds, i, base_dir)
-        fmt, valid, source_bad = to_canonical(raw, ds, kind)
-        report.sources.append(SourceReport(
-            path=ds.path, location=raw.location, format=fmt, rows_read=len(raw.rows) + len(raw.bad),
-            rows_valid=len(valid), weight=ds.weight, stopped_early=raw.stopped_early,
-            truncated_json=raw.truncated_json,
-        ))
-        pool = RowPool(directory)
-        for row_id, row in valid:
-            pool.append(row_id, row)
+        pool, source_report, source_bad = _read_source(ds, i, base_dir, kind)
+        report.sources.append(source_report)
         pools.append(pool)
         bad += [(ds.path, row, err) for row, err in source_bad]
     record_bad(cfg, report, bad)
     return pools
+
+
+def _read_source(ds, index: int, base_dir, kind: str) -> tuple[RowPool, SourceReport, list[tuple[int, RowError]]]:
+    key = f"data.datasets[{index}]"
+    batches = _batches(ds, index, base_dir)
+    pending: list = []  # batches up to the first one with a row (the format is detected from that row)
+    first = None
+    for raw in batches:
+        pending.append(raw)
+        if raw.rows:
+            first = raw
+            break
+    if first is not None and ds.columns:
+        try:
+            check_column_mapping(first, ds, key)  # holds for the whole source when it holds for its first rows
+        except DataError:
+            present = row_columns(first)
+            for raw in batches:
+                present |= row_columns(raw)
+            check_column_mapping(first, ds, key, present)  # raises unless a later row has the column:
+            batches = _batches(ds, index, base_dir)  # then read the source again, from its start
+            pending = []
+    head = first if first is not None else pending[-1]
+    fmt, cols, adapter = source_format(head, ds, kind)
+    pool = RowPool(current_spill_dir())
+    bad: list[tuple[int, RowError]] = []
+    rows_read = 0
+    last = head
+    for raw in itertools.chain(pending, batches):
+        valid, batch_bad = convert_rows(raw, ds, cols, adapter)
+        for row_id, row in valid:
+            pool.append(row_id, row)
+        bad += batch_bad
+        rows_read += len(raw.rows) + len(raw.bad)
+        last = raw
+    if not len(pool) and bad:
+        raise DataError(schema_message(head, fmt, cols, bad, key))
+    source_report = SourceReport(path=ds.path, location=head.location, format=fmt, rows_read=rows_read,
+                                 rows_valid=len(pool), weight=ds.weight, stopped_early=last.stopped_early,
+                                 truncated_json=last.truncated_json)
+    return pool, source_report, bad
+
+
+def _batches(ds, index: int, base_dir) -> Iterator:
+    """The source's :class:`~llmtune.data.sources.RawSource` batches."""
+    if hasattr(sources, "iter_source"):
+        return iter(sources.iter_source(ds, index, base_dir))
+    return iter([sources.read_source(ds, index, base_dir)])
 
 
 def mix(cfg: DataConfig, sizes: list[int]) -> array:

@@ -174,3 +174,18 @@ def test_every_data_kind_builds_the_same_with_small_chunks(tok, write, cfg, monk
     monkeypatch.setattr(spill, "READ_CHUNK_ROWS", 3)
     assert _snapshot(build(c, tok)) == reference
     assert len(reference[0]["eval"]["input_ids" if kind != "preference" else "chosen_input_ids"]) >= 3
+
+
+def test_a_column_mapping_is_checked_against_every_batch(tok, write, cfg, monkeypatch):
+    import llmtune.data.sources as sources
+
+    monkeypatch.setattr(sources, "BATCH_ROWS", 2, raising=False)  # the first batch lacks the mapped column
+    rows = [{"instruction": f"q{i}", "output": f"a{i}"} for i in range(3)]
+    rows += [{"instruction": f"q{i}", "answer_text": f"a{i}"} for i in range(3, 9)]
+    path = write("mixed.jsonl", rows)
+    data = build_sft_data(cfg({"path": str(path), "format": "alpaca", "columns": {"output": "answer_text"}}, bad_rows="skip",
+                              cache=False), tok)
+    assert [d["row"] for d in data.report.dropped] == [0, 1, 2]  # as when the whole file is checked at once
+    assert data.report.train_rows == 6
+    with pytest.raises(DataError, match=r"columns\.output: column 'answer' is not in .*did you mean 'answer_text'"):
+        build_sft_data(cfg({"path": str(path), "format": "alpaca", "columns": {"output": "answer"}}, cache=False), tok)
