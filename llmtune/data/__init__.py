@@ -18,10 +18,12 @@ for a given recipe, ``data.seed`` and input files; the shared steps live in :mod
 from __future__ import annotations
 
 from collections.abc import Iterator
-from itertools import islice
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from llmtune.config.schema import DataConfig
 from llmtune.data.cache import cached_build
@@ -113,7 +115,7 @@ def _write_sequences(cfg: DataConfig, rows: SpillView) -> tuple[datasets.Dataset
             bins = max(1, PACK_READ_TOKENS // cfg.max_length)
             for a in range(0, len(plan), bins):  # read the members of a group of bins at once
                 group = plan[a : a + bins]
-                members = iter(rows.take([k for bin_ in group for k in bin_]))
+                members = iter(rows.take(np.concatenate(group).tolist()))
                 for bin_ in group:
                     yield pack_sequence((r.input_ids, r.labels) for r in islice(members, len(bin_)))
         else:

@@ -19,39 +19,48 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from llmtune.data.tokenize import IGNORE_INDEX
 
 
-def pack_plan(lengths: Sequence[int], max_length: int) -> list[list[int]]:
+def pack_plan(lengths: Sequence[int], max_length: int) -> list[np.ndarray]:
     """Best-fit-decreasing bins of row indices (each bin's rows hold at most ``max_length`` tokens together).
+
+    Memory: int arrays over the rows plus the list of bins that still have room, so 10^7 rows plan in ~1 GiB.
 
     Args:
         lengths: tokens of each row, each <= ``max_length``.
         max_length: maximum tokens per packed sequence.
 
     Returns:
-        One sorted list of row indices per packed sequence, in the order the sequences are opened (deterministic).
+        One ascending int64 array of row indices per packed sequence, in the order the sequences are opened
+        (deterministic; views into one array).
 
     Raises:
         ValueError: a row is longer than ``max_length``.
     """
-    order = sorted(range(len(lengths)), key=lambda k: (-lengths[k], k))
-    bins: list[list[int]] = []
+    sizes = np.asarray(lengths, dtype=np.int64)
+    if sizes.size and sizes.max() > max_length:
+        n = int(sizes.max())
+        raise ValueError(f"row of {n} tokens does not fit max_length {max_length}; truncate or drop it first")
+    order = np.argsort(-sizes, kind="stable")  # longest first, ties in row order
+    bin_of = np.empty(len(sizes), dtype=np.int64)
+    n_bins = 0
     free: list[tuple[int, int]] = []  # (tokens still free, bin index), sorted
-    for k in order:
-        n = lengths[k]
-        if n > max_length:
-            raise ValueError(f"row of {n} tokens does not fit max_length {max_length}; truncate or drop it first")
+    for k, n in zip(order.tolist(), sizes[order].tolist()):
         j = bisect_left(free, (n, -1))
         if j < len(free):
             room, b = free.pop(j)
-            bins[b].append(k)
         else:
-            room, b = max_length, len(bins)
-            bins.append([k])
+            room, b = max_length, n_bins
+            n_bins += 1
+        bin_of[k] = b
         if room - n > 0:
             insort(free, (room - n, b))
-    return [sorted(members) for members in bins]
+    members = np.argsort(bin_of, kind="stable")  # by bin, rows ascending inside a bin
+    bounds = np.searchsorted(bin_of[members], np.arange(n_bins + 1))
+    return [members[bounds[b] : bounds[b + 1]] for b in range(n_bins)]
 
 
 def pack_sequence(rows: Iterable[tuple[list[int], list[int]]]) -> dict[str, list[int]]:
@@ -79,4 +88,5 @@ def pack_rows(rows: list[tuple[list[int], list[int]]], max_length: int) -> list[
     Raises:
         ValueError: a row is longer than ``max_length``.
     """
-    return [pack_sequence(rows[k] for k in members) for members in pack_plan([len(r[0]) for r in rows], max_length)]
+    plan = pack_plan([len(r[0]) for r in rows], max_length)
+    return [pack_sequence(rows[k] for k in members.tolist()) for members in plan]

@@ -285,9 +285,10 @@ def tokenize_and_split(cfg: DataConfig, pools: list[RowPool], fn, report: DataRe
     kept_counts = np.bincount(tok.source_of(distinct), minlength=n_sources)
     for s, src in enumerate(report.sources):
         src.train_rows, src.eval_rows, src.rows_kept = int(train_counts[s]), int(eval_counts[s]), int(kept_counts[s])
-    kept = set(distinct.tolist()) if tok.truncated else set()
+    kept = np.zeros(len(tok.slot), dtype=bool)
+    kept[distinct] = True
     report.truncated_rows = []
-    for g in sorted(g for g in tok.truncated if g in kept):
+    for g in sorted(g for g in tok.truncated if kept[g]):
         s = bisect_right(tok.offsets, g) - 1
         report.truncated_rows.append({"source": cfg.datasets[s].path, "row": pools[s].row_ids[g - tok.offsets[s]],
                                       **tok.truncated[g]})

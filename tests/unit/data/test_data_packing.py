@@ -107,3 +107,37 @@ def test_collator_unpacked_batch_and_errors(tok):
         SFTCollator(tok)([{"input_ids": [1], "labels": [1], "position_ids": [0]}, {"input_ids": [1], "labels": [1]}])
     with pytest.raises(ValueError, match="2 input_ids but 1 labels"):
         SFTCollator(tok)([{"input_ids": [1, 2], "labels": [1]}])
+
+
+def _list_plan(lengths, max_length):
+    """Best-fit decreasing as the list implementation did it (the reference for the array one)."""
+    from bisect import bisect_left, insort
+
+    order = sorted(range(len(lengths)), key=lambda k: (-lengths[k], k))
+    bins, free = [], []
+    for k in order:
+        n = lengths[k]
+        j = bisect_left(free, (n, -1))
+        if j < len(free):
+            room, b = free.pop(j)
+            bins[b].append(k)
+        else:
+            room, b = max_length, len(bins)
+            bins.append([k])
+        if room - n > 0:
+            insort(free, (room - n, b))
+    return [sorted(members) for members in bins]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_pack_plan_is_best_fit_decreasing(seed):
+    import random
+
+    from llmtune.data.packing import pack_plan
+
+    rng = random.Random(seed)
+    lengths = [rng.choice([rng.randrange(1, 9), rng.randrange(1, 64), 64]) for _ in range(500)]
+    plan = pack_plan(lengths, 64)
+    assert [b.tolist() for b in plan] == _list_plan(lengths, 64)
+    assert sorted(k for b in plan for k in b.tolist()) == list(range(500))  # every row once
+    assert all(sum(lengths[k] for k in b.tolist()) <= 64 for b in plan)
