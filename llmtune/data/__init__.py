@@ -6,13 +6,16 @@ trained; (2B, T) = chosen sequences stacked over rejected ones.
 Pipeline of :func:`build_sft_data`, :func:`build_preference_data` and :func:`build_prompt_data` (deterministic
 for a given recipe, ``data.seed`` and input files; the shared steps live in :mod:`llmtune.data.pipeline`):
 
-1. read each source (at most its ``max_samples`` rows) and convert/validate rows into canonical rows
-   (bad rows raise under ``bad_rows: error`` or are counted under ``skip``);
+1. read each source batch by batch (at most its ``max_samples`` rows) and convert/validate rows into canonical
+   rows, kept on disk (bad rows raise under ``bad_rows: error`` or are counted under ``skip``);
 2. mix: a source contributes ``weight`` x its valid rows (``0.5`` = a seeded random half, ``2`` = every
    row twice, ``1.5`` = every row once plus a random half), then all rows are shuffled with ``seed``;
-3. tokenize in that order (lazily: with ``data.max_samples`` only until that many rows are kept);
+3. tokenize in that order, chunk by chunk, results to disk (lazily: with ``data.max_samples`` only until that
+   many rows are kept);
 4. hold out ``val_size`` distinct rows for eval (repeats of a held-out row never stay in train);
-5. SFT only: pack when ``packing: true``.
+5. SFT only: pack when ``packing: true``;
+6. write the splits to memory-mapped Arrow files as they are produced (:mod:`llmtune.data.pipeline`: memory
+   does not grow with the data).
 """
 
 from __future__ import annotations

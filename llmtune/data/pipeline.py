@@ -1,15 +1,22 @@
-"""Steps shared by every data kind (SFT rows, preference pairs): read, mix, tokenize lazily, split.
+"""Steps shared by every data kind (SFT rows, preference pairs, prompts, KTO rows): read, mix, tokenize, split.
 
-1. :func:`read_sources`: read each source (at most its ``max_samples`` rows) and convert/validate rows into
-   canonical rows of one kind (bad rows raise under ``bad_rows: error`` or are counted under ``skip``);
+1. :func:`read_sources`: read each source batch by batch (at most its ``max_samples`` rows) and convert/validate
+   rows into canonical rows of one kind, stored on disk (:class:`~llmtune.data.spill.RowPool`; bad rows raise under
+   ``bad_rows: error`` or are counted under ``skip``);
 2. :func:`mix`: a source contributes ``weight`` x its valid rows (``0.5`` = a seeded random half, ``2`` =
-   every row twice, ``1.5`` = every row once plus a random half), then all rows are shuffled with ``seed``;
-3. :func:`tokenize_and_split`: tokenize in that order (lazily: with ``data.max_samples`` only until that
-   many rows are kept), then hold out ``val_size`` distinct rows for eval (repeats of a held-out row never
-   stay in train), and fill the per-source counts and truncated rows of the report.
+   every row twice, ``1.5`` = every row once plus a random half), then all rows are shuffled with ``seed``
+   (an int array of global row numbers);
+3. :func:`tokenize_and_split`: tokenize in that order, chunk by chunk (lazily: with ``data.max_samples`` only until
+   that many rows are kept), each result stored on disk as it comes, then hold out ``val_size`` distinct rows for
+   eval (repeats of a held-out row never stay in train), and fill the per-source counts and truncated rows of the
+   report.
+
+Memory: a chunk of rows plus ~20 bytes per row (row ids, offsets, the mixed order, result slots) and the dropped or
+cut rows the report lists; the rows themselves are on disk (:mod:`llmtune.data.spill`), so a source larger than
+memory builds. The result is the same whatever the chunk sizes (tested).
 
 The row tokenizer is any picklable callable returning a result with a ``truncated`` flag or raising
-:class:`~llmtune.data.errors.RowError`; the caller turns results into dataset rows.
+:class:`~llmtune.data.errors.RowError`; the caller turns results into dataset rows (:func:`to_dataset`).
 """
 
 from __future__ import annotations

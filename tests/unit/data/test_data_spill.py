@@ -189,3 +189,24 @@ def test_a_column_mapping_is_checked_against_every_batch(tok, write, cfg, monkey
     assert data.report.train_rows == 6
     with pytest.raises(DataError, match=r"columns\.output: column 'answer' is not in .*did you mean 'answer_text'"):
         build_sft_data(cfg({"path": str(path), "format": "alpaca", "columns": {"output": "answer"}}, cache=False), tok)
+
+
+def test_a_full_disk_while_spilling_is_a_clear_error(tok, write, cfg, monkeypatch):
+    import errno
+    import os
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    real = os.fdopen
+    monkeypatch.setattr(spill.os, "fdopen", lambda *a, **k: FullDisk(real(*a, **k)))
+    path = write("chat.jsonl", [_chat(i, 3) for i in range(5)])
+    with pytest.raises(DataError, match=r"cannot write the data build's row files in .*No space left on device"):
+        build_sft_data(cfg(str(path), cache=False), tok)
