@@ -220,7 +220,7 @@ def tokenize_mixed(cfg: DataConfig, pools: list[RowPool], fn, report: DataReport
         while pos < len(entries) and len(accepted) < target:
             need = target - len(accepted)
             size = TOKENIZE_CHUNK_ROWS if cfg.max_samples is None else max(64, need + need // 4)
-            chunk = entries[pos : pos + size]
+            chunk = entries[pos : pos + min(size, TOKENIZE_CHUNK_ROWS)]
             todo = [g for g in dict.fromkeys(chunk) if slot[g] == -1]
             rows = _rows(pools, offsets, todo)
             for g, result in zip(todo, tok.map(rows)):

@@ -137,7 +137,8 @@ def test_the_memory_of_a_build_does_not_grow_with_the_data(tok, write, cfg, monk
     # Held in memory, the raw and tokenized rows grow with the data (>= 16 bytes per token for the two token lists
     # alone): the in-memory pipeline peaked at 3.1 and 12.5 MiB here. Streamed through disk, the peak is a chunk of
     # rows and an Arrow batch, whatever the size.
-    assert big < 1.25 * small, f"peak {small / 2**20:.1f} MiB for {small_tokens} tokens, {big / 2**20:.1f} MiB for {big_tokens}"
+    assert big < 1.25 * small, (f"peak {small / 2**20:.1f} MiB for {small_tokens} tokens, "
+                                f"{big / 2**20:.1f} MiB for {big_tokens}")
 
 
 def test_row_files_are_removed_after_a_build_and_after_a_failed_one(tok, write, cfg, tmp_path, monkeypatch):
@@ -183,8 +184,8 @@ def test_a_column_mapping_is_checked_against_every_batch(tok, write, cfg, monkey
     rows = [{"instruction": f"q{i}", "output": f"a{i}"} for i in range(3)]
     rows += [{"instruction": f"q{i}", "answer_text": f"a{i}"} for i in range(3, 9)]
     path = write("mixed.jsonl", rows)
-    data = build_sft_data(cfg({"path": str(path), "format": "alpaca", "columns": {"output": "answer_text"}}, bad_rows="skip",
-                              cache=False), tok)
+    mapped = {"path": str(path), "format": "alpaca", "columns": {"output": "answer_text"}}
+    data = build_sft_data(cfg(mapped, bad_rows="skip", cache=False), tok)
     assert [d["row"] for d in data.report.dropped] == [0, 1, 2]  # as when the whole file is checked at once
     assert data.report.train_rows == 6
     with pytest.raises(DataError, match=r"columns\.output: column 'answer' is not in .*did you mean 'answer_text'"):
