@@ -31,8 +31,8 @@ _WS = re.compile(r"[ \t\n\r]*")
 # What may be left of a JSON value cut off at end of file: a literal or number prefix.
 _PARTIAL_TAIL = re.compile(r"(t(r(ue?)?)?|f(a(l(se?)?)?)?|n(u(ll?)?)?|[-+.eE0-9]*)\s*\Z")
 # A decode error this close to the window end may be caused by the window ending (e.g. "-Infin" of
-# "-Infinity", a "\u12" escape): read more text before deciding. The json module needs at most 9 characters
-# ("-Infinity") beyond an error position to decide it.
+# "-Infinity", a "\u12" escape), and a value ending this close to it may continue ("23" -> "23.5"): read more
+# text before deciding. The json module looks at most 9 characters ("-Infinity") past a position to decide.
 _NEAR_END = 32
 
 Event = tuple[int, Any, RowError | None]
@@ -173,10 +173,11 @@ def first_char(w: TextWindow) -> tuple[int, int]:
 def _skip_ws(w: TextWindow, i: int) -> int:
     """Global offset of the first non-whitespace character at or after ``i`` (``w.end`` at end of file)."""
     while True:
-        j = w.base + _WS.match(w.buf, i - w.base).end()
-        if j < w.end or not w.fill(j):
-            return j
-        i = j
+        buf = w.buf
+        k = _WS.match(buf, i - w.base).end()
+        if k < len(buf) or not w.fill(w.base + k):
+            return w.base + k
+        i = w.base
 
 
 def read_json_array(w: TextWindow, i: int, path: Path, ds: DatasetConfig, key: str, limit: float,
@@ -191,7 +192,7 @@ def read_json_array(w: TextWindow, i: int, path: Path, ds: DatasetConfig, key: s
     kept = 0
     while True:
         i = _skip_ws(w, i)
-        if i >= w.end:  # ended after '[' or ','
+        if i - w.base >= len(w.buf):  # ended after '[' or ','
             return _truncated(state, ds, key, path, _cut_info(w, path, None, kept, None))
         if w.buf[i - w.base] == "]":
             break
@@ -215,14 +216,16 @@ def read_json_array(w: TextWindow, i: int, path: Path, ds: DatasetConfig, key: s
                     f"{path}: invalid JSON in record {kept} (starts at line {w.line_col(i)[0]}): {exc.msg} at "
                     f"line {line} column {col} (char {pos}). Fix the file at that position."
                 ) from None
-            if not w.eof and _PARTIAL_TAIL.match(w.buf, end):  # e.g. "23" or "23." that may continue as "23.5"
+            if not w.eof and len(w.buf) - end < _NEAR_END:  # e.g. "23" or "23." that may continue as "23.5"
                 w.fill(i, max(1, w.end - i))
                 continue
             break
         yield kept, obj, None
         kept += 1
-        i = _skip_ws(w, w.base + end)
-        if i >= w.end:  # complete record, then the file ends without ',' or ']'
+        buf = w.buf
+        k = _WS.match(buf, end).end()
+        i = w.base + k if k < len(buf) else _skip_ws(w, w.base + k)
+        if i - w.base >= len(w.buf):  # complete record, then the file ends without ',' or ']'
             return _truncated(state, ds, key, path, _cut_info(w, path, None, kept, None))
         ch = w.buf[i - w.base]
         if ch == ",":
