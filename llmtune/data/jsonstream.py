@@ -126,7 +126,8 @@ def is_cut(text: str, exc: json.JSONDecodeError) -> bool:
     return _PARTIAL_TAIL.match(text, exc.pos) is not None
 
 
-def _cut_info(w: TextWindow, path: Path, record: tuple[int, int, int] | None, kept: int, json_error: str | None) -> dict:
+def _cut_info(w: TextWindow, path: Path, record: tuple[int, int, int] | None, kept: int,
+              json_error: str | None) -> dict:
     """Where the text ends (``w`` at end of file) and where the cut-off record ``(char, line, column)`` starts."""
     line, col = w.line_col(w.end)
     info = {"records_kept": kept, "cut_at_char": w.end, "cut_at_line": line, "cut_at_column": col,

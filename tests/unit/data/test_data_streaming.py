@@ -21,7 +21,8 @@ CHUNKS = (1, 2, 3, 7, 64)
 BATCHES = (1, 3)
 OPTIONS = ({}, {"allow_truncated_json": True}, {"allow_truncated_json": True, "max_samples": 2})
 
-ARRAY = '[{"text": "caf\u00e9 \u20ac\U0001f600", "n": 12},\n 23, -4.5e3, true, null, "\\ud834\\udd1e",\n {"t": [1, {"u": "\u00e9"}]}]\n'
+ARRAY = ('[{"text": "caf\u00e9 \u20ac\U0001f600", "n": 12},\n 23, -4.5e3, true, null, "\\ud834\\udd1e",\n'
+         ' {"t": [1, {"u": "\u00e9"}]}]\n')
 NUMBERED = "".join(f'{{"n": {i}, "t": "{i * 7919 % 10007}"}}\n' for i in range(300))
 LINES = '{"text": "\u00e9\u20ac"}\n\n23\n{"text": oops}\n  \n-4.5e3\n"\U0001f600\u00e9"\n\r\n{"t": [1, 2]}\n'
 
@@ -84,9 +85,10 @@ EXPECTED = {
     "bad_utf8_array.json": "not UTF-8 text (byte 40, line 2: invalid start byte, byte value 0xff)",
     "bad_utf8_lines.jsonl": "not UTF-8 text (byte 30, line 4: invalid continuation byte, byte value 0xe9)",
     "bad_utf8_lines.jsonl.gz": "not UTF-8 text (byte 30, line 4: invalid continuation byte, byte value 0xed)",
-    "cut_in_char.jsonl": "the JSON ends at char 75 (line 10, column 11) inside record 5 (which starts at line 10, column 1, "
-                         "char 65) (Unterminated string starting at (line 10, column 10))",
-    "syntax_error.json": "invalid JSON in record 1 (starts at line 2): Expecting ',' delimiter at line 2 column 15 (char 30)",
+    "cut_in_char.jsonl": "the JSON ends at char 75 (line 10, column 11) inside record 5 (which starts at line 10, "
+                         "column 1, char 65) (Unterminated string starting at (line 10, column 10))",
+    "syntax_error.json": "invalid JSON in record 1 (starts at line 2): Expecting ',' delimiter at line 2 column 15 "
+                         "(char 30)",
     "after_record.json": "invalid JSON after record 0: expected ',' or ']' at line 2 column 2 (char 16), found '{'",
     "pretty.jsonl": "line 1 is '{' alone",
     "one_object.json": "holds one JSON object (keys: data)",
@@ -94,8 +96,10 @@ EXPECTED = {
     "hidden_gzip.jsonl": "is gzip-compressed but its name does not end in .gz",
     "plain.jsonl.gz": "is named .gz but is not a valid gzip file (Not a gzipped file",
     "truncated.jsonl.gz": "the gzip stream ends early, so the file is truncated",
-    "brace_only.jsonl": "the JSON ends at char 2 (line 2, column 1) inside record 0 (which starts at line 1, column 1, char 0)",
-    "syntax_before_bad_utf8.json": "invalid JSON after record 1: expected ',' or ']' at line 1 column 115 (char 114), found 'x'",
+    "brace_only.jsonl": "the JSON ends at char 2 (line 2, column 1) inside record 0 (which starts at line 1, column 1, "
+                        "char 0)",
+    "syntax_before_bad_utf8.json": "invalid JSON after record 1: expected ',' or ']' at line 1 column 115 (char 114), "
+                                   "found 'x'",
     "pretty_before_bad_utf8.jsonl": "line 1 is '{' alone",
 }
 
@@ -211,7 +215,8 @@ def test_csv_reads_the_same_whatever_the_chunks(tmp_path, monkeypatch):
     (outcome,) = _same_whatever_the_chunks(monkeypatch, path, options=({},))
     assert outcome[1] == [{"instruction": "caf\u00e9\r\nline 2", "output": "ok"},
                           {"instruction": "q2", "output": 'a "b"'}, {"instruction": "q3", "output": "\u20ac"}]
-    path.write_bytes("instruction,output\n".encode() + b"".join(f"caf\xe9 {i},ok\n".encode("latin-1") for i in range(3)))
+    latin1 = b"".join(f"caf\xe9 {i},ok\n".encode("latin-1") for i in range(3))
+    path.write_bytes(b"instruction,output\n" + latin1)
     (bad,) = _same_whatever_the_chunks(monkeypatch, path, options=({},))
     assert "not UTF-8 text (byte 22, line 2: invalid continuation byte, byte value 0xe9)" in bad[1]
 
@@ -224,7 +229,8 @@ def test_a_corrupt_gzip_stream_is_a_clear_error(tmp_path, monkeypatch):
     path = tmp_path / "rows.jsonl.gz"
     path.write_bytes(bytes(blob))
     (outcome,) = _same_whatever_the_chunks(monkeypatch, path, options=({},))
-    assert outcome[0] == "error" and "is named .gz but is not a valid gzip file (Error -3 while decompressing" in outcome[1]
+    assert outcome[0] == "error"
+    assert "is named .gz but is not a valid gzip file (Error -3 while decompressing" in outcome[1]
 
 
 def _batches(path, batch_rows, **options):
@@ -241,7 +247,8 @@ def test_batches_hold_their_own_rows_and_the_last_carries_the_flags(tmp_path):
     assert [b.columns for b in batches] == [["text"]] * 4  # known from the batch with the first dict row
     assert [b.truncated_json is not None for b in batches] == [False, False, False, True]
     whole = read_source(DatasetConfig(path=str(path), allow_truncated_json=True), 0)
-    assert [r for b in batches for r in b.rows] == whole.rows and whole.row_ids == [i for b in batches for i in b.row_ids]
+    assert [r for b in batches for r in b.rows] == whole.rows
+    assert whole.row_ids == [i for b in batches for i in b.row_ids] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     assert [i for b in batches for i, _ in b.bad] == [10, 12] and whole.truncated_json["records_kept"] == 10
 
     path.write_text("\n".join(["1", "2", "3"] + [json.dumps({"text": str(i)}) for i in range(4)]))
