@@ -269,9 +269,11 @@ def test_max_samples_counts_across_batches(tmp_path):
     assert len(_batches(array, 3, max_samples=10)) == 4 and not _batches(array, 3, max_samples=10)[-1].stopped_early
 
 
-def test_parquet_and_datasets_dirs_are_read_in_batches(tmp_path):
+def test_parquet_and_datasets_dirs_are_read_in_batches(tmp_path, monkeypatch):
     import datasets
     import pandas as pd
+
+    monkeypatch.setattr(sources_mod, "DATASET_BLOCK_ROWS", 2)
 
     rows = [{"text": f"row {i}"} for i in range(10)]
     pd.DataFrame(rows).to_parquet(tmp_path / "rows.parquet", row_group_size=4)
