@@ -65,6 +65,7 @@ FILES = {
     "bad_utf8_array.json": ARRAY.encode()[:40] + b"\xff" + ARRAY.encode()[40:],
     "bad_utf8_lines.jsonl": LINES.encode()[:30] + b"\xe9" + LINES.encode()[30:],
     "bad_utf8_lines.jsonl.gz": gzip.compress(LINES.encode()[:30] + b"\xed\xa0\x80" + LINES.encode()[30:]),
+    "bad_utf8_after_array.json": b"[1, 2]" + b" " * 40 + b"\n\xff\n",
     "cut_in_char.jsonl": LINES.encode() + '{"text": "\u20ac'.encode()[:-1],
     "syntax_error.json": b'[{"text": "a"},\n {"text": "b" "c": 1},\n {"text": "d"}]',
     "after_record.json": b'[{"text": "a"}\n {"text": "b"}]',
@@ -85,6 +86,7 @@ EXPECTED = {
     "bad_utf8_array.json": "not UTF-8 text (byte 40, line 2: invalid start byte, byte value 0xff)",
     "bad_utf8_lines.jsonl": "not UTF-8 text (byte 30, line 4: invalid continuation byte, byte value 0xe9)",
     "bad_utf8_lines.jsonl.gz": "not UTF-8 text (byte 30, line 4: invalid continuation byte, byte value 0xed)",
+    "bad_utf8_after_array.json": "not UTF-8 text (byte 47, line 2: invalid start byte, byte value 0xff)",
     "cut_in_char.jsonl": "the JSON ends at char 75 (line 10, column 11) inside record 5 (which starts at line 10, "
                          "column 1, char 65) (Unterminated string starting at (line 10, column 10))",
     "syntax_error.json": "invalid JSON in record 1 (starts at line 2): Expecting ',' delimiter at line 2 column 15 "
