@@ -77,7 +77,7 @@ DATASET_BLOCK_ROWS = 4096  # rows of a datasets directory / hub dataset converte
 
 @dataclass
 class RawSource:
-    """Rows of one source as read, before any format checks.
+    """Rows of one source as read, before any format checks (or one batch of them, from :func:`iter_source`).
 
     Attributes:
         index: position in ``data.datasets`` (for dotted keys like ``data.datasets[0].columns``).
