@@ -131,9 +131,7 @@ def _read_source(ds, index: int, base_dir, kind: str) -> tuple[RowPool, SourceRe
 
 def _batches(ds, index: int, base_dir) -> Iterator:
     """The source's :class:`~llmtune.data.sources.RawSource` batches."""
-    if hasattr(sources, "iter_source"):
-        return iter(sources.iter_source(ds, index, base_dir))
-    return iter([sources.read_source(ds, index, base_dir)])
+    return iter(sources.iter_source(ds, index, base_dir))
 
 
 def mix(cfg: DataConfig, sizes: list[int]) -> array:

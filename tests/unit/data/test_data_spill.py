@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import llmtune.data.pipeline as pipeline
+import llmtune.data.sources as data_sources
 import llmtune.data.spill as spill
 from llmtune.data import DataError, build_preference_data, build_prompt_data, build_sft_data
 from llmtune.data.spill import SpillList, SpillView
@@ -124,6 +125,8 @@ def test_the_memory_of_a_build_does_not_grow_with_the_data(tok, write, cfg, monk
     monkeypatch.setattr(pipeline, "ARROW_CHUNK_VALUES", 1 << 14, raising=False)
     monkeypatch.setattr(spill, "READ_CHUNK_BYTES", 1 << 15, raising=False)
     monkeypatch.setattr(pipeline, "TOKENIZE_CHUNK_ROWS", 256, raising=False)
+    monkeypatch.setattr(data_sources, "BATCH_ROWS", 256, raising=False)  # the files here would fit one default batch
+    monkeypatch.setattr(data_sources, "READ_CHUNK_BYTES", 1 << 15, raising=False)
     build_sft_data(cfg(str(write("warm.jsonl", [_chat(0, 3)] * 3)), cache=False), tok)  # lazy imports
     runs = []
     for n in (400, 1600):
@@ -178,16 +181,17 @@ def test_every_data_kind_builds_the_same_with_small_chunks(tok, write, cfg, monk
 
 
 def test_a_column_mapping_is_checked_against_every_batch(tok, write, cfg, monkeypatch):
-    import llmtune.data.sources as sources
-
-    monkeypatch.setattr(sources, "BATCH_ROWS", 2, raising=False)  # the first batch lacks the mapped column
+    monkeypatch.setattr(data_sources, "BATCH_ROWS", 2)  # the first batch lacks the mapped column
+    reads = []
+    original = data_sources.iter_source
+    monkeypatch.setattr(data_sources, "iter_source", lambda *a, **k: reads.append(1) or original(*a, **k))
     rows = [{"instruction": f"q{i}", "output": f"a{i}"} for i in range(3)]
     rows += [{"instruction": f"q{i}", "answer_text": f"a{i}"} for i in range(3, 9)]
     path = write("mixed.jsonl", rows)
     mapped = {"path": str(path), "format": "alpaca", "columns": {"output": "answer_text"}}
     data = build_sft_data(cfg(mapped, bad_rows="skip", cache=False), tok)
     assert [d["row"] for d in data.report.dropped] == [0, 1, 2]  # as when the whole file is checked at once
-    assert data.report.train_rows == 6
+    assert data.report.train_rows == 6 and len(reads) == 2  # checked on the first batch, a scan, then read again
     with pytest.raises(DataError, match=r"columns\.output: column 'answer' is not in .*did you mean 'answer_text'"):
         build_sft_data(cfg({"path": str(path), "format": "alpaca", "columns": {"output": "answer"}}, cache=False), tok)
 
