@@ -57,10 +57,47 @@ def is_main_process() -> bool:
 def file_sha256(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
     """SHA-256 hex digest of a file's bytes (streamed)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(chunk_bytes), b""):
-            digest.update(chunk)
+    _feed_file(digest, path, chunk_bytes)
     return digest.hexdigest()
+
+
+def _feed_file(digest, path: str | Path, chunk_bytes: int = 1 << 20) -> None:
+    with open(path, "rb") as fh:
+        while chunk := fh.read(chunk_bytes):
+            digest.update(chunk)
+
+
+_CONTENT_HASHES: dict[tuple, str] = {}
+
+
+def content_sha256(path: str | Path) -> str | None:
+    """SHA-256 hex digest of a data source's content: the bytes of a file, or, for a directory, of all its files in
+    sorted order with each file's name relative to the directory folded in before its bytes (so a renamed or moved
+    file changes the digest). The identity of a source for the data cache key and ``lineage.json``.
+
+    Memoised in this process per (resolved path, file or directory, every file's name, size in bytes and mtime):
+    the cache key and the lineage hash the same source once; a changed file is hashed again.
+
+    Args:
+        path: a file or a directory.
+
+    Returns:
+        The hex digest, or None when ``path`` does not exist or is a directory without files.
+    """
+    path = Path(path)
+    is_dir = path.is_dir()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()) if is_dir else []
+    if not files:
+        return None
+    key = (str(path.resolve()), is_dir, tuple((str(f), (st := f.stat()).st_size, st.st_mtime_ns) for f in files))
+    if key not in _CONTENT_HASHES:
+        digest = hashlib.sha256()
+        for file in files:
+            if is_dir:
+                digest.update(str(file.relative_to(path)).encode() + b"\0")
+            _feed_file(digest, file)
+        _CONTENT_HASHES[key] = digest.hexdigest()
+    return _CONTENT_HASHES[key]
 
 
 def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:

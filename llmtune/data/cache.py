@@ -53,6 +53,7 @@ from typing import Any, Callable, TypeVar
 
 from llmtune.config.schema import DataConfig
 from llmtune.data.errors import DataError
+from llmtune.utils import content_sha256
 
 T = TypeVar("T")
 
@@ -132,29 +133,6 @@ def cache_root(cfg: DataConfig) -> Path | None:
     if env:
         return Path(env).expanduser()
     return Path(os.environ.get("LLMTUNE_CACHE") or "~/.cache/llmtune").expanduser() / "data"
-
-
-_HASHES: dict[tuple, str] = {}
-
-
-def content_sha256(path: Path) -> str | None:
-    """SHA-256 of a file's bytes, or of all files of a directory (relative names and bytes, sorted); memoised per
-    (path, size, mtime) in this process (the lineage hashes the same files). None when ``path`` does not exist."""
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
-    if not files:
-        return None
-    stats = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
-    if stats in _HASHES:
-        return _HASHES[stats]
-    digest = hashlib.sha256()
-    for file in files:
-        if path.is_dir():
-            digest.update(str(file.relative_to(path)).encode() + b"\0")
-        with open(file, "rb") as fh:
-            while chunk := fh.read(1 << 20):
-                digest.update(chunk)
-    _HASHES[stats] = digest.hexdigest()
-    return _HASHES[stats]
 
 
 def tokenizer_fingerprint(tokenizer) -> str | None:

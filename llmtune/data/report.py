@@ -7,11 +7,12 @@ file directly.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from llmtune.utils import content_sha256
 
 
 @dataclass
@@ -113,12 +114,12 @@ class DataReport:
     def sources_lineage(self) -> list[dict]:
         """``[{path, location, format, rows_read, sha256}]`` per source for ``lineage.json``.
 
-        ``sha256`` is the hash of the file read (of all files, in sorted order, for a datasets directory);
-        None for hub datasets.
+        ``sha256`` is :func:`llmtune.utils.content_sha256` of what was read (the key of the data cache too): the
+        file's bytes, or all files of a datasets directory with their relative names; None for hub datasets.
         """
         return [
             {"path": s.path, "location": s.location, "format": s.format, "rows_read": s.rows_read,
-             "sha256": _sha256(Path(s.location))}
+             "sha256": content_sha256(s.location)}
             for s in self.sources
         ]
 
@@ -161,15 +162,3 @@ class DataReport:
             lines.append(f"    prompt: {c['prompt_tokens_cut']:,} tokens cut in {c['prompt_cut_rows']} rows; response: "
                          f"{c['response_tokens_cut']:,} tokens cut at the end in {c['response_cut_rows']} rows")
         return "\n".join(lines)
-
-
-def _sha256(path: Path) -> str | None:
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
-    if not files:
-        return None
-    digest = hashlib.sha256()
-    for file in files:
-        with open(file, "rb") as f:
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
-    return digest.hexdigest()

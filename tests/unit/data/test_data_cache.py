@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -11,8 +12,10 @@ import sys
 import pytest
 
 import llmtune.data.tokenize as tokenize_mod
+import llmtune.utils as utils
 from llmtune.data import DataError, build_preference_data, build_prompt_data, build_sft_data
-from llmtune.data.cache import META, cache_key
+from llmtune.data.cache import META, cache_key, source_fingerprints
+from llmtune.data.report import DataReport, SourceReport
 from llmtune.data.tokenize import auto_num_proc
 from llmtune.data.unpaired import build_unpaired_data
 from llmtune.models.tiny import make_tiny_tokenizer
@@ -266,3 +269,38 @@ def test_tokenization_workers_die_with_a_killed_parent(write, cache_dir):
     for p in alive:
         p.kill()
     assert not alive  # killed with their parent, not left running (re-parented to init)
+
+
+def test_the_cache_key_and_the_lineage_hash_a_source_with_one_function(cfg, tmp_path, monkeypatch):
+    src = tmp_path / "shards"
+    (src / "b").mkdir(parents=True)
+    (src / "a.arrow").write_bytes(b"alpha")
+    (src / "b" / "c.arrow").write_bytes(b"gamma")
+    single = tmp_path / "one.jsonl"
+    single.write_bytes(b'{"text": "x"}\n')
+    expected_dir = hashlib.sha256(b"a.arrow\0alpha" + b"b/c.arrow\0gamma").hexdigest()
+    reads = []
+    feed = utils._feed_file
+    monkeypatch.setattr(utils, "_feed_file", lambda digest, path, *a: reads.append(path) or feed(digest, path, *a))
+
+    keys = [s["sha256"] for s in source_fingerprints(cfg(src, single), tmp_path)]
+    report = DataReport(sources=[SourceReport(path=str(p), location=str(p), format="arrow", rows_read=1)
+                                 for p in (src, single)])
+    lineage = [s["sha256"] for s in report.sources_lineage()]
+    # one definition: a directory folds in the relative names (the old lineage hash did not), a file is its bytes
+    assert keys == lineage == [expected_dir, hashlib.sha256(single.read_bytes()).hexdigest()]
+    assert len(reads) == 3  # memoised: the lineage read no file again
+    # a file moved inside the directory (same bytes) is another source
+    (src / "b" / "c.arrow").rename(src / "c.arrow")
+    assert utils.content_sha256(src) == hashlib.sha256(b"a.arrow\0alpha" + b"c.arrow\0gamma").hexdigest()
+    # a changed file is hashed again, not taken from the memo
+    single.write_bytes(b'{"text": "longer"}\n')
+    assert utils.content_sha256(single) == hashlib.sha256(single.read_bytes()).hexdigest()
+    assert utils.content_sha256(tmp_path / "missing") is None and utils.content_sha256(src / "b") is None
+
+
+def test_the_hash_memo_does_not_mix_up_a_directory_and_its_only_file(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x.jsonl").write_bytes(b"row\n")
+    assert utils.content_sha256(tmp_path / "d") == hashlib.sha256(b"x.jsonl\0row\n").hexdigest()
+    assert utils.content_sha256(tmp_path / "d" / "x.jsonl") == hashlib.sha256(b"row\n").hexdigest()
