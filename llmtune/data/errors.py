@@ -9,6 +9,7 @@ count drop reasons in the report) and a full ``reason`` (shown to the user with 
 """
 
 from __future__ import annotations
+
 from llmtune.errors import LlmtuneError
 
 
@@ -31,3 +32,10 @@ class RowError(Exception):
         self.reason = reason or kind
         self.bad = bad
         super().__init__(self.reason)
+
+    def detached(self) -> RowError:
+        """This error without its traceback and context, to be kept (e.g. in a list of bad rows): a caught error's
+        traceback holds the frames that raised it, and with them the batch of rows being converted, in a reference
+        cycle that only the cyclic garbage collector frees — so every batch would stay in memory until it runs."""
+        self.__traceback__ = self.__context__ = self.__cause__ = None
+        return self

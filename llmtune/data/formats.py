@@ -685,7 +685,7 @@ def convert_rows(raw: RawSource, ds: DatasetConfig, cols: dict[str, str], adapte
                 raise RowError("not an object", f"row is {_type_name(row)}; expected an object with named fields")
             valid.append((row_id, adapter(row, cols, ds)))
         except RowError as err:
-            bad.append((row_id, err))
+            bad.append((row_id, err.detached()))
     bad.sort(key=lambda item: item[0])
     return valid, bad
 

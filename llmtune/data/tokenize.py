@@ -402,7 +402,7 @@ def _tokenize_chunk(rows: list[dict]) -> list:
         try:
             out.append(_WORKER_FN(row))
         except RowError as err:
-            out.append(err)
+            out.append(err.detached())
     return out
 
 
@@ -467,7 +467,7 @@ class RowTokenizer:
                 try:
                     yield self.fn(row)
                 except RowError as err:
-                    yield err
+                    yield err.detached()
                 self._bar.update(1)
             return
         if self._pool is None:
