@@ -42,7 +42,7 @@ from llmtune.data.tokenize import RowTokenizer
 
 MAX_LISTED_BAD_ROWS = 10
 ARROW_CHUNK_VALUES = 1 << 18  # list elements (token ids) per Arrow batch written
-TOKENIZE_CHUNK_ROWS = 4096  # entries of the mixed order per step: their canonical rows are in memory at once
+TOKENIZE_CHUNK_ROWS = 1024  # entries of the mixed order per step: their canonical rows are in memory at once
 
 
 def _raise_bad_rows(bad: list[tuple[str, int, RowError]]) -> None:
@@ -79,8 +79,9 @@ def read_sources(cfg: DataConfig, base_dir: str | Path, report: DataReport, kind
     """
     pools: list[RowPool] = []
     bad: list[tuple[str, int, RowError]] = []
+    store = SpillList(current_spill_dir(), "canonical")  # every source's rows, one after the other
     for i, ds in enumerate(cfg.datasets):
-        pool, source_report, source_bad = _read_source(ds, i, base_dir, kind)
+        pool, source_report, source_bad = _read_source(ds, i, base_dir, kind, store)
         report.sources.append(source_report)
         pools.append(pool)
         bad += [(ds.path, row, err) for row, err in source_bad]
@@ -88,7 +89,8 @@ def read_sources(cfg: DataConfig, base_dir: str | Path, report: DataReport, kind
     return pools
 
 
-def _read_source(ds, index: int, base_dir, kind: str) -> tuple[RowPool, SourceReport, list[tuple[int, RowError]]]:
+def _read_source(ds, index: int, base_dir, kind: str, store: SpillList
+                 ) -> tuple[RowPool, SourceReport, list[tuple[int, RowError]]]:
     key = f"data.datasets[{index}]"
     batches = _batches(ds, index, base_dir)
     pending: list = []  # batches up to the first one with a row (the format is detected from that row)
@@ -110,7 +112,7 @@ def _read_source(ds, index: int, base_dir, kind: str) -> tuple[RowPool, SourceRe
             pending = []
     head = first if first is not None else pending[-1]
     fmt, cols, adapter = source_format(head, ds, kind)
-    pool = RowPool(current_spill_dir())
+    pool = RowPool(store)
     bad: list[tuple[int, RowError]] = []
     rows_read = 0
     last = head
@@ -197,7 +199,9 @@ class TokenizedRows:
 
 def tokenize_mixed(cfg: DataConfig, pools: list[RowPool], fn, report: DataReport) -> TokenizedRows:
     """Mix, then tokenize in mixed order, only as far as ``data.max_samples`` needs; results go to disk as they come
-    (chunks of at most ``TOKENIZE_CHUNK_ROWS`` rows, one pool of worker processes for all of them).
+    (chunks of at most ``TOKENIZE_CHUNK_ROWS`` rows, one pool of worker processes for all of them). With
+    ``max_samples``, rows dropped after the row that reached it are not reported (nor raised under ``bad_rows:
+    error``): they were tokenized ahead, not trained on or skipped.
 
     Raises:
         DataError: bad rows under ``bad_rows: error``, or no row left at all.
@@ -235,6 +239,10 @@ def tokenize_mixed(cfg: DataConfig, pools: list[RowPool], fn, report: DataReport
                     accepted.append(g)
                     if len(accepted) == target:
                         break
+    if pos < len(entries):  # stopped at max_samples: rows tokenized ahead of the stop were not reached, so their
+        reached = np.zeros(offsets[-1], dtype=bool)  # failures are not the data's (and depend on the chunk sizes)
+        reached[np.frombuffer(entries, dtype=np.int64)[:pos]] = True
+        failed = [(g, r) for g, r in failed if reached[g]]
     failed.sort(key=lambda item: item[0])
     sources = np.searchsorted(np.asarray(offsets), [g for g, _ in failed], side="right") - 1
     record_bad(cfg, report, [(cfg.datasets[s].path, pools[s].row_ids[g - offsets[s]], r)

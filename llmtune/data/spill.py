@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import errno
 import os
 import pickle
 import shutil
@@ -179,15 +180,29 @@ class SpillView(Sequence):
 
 class RowPool(Sequence):
     """The canonical rows of one source: ``pool[j] = (row_id, row)`` as the in-memory pools were, with the rows in
-    a :class:`SpillList` and the 0-based file indices ``row_ids`` in memory (8 bytes per row)."""
+    a shared :class:`SpillList` (the sources of a build, one after the other: one open file however many sources)
+    and the 0-based file indices ``row_ids`` in memory (8 bytes per row).
 
-    def __init__(self, directory: str | Path):
-        self.rows = SpillList(directory, "canonical")
+    Args:
+        store: the build's canonical-row file; this pool's rows are the ones appended from now on, until the next
+            pool's (a pool is filled before the next one starts).
+    """
+
+    def __init__(self, store: SpillList):
+        self.store = store
+        self.start = len(store)
         self.row_ids = array("q")
 
     def append(self, row_id: int, row: dict) -> None:
-        self.rows.append(row)
+        if len(self.store) != self.start + len(self.row_ids):
+            raise RuntimeError("RowPool.append after another pool of the same store was started")
+        self.store.append(row)
         self.row_ids.append(row_id)
+
+    @property
+    def rows(self) -> SpillView:
+        """The canonical rows (without row ids), as a read-only list."""
+        return SpillView(self.store, range(self.start, self.start + len(self.row_ids)))
 
     def __len__(self) -> int:
         return len(self.row_ids)
@@ -198,12 +213,9 @@ class RowPool(Sequence):
         return self.row_ids[j], self.rows[j]
 
     def __iter__(self) -> Iterator[tuple[int, dict]]:
-        size = self.rows.chunk_rows()
+        size = self.store.chunk_rows()
         for a in range(0, len(self), size):
             yield from self[a : a + size]
-
-    def close(self) -> None:
-        self.rows.close()
 
 
 def current_spill_dir() -> Path:
@@ -256,6 +268,11 @@ def spill_dir() -> Iterator[Path]:
 
 
 def _disk_error(directory: Path, exc: OSError) -> DataError:
-    return DataError(f"cannot write the data build's row files in {directory}: {exc.strerror or exc}. Free disk "
-                     "space there, or point data.cache_dir (or $LLMTUNE_DATA_CACHE / $TMPDIR) at a disk with room "
-                     "(a build needs about twice the size of its sources on disk while it runs).")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        fix = ("Free disk space there, or point data.cache_dir (or $LLMTUNE_DATA_CACHE / $TMPDIR) at a disk with room "
+               "(a build needs about the size of its sources plus the tokenized data on disk while it runs).")
+    elif exc.errno in (errno.EMFILE, errno.ENFILE):
+        fix = "Raise the open-file limit (`ulimit -n`), or merge small source files."
+    else:
+        fix = "Point data.cache_dir (or $LLMTUNE_DATA_CACHE / $TMPDIR) at a writable directory."
+    return DataError(f"cannot write the data build's row files in {directory}: {exc.strerror or exc}. {fix}")

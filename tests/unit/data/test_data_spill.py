@@ -215,3 +215,49 @@ def test_a_full_disk_while_spilling_is_a_clear_error(tok, write, cfg, monkeypatc
     path = write("chat.jsonl", [_chat(i, 3) for i in range(5)])
     with pytest.raises(DataError, match=r"cannot write the data build's row files in .*No space left on device"):
         build_sft_data(cfg(str(path), cache=False), tok)
+
+
+def test_with_max_samples_only_the_rows_reached_are_reported(tok, write, cfg, monkeypatch):
+    from llmtune.data.errors import RowError
+    from llmtune.data.formats import to_canonical
+    from llmtune.data.sources import read_source
+    from llmtune.data.tokenize import SFTTokenizer
+
+    rng = random.Random(5)
+    path = write("rows.jsonl", [_chat(i, rng.choice([2, 3, 60])) for i in range(400)])  # a third too long
+    c = cfg(str(path), max_samples=150, truncation="drop", max_length=48, val_size=0, cache=False, num_proc=1)
+    reports = []
+    for chunk in (7, 100, 1024):
+        monkeypatch.setattr(pipeline, "TOKENIZE_CHUNK_ROWS", chunk)
+        reports.append(build_sft_data(c, tok).report.to_dict())
+    assert reports[0] == reports[1] == reports[2]  # rows tokenized ahead of the stop do not leak into the report
+    # reference: walk the mixed order row by row until max_samples rows are kept
+    _, valid, _ = to_canonical(read_source(c.datasets[0], 0), c.datasets[0])
+    fn = SFTTokenizer(tok, 48, "drop")
+    kept, dropped = 0, []
+    for g in pipeline.mix(c, [len(valid)]):
+        try:
+            fn(valid[g][1])
+            kept += 1
+        except RowError:
+            dropped.append(valid[g][0])
+        if kept == 150:
+            break
+    assert sorted(d["row"] for d in reports[0]["dropped"]) == sorted(dropped) and len(dropped) > 20
+
+
+def test_many_sources_build_within_a_small_open_file_limit(tok, write, cfg):
+    import os
+    import resource
+
+    paths = [write(f"s{i}.jsonl", [_chat(i, 2)]) for i in range(150)]
+    c = cfg(*(str(p) for p in paths), val_size=2, cache=False, num_proc=1)
+    build_sft_data(cfg(str(paths[0]), cache=False), tok)  # lazy imports (they open files) before the limit
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    open_now = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + 40, hard))  # fewer than one per source
+    try:
+        data = build_sft_data(c, tok)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len(data.train) == 148 and len(data.report.sources) == 150
