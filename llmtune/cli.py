@@ -236,8 +236,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_stage_command(args.command, args.recipe, args.overrides, launch=launch_overrides(args))
     except KeyboardInterrupt:
-        print("\ninterrupted. Complete checkpoints written so far are kept: the same command continues from the "
-              "newest one (train.resume_from: auto).", file=sys.stderr)
+        if args.command in (*stage_names(), "pipeline"):  # commands that train and checkpoint
+            print("\ninterrupted. Complete checkpoints written so far are kept: the same command continues from the "
+                  "newest one (train.resume_from: auto).", file=sys.stderr)
+        else:
+            print("\ninterrupted.", file=sys.stderr)
         return EXIT_INTERRUPTED
     except LlmtuneError as exc:  # user-facing errors carry their own message (and exit code, llmtune.errors)
         print(f"error: {exc}", file=sys.stderr)

@@ -60,6 +60,7 @@ T = TypeVar("T")
 CACHE_FORMAT = 1
 META = "meta.pkl"
 STAGING_PREFIX = ".staging-"
+TEMP_PREFIX = "llmtune-data-"  # + <host>-<pid>-<random>: this process's temporary data directory (cache off)
 STALE_STAGING_S = 6 * 3600  # a staging directory older than this belongs to a build that died
 ARROW_CHUNK_ROWS = 1000  # rows per Arrow record batch written by to_dataset
 _NOT_IN_KEY = {"num_proc", "cache", "cache_dir"}
@@ -78,10 +79,21 @@ def arrow_path(stem: str = "split", *, scratch: bool = False) -> Path:
     root = None if scratch else _output_dir.get()
     if root is None:
         if _temp_root is None:
-            _temp_root = Path(tempfile.mkdtemp(prefix="llmtune-data-"))
+            _remove_dead_temp_dirs()
+            _temp_root = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{socket.gethostname()}-{os.getpid()}-"))
             atexit.register(shutil.rmtree, _temp_root, True)
         root = _temp_root
     return root / f"{stem}-{uuid.uuid4().hex[:8]}.arrow"
+
+
+def _remove_dead_temp_dirs() -> None:
+    """Remove the temporary data directories (``$TMPDIR/llmtune-data-<host>-<pid>-*``: datasets and row files of
+    builds with the cache off) of processes on this host that are gone, e.g. after a ``kill -9``."""
+    now = time.time()
+    with contextlib.suppress(OSError):
+        for path in Path(tempfile.gettempdir()).glob(f"{TEMP_PREFIX}*"):
+            if path.is_dir() and _owner_dead(path.name[len(TEMP_PREFIX):], path, now, stale_s=None):
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def write_dataset(batches: Iterable[dict[str, list]], features):
@@ -388,6 +400,12 @@ def _dead_build(path: Path, now: float) -> bool:
     """A staging directory whose build is gone: its process (on this host) no longer exists, or it is older than
     ``STALE_STAGING_S`` (a build on another host of a shared file system)."""
     _, _, rest = path.name[len(STAGING_PREFIX):].partition("-")  # <key>-<host>-<pid>-<random, no dash>
+    return _owner_dead(rest, path, now)
+
+
+def _owner_dead(rest: str, path: Path, now: float, stale_s: float | None = STALE_STAGING_S) -> bool:
+    """For a directory named ``...<host>-<pid>-<random, no dash>`` (``rest``): its process, on this host, is gone;
+    or (``stale_s``) it is older than that (another host's)."""
     host, _, pid = rest.rpartition("-")[0].rpartition("-")
     if host == socket.gethostname() and pid.isdigit():
         try:
@@ -396,7 +414,7 @@ def _dead_build(path: Path, now: float) -> bool:
             return True
         except OSError:  # exists, owned by someone else
             pass
-    return now - path.stat().st_mtime > STALE_STAGING_S
+    return stale_s is not None and now - path.stat().st_mtime > stale_s
 
 
 def _cleanup(root: Path) -> None:

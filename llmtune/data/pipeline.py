@@ -93,21 +93,23 @@ def _read_source(ds, index: int, base_dir, kind: str, store: SpillList
                  ) -> tuple[RowPool, SourceReport, list[tuple[int, RowError]]]:
     key = f"data.datasets[{index}]"
     batches = _batches(ds, index, base_dir)
-    pending: list = []  # batches up to the first one with a row (the format is detected from that row)
-    first = None
+    pending: list = []  # batches up to the first one with an object row (the mapping is checked on it)
+    first = check = None  # the first batch with a row (the format is detected from that row), with an object row
     for raw in batches:
         pending.append(raw)
-        if raw.rows:
+        if first is None and raw.rows:
             first = raw
+        if any(isinstance(row, dict) for row in raw.rows):
+            check = raw
             break
-    if first is not None and ds.columns:
+    if check is not None and ds.columns:
         try:
-            check_column_mapping(first, ds, key)  # holds for the whole source when it holds for its first rows
+            check_column_mapping(check, ds, key)  # holds for the whole source when it holds for its first rows
         except DataError:
-            present = row_columns(first)
+            present = row_columns(check)
             for raw in batches:
                 present |= row_columns(raw)
-            check_column_mapping(first, ds, key, present)  # raises unless a later row has the column:
+            check_column_mapping(check, ds, key, present)  # raises unless a later row has the column:
             batches = _batches(ds, index, base_dir)  # then read the source again, from its start
             pending = []
     head = first if first is not None else pending[-1]
@@ -124,7 +126,7 @@ def _read_source(ds, index: int, base_dir, kind: str, store: SpillList
         rows_read += len(raw.rows) + len(raw.bad)
         last = raw
     if not len(pool) and bad:
-        raise DataError(schema_message(head, fmt, cols, bad, key))
+        raise DataError(schema_message(last, fmt, cols, bad, key))  # the last batch knows the columns found
     source_report = SourceReport(path=ds.path, location=head.location, format=fmt, rows_read=rows_read,
                                  rows_valid=len(pool), weight=ds.weight, stopped_early=last.stopped_early,
                                  truncated_json=last.truncated_json)

@@ -409,11 +409,11 @@ def _byte_chunks(path: Path) -> Iterator[bytes]:
         DataError: a truncated or damaged gzip stream, a ``.gz`` file that is not gzip.
     """
     if not path.name.lower().endswith(".gz"):
-        with open(path, "rb") as f:
-            while chunk := f.read(READ_CHUNK_BYTES):
+        with _opened(path, open) as f:
+            while chunk := _read(path, f.read, READ_CHUNK_BYTES):
                 yield chunk
         return
-    with gzip.open(path, "rb") as f:
+    with _opened(path, gzip.open) as f:
         while True:
             try:  # read1: all that can be decompressed is handed out before an error, whatever the chunk size
                 chunk = f.read1(READ_CHUNK_BYTES)
@@ -424,6 +424,26 @@ def _byte_chunks(path: Path) -> Iterator[bytes]:
             if not chunk:
                 return
             yield chunk
+
+
+def _opened(path: Path, opener):
+    """``opener(path, "rb")``; an OS error (permissions, too many open files, ...) is a DataError naming the file."""
+    try:
+        return opener(path, "rb")
+    except OSError as exc:
+        raise _os_error(path, exc) from None
+
+
+def _read(path: Path, read, size: int) -> bytes:
+    try:
+        return read(size)
+    except OSError as exc:  # e.g. EIO on a failing disk or a network file system
+        raise _os_error(path, exc) from None
+
+
+def _os_error(path: Path, exc: OSError) -> DataError:
+    return DataError(f"{path}: cannot read it ({exc.strerror or exc}). Check its permissions and the disk (or raise "
+                     "the open-file limit, `ulimit -n`, for 'Too many open files'), then run again.")
 
 
 def _text_chunks(path: Path) -> Iterator[str]:

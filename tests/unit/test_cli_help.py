@@ -73,3 +73,18 @@ def test_rich_tables_are_not_cut_at_80_columns_in_a_file(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
     assert ("/a/very/long/path/" * 8) in out.replace("\n", "")  # one row, uncut
     assert max(len(line) for line in out.splitlines()) > 80
+
+
+@pytest.mark.parametrize(("command", "promise"), [("validate", False), ("sft", True)])
+def test_ctrl_c_speaks_of_checkpoints_only_for_commands_that_write_them(command, promise, monkeypatch, capsys):
+    import llmtune.cli as cli
+    import llmtune.validate as validate
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(validate, "validate_command", interrupted)
+    monkeypatch.setattr(cli, "run_stage_command", interrupted)
+    assert cli.main([command, "recipe.yaml"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and ("checkpoints" in err) == promise

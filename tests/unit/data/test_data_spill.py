@@ -261,3 +261,58 @@ def test_many_sources_build_within_a_small_open_file_limit(tok, write, cfg):
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert len(data.train) == 148 and len(data.report.sources) == 150
+
+
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.jsonl.gz"])
+def test_a_source_that_cannot_be_opened_is_a_clear_error(tok, write, cfg, monkeypatch, tmp_path, name):
+    import errno
+    import gzip
+    import os
+
+    path = tmp_path / name
+    text = "".join(json.dumps(_chat(i, 2)) + "\n" for i in range(3)).encode()
+    path.write_bytes(gzip.compress(text) if name.endswith(".gz") else text)
+
+    def denied(*args, **kwargs):
+        raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+    monkeypatch.setattr(data_sources, "open", denied, raising=False)  # the module's own open, not the builtin
+    monkeypatch.setattr(data_sources.gzip, "open", denied)
+    with pytest.raises(DataError, match=r"rows\.jsonl(\.gz)?: cannot read it \(Permission denied\)"):
+        build_sft_data(cfg(str(path), cache=False), tok)
+
+
+def test_temporary_data_dirs_of_killed_processes_are_removed(tmp_path, monkeypatch):
+    import os
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+
+    import llmtune.data.cache as cache
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(cache, "_temp_root", None)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    gone = tmp_path / f"llmtune-data-{host}-{int(dead.stdout)}-abc_1234"  # a `kill -9`ed build's leftovers
+    (gone / ".spill-x").mkdir(parents=True)
+    (gone / ".spill-x" / "canonical-1.pkl").write_bytes(b"x" * 100)
+    alive = tmp_path / f"llmtune-data-{host}-{os.getppid()}-def_5678"  # a running process's: kept
+    alive.mkdir()
+    other = tmp_path / f"llmtune-data-other-host-{int(dead.stdout)}-ghi_9012"  # another host's: not ours to judge
+    other.mkdir()
+    path = cache.arrow_path("split", scratch=True)
+    assert not gone.exists() and alive.exists() and other.exists()
+    assert path.parent.name.startswith(f"llmtune-data-{host}-{os.getpid()}-")
+
+
+def test_the_mapping_is_checked_on_the_first_object_rows(tok, write, cfg, monkeypatch):
+    monkeypatch.setattr(data_sources, "BATCH_ROWS", 4)  # the first batches hold no object row at all
+    path = write("late.jsonl", ["not an object"] * 9 + [{"conversations": [{"from": "human", "value": "hi"},
+                                                                   {"from": "gpt", "value": "yo"}]}] * 3)
+    mapped = {"path": str(path), "format": "sharegpt", "columns": {"role": "frm"}}
+    with pytest.raises(DataError, match=r"columns\.role: column 'frm' is not in .*did you mean 'from'"):
+        build_sft_data(cfg(mapped, bad_rows="skip", cache=False), tok)  # as the whole-file check said
+    with pytest.raises(DataError, match=r"Columns found: conversations"):  # not "(none)"
+        build_sft_data(cfg({"path": str(path), "format": "alpaca"}, bad_rows="skip", cache=False), tok)
