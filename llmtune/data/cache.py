@@ -72,9 +72,10 @@ _temp_root: Path | None = None
 # ---------------------------------------------------------------------------------------------------- Arrow output
 
 
-def arrow_path(stem: str = "split", *, scratch: bool = False) -> Path:
-    """A new file path for a dataset written by :func:`write_dataset`: in the cache entry being built, or (no entry
-    being built, or ``scratch``: an intermediate file) in a temporary directory of this process, removed at exit."""
+def data_dir(*, scratch: bool = False) -> Path:
+    """Where a build writes its files: the cache entry being built, or (no entry being built, or ``scratch``: an
+    intermediate file) this process's temporary directory ``$TMPDIR/llmtune-data-<host>-<pid>-*``, removed at exit
+    (and by a later process when this one was killed)."""
     global _temp_root
     root = None if scratch else _output_dir.get()
     if root is None:
@@ -83,7 +84,12 @@ def arrow_path(stem: str = "split", *, scratch: bool = False) -> Path:
             _temp_root = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{socket.gethostname()}-{os.getpid()}-"))
             atexit.register(shutil.rmtree, _temp_root, True)
         root = _temp_root
-    return root / f"{stem}-{uuid.uuid4().hex[:8]}.arrow"
+    return root
+
+
+def arrow_path(stem: str = "split", *, scratch: bool = False) -> Path:
+    """A new file path for a dataset written by :func:`write_dataset`, in :func:`data_dir`."""
+    return data_dir(scratch=scratch) / f"{stem}-{uuid.uuid4().hex[:8]}.arrow"
 
 
 def _remove_dead_temp_dirs() -> None:

@@ -177,6 +177,42 @@ def val_count(val_size: float, n: int) -> int:
     return int(val_size)
 
 
+class GlobalRows:
+    """The rows of a build's sources numbered one after the other: source ``s``'s row ``j`` is
+    ``g = offsets[s] + j`` (what :func:`mix` orders).
+
+    Args:
+        pools: the canonical rows of each source (:func:`read_sources`).
+    """
+
+    def __init__(self, pools: list[RowPool]):
+        self.pools = pools
+        self.offsets = np.cumsum([0, *map(len, pools)]).tolist()
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    def source_of(self, g) -> np.ndarray:
+        """The source index of each global row of ``g`` (array-like of ints)."""
+        return np.searchsorted(np.asarray(self.offsets), g, side="right") - 1
+
+    def row_id(self, g: int) -> tuple[int, int]:
+        """``(source index, 0-based row index in the source's file)`` of global row ``g``."""
+        s = bisect_right(self.offsets, g) - 1
+        return s, self.pools[s].row_ids[g - self.offsets[s]]
+
+    def canonical(self, gs: list[int]) -> list[dict]:
+        """The canonical rows of global rows ``gs``, in that order (one read per run of a source's rows)."""
+        by_source: dict[int, list[int]] = {}
+        for k, s in enumerate(self.source_of(gs).tolist()):
+            by_source.setdefault(s, []).append(k)
+        out: list = [None] * len(gs)
+        for s, ks in by_source.items():
+            for k, row in zip(ks, self.pools[s].rows.take(gs[k] - self.offsets[s] for k in ks)):
+                out[k] = row
+        return out
+
+
 @dataclass
 class TokenizedRows:
     """What :func:`tokenize_mixed` produced.
@@ -186,17 +222,14 @@ class TokenizedRows:
         slot: per global row, where its result is in ``results`` (-1: not tokenized, -2: failed).
         results: the results of every row tokenized without error (a :class:`SpillList`).
         truncated: global row -> the cut counts of each truncated result.
-        offsets: global row number of each source's first row (length = sources + 1).
+        rows: the global row numbering.
     """
 
     accepted: array
     slot: np.ndarray
     results: SpillList
     truncated: dict[int, dict[str, int]]
-    offsets: list[int]
-
-    def source_of(self, g: np.ndarray) -> np.ndarray:
-        return np.searchsorted(np.asarray(self.offsets), g, side="right") - 1
+    rows: GlobalRows
 
 
 def tokenize_mixed(cfg: DataConfig, pools: list[RowPool], fn, report: DataReport) -> TokenizedRows:
@@ -208,26 +241,23 @@ def tokenize_mixed(cfg: DataConfig, pools: list[RowPool], fn, report: DataReport
     Raises:
         DataError: bad rows under ``bad_rows: error``, or no row left at all.
     """
-    offsets = [0]
-    for pool in pools:
-        offsets.append(offsets[-1] + len(pool))
+    rows = GlobalRows(pools)
     entries = mix(cfg, [len(p) for p in pools])
     target = cfg.max_samples or len(entries)
-    slot = np.full(offsets[-1], -1, dtype=np.int64)
+    slot = np.full(len(rows), -1, dtype=np.int64)
     results = SpillList(current_spill_dir(), "tokenized")
     failed: list[tuple[int, RowError]] = []
     truncated: dict[int, dict[str, int]] = {}
     accepted = array("q")
     pos = 0
-    distinct = int(np.count_nonzero(np.bincount(np.frombuffer(entries, dtype=np.int64), minlength=offsets[-1])))
+    distinct = int(np.count_nonzero(np.bincount(np.frombuffer(entries, dtype=np.int64), minlength=len(rows))))
     with RowTokenizer(fn, cfg.num_proc, distinct if cfg.max_samples is None else min(distinct, target)) as tok:
         while pos < len(entries) and len(accepted) < target:
             need = target - len(accepted)
-            size = TOKENIZE_CHUNK_ROWS if cfg.max_samples is None else max(64, need + need // 4)
-            chunk = entries[pos : pos + min(size, TOKENIZE_CHUNK_ROWS)]
+            lazy = TOKENIZE_CHUNK_ROWS if cfg.max_samples is None else max(64, need + need // 4)
+            chunk = entries[pos : pos + min(lazy, TOKENIZE_CHUNK_ROWS)]
             todo = [g for g in dict.fromkeys(chunk) if slot[g] == -1]
-            rows = _rows(pools, offsets, todo)
-            for g, result in zip(todo, tok.map(rows)):
+            for g, result in zip(todo, tok.map(rows.canonical(todo))):
                 if isinstance(result, RowError):
                     slot[g] = -2
                     failed.append((g, result))
@@ -242,31 +272,21 @@ def tokenize_mixed(cfg: DataConfig, pools: list[RowPool], fn, report: DataReport
                     if len(accepted) == target:
                         break
     if pos < len(entries):  # stopped at max_samples: rows tokenized ahead of the stop were not reached, so their
-        reached = np.zeros(offsets[-1], dtype=bool)  # failures are not the data's (and depend on the chunk sizes)
+        reached = np.zeros(len(rows), dtype=bool)  # failures are not the data's (and depend on the chunk sizes)
         reached[np.frombuffer(entries, dtype=np.int64)[:pos]] = True
         failed = [(g, r) for g, r in failed if reached[g]]
     failed.sort(key=lambda item: item[0])
-    sources = np.searchsorted(np.asarray(offsets), [g for g, _ in failed], side="right") - 1
-    record_bad(cfg, report, [(cfg.datasets[s].path, pools[s].row_ids[g - offsets[s]], r)
-                             for s, (g, r) in zip(sources.tolist(), failed)])
+    dropped = []
+    for g, err in failed:
+        s, row = rows.row_id(g)
+        dropped.append((cfg.datasets[s].path, row, err))
+    record_bad(cfg, report, dropped)
     if not accepted:
         counts = "; ".join(f"{k}: {n}" for k, n in report.drop_counts().items()) or "no rows"
         raise DataError(
             f"no training rows left after tokenization ({counts}). Raise data.max_length or check the chat template."
         )
-    return TokenizedRows(accepted, slot, results, truncated, offsets)
-
-
-def _rows(pools: list[RowPool], offsets: list[int], todo: list[int]) -> list[dict]:
-    """The canonical rows of global rows ``todo``, in that order."""
-    by_source: dict[int, list[int]] = {}
-    for k, g in enumerate(todo):
-        by_source.setdefault(bisect_right(offsets, g) - 1, []).append(k)
-    out: list = [None] * len(todo)
-    for s, ks in by_source.items():
-        for k, row in zip(ks, pools[s].rows.take(todo[k] - offsets[s] for k in ks)):
-            out[k] = row
-    return out
+    return TokenizedRows(accepted, slot, results, truncated, rows)
 
 
 def tokenize_and_split(cfg: DataConfig, pools: list[RowPool], fn, report: DataReport) -> tuple[SpillView, SpillView]:
@@ -295,18 +315,17 @@ def tokenize_and_split(cfg: DataConfig, pools: list[RowPool], fn, report: DataRe
     eval_entries = distinct[:n_val]
     train_entries = accepted[~np.isin(accepted, eval_entries)] if n_val else accepted
     n_sources = len(report.sources)
-    train_counts = np.bincount(tok.source_of(train_entries), minlength=n_sources)
-    eval_counts = np.bincount(tok.source_of(eval_entries), minlength=n_sources)
-    kept_counts = np.bincount(tok.source_of(distinct), minlength=n_sources)
+    train_counts = np.bincount(tok.rows.source_of(train_entries), minlength=n_sources)
+    eval_counts = np.bincount(tok.rows.source_of(eval_entries), minlength=n_sources)
+    kept_counts = np.bincount(tok.rows.source_of(distinct), minlength=n_sources)
     for s, src in enumerate(report.sources):
         src.train_rows, src.eval_rows, src.rows_kept = int(train_counts[s]), int(eval_counts[s]), int(kept_counts[s])
     kept = np.zeros(len(tok.slot), dtype=bool)
     kept[distinct] = True
     report.truncated_rows = []
     for g in sorted(g for g in tok.truncated if kept[g]):
-        s = bisect_right(tok.offsets, g) - 1
-        report.truncated_rows.append({"source": cfg.datasets[s].path, "row": pools[s].row_ids[g - tok.offsets[s]],
-                                      **tok.truncated[g]})
+        s, row = tok.rows.row_id(g)
+        report.truncated_rows.append({"source": cfg.datasets[s].path, "row": row, **tok.truncated[g]})
     report.train_rows, report.eval_rows = len(train_entries), len(eval_entries)
     return SpillView(tok.results, tok.slot[train_entries]), SpillView(tok.results, tok.slot[eval_entries])
 

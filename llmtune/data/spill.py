@@ -70,10 +70,6 @@ class SpillList(Sequence):
         self._dirty = True
         return len(self._offsets) - 2
 
-    def extend(self, objs: Iterable[Any]) -> None:
-        for obj in objs:
-            self.append(obj)
-
     def __len__(self) -> int:
         return len(self._offsets) - 1
 
@@ -100,14 +96,7 @@ class SpillList(Sequence):
 
     def __getitem__(self, k):
         if isinstance(k, slice):
-            start, stop, step = k.indices(len(self))
-            if step != 1:
-                return [self[i] for i in range(start, stop, step)]
-            out: list = []
-            size = self.chunk_rows()
-            for a in range(start, stop, size):
-                out += self._run(a, min(stop, a + size))
-            return out
+            return self.take(range(*k.indices(len(self))))
         n = len(self)
         if k < 0:
             k += n
@@ -134,9 +123,7 @@ class SpillList(Sequence):
         return out
 
     def __iter__(self) -> Iterator[Any]:
-        size = self.chunk_rows()
-        for a in range(0, len(self), size):
-            yield from self._run(a, min(len(self), a + size))
+        return iter(SpillView(self, range(len(self))))
 
     def close(self) -> None:
         """Close and delete the file (idempotent)."""
@@ -213,9 +200,7 @@ class RowPool(Sequence):
         return self.row_ids[j], self.rows[j]
 
     def __iter__(self) -> Iterator[tuple[int, dict]]:
-        size = self.store.chunk_rows()
-        for a in range(0, len(self), size):
-            yield from self[a : a + size]
+        return zip(self.row_ids, self.rows)
 
 
 def current_spill_dir() -> Path:
@@ -224,10 +209,9 @@ def current_spill_dir() -> Path:
     current = _current.get()
     if current is not None:
         return current[0]
-    from llmtune.data.cache import arrow_path
+    from llmtune.data.cache import data_dir
 
-    parent = arrow_path("spill", scratch=True).parent
-    path = parent / ".spill-unscoped"
+    path = data_dir(scratch=True) / ".spill-unscoped"
     path.mkdir(exist_ok=True)
     return path
 
@@ -254,9 +238,9 @@ def spill_dir() -> Iterator[Path]:
     Inside the cache entry being built when there is one (a killed build's files go with its staging directory),
     else under this process's temporary data directory.
     """
-    from llmtune.data.cache import arrow_path
+    from llmtune.data.cache import data_dir
 
-    parent = arrow_path("spill").parent
+    parent = data_dir()
     try:
         path = Path(tempfile.mkdtemp(prefix=".spill-", dir=parent))
     except OSError as exc:

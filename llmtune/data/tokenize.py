@@ -396,7 +396,7 @@ def _init_worker(fn) -> None:
 
 
 def _tokenize_chunk(rows: list[dict]) -> list:
-    """Worker side of :func:`tokenize_rows`: results (or :class:`RowError`) of a chunk of rows, in order."""
+    """Worker side of :meth:`RowTokenizer.map`: results (or :class:`RowError`) of a chunk of rows, in order."""
     out: list = []
     for row in rows:
         try:
@@ -480,21 +480,6 @@ class RowTokenizer:
         for results in self._pool.imap(_tokenize_chunk, [rows[i : i + chunk] for i in range(0, len(rows), chunk)]):
             yield from results
             self._bar.update(len(results))
-
-
-def tokenize_rows(rows: list[dict], fn, num_proc: int | None = None) -> list:
-    """Tokenize canonical rows at once (:class:`RowTokenizer` for one chunk).
-
-    Args:
-        rows: canonical rows.
-        fn: the row tokenizer (see :class:`RowTokenizer`).
-        num_proc: worker processes; None: :func:`auto_num_proc`.
-
-    Returns:
-        One result or :class:`RowError` per row, in order.
-    """
-    with RowTokenizer(fn, num_proc, len(rows)) as tok:
-        return list(tok.map(rows))
 
 
 def render_labels(input_ids, labels, tokenizer) -> str:

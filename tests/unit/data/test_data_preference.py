@@ -19,7 +19,7 @@ from llmtune.data.errors import RowError
 from llmtune.data.formats import to_canonical
 from llmtune.data.preference import PairTokenizer, TokenizedPair
 from llmtune.data.sources import read_source
-from llmtune.data.tokenize import tokenize_rows
+from llmtune.data.tokenize import RowTokenizer
 from llmtune.models.tiny import make_tiny_tokenizer
 
 X = -100
@@ -310,7 +310,8 @@ def test_render_pair_marks_both_completions(tok, write, cfg):
 
 def test_pairs_survive_worker_processes(tok):
     rows = [PAIR, {**PAIR, "prompt": ""}] * 4
-    out = tokenize_rows(rows, PairTokenizer(_raw_tok(), 64), num_proc=2)  # pickled to workers and back
+    with RowTokenizer(PairTokenizer(_raw_tok(), 64), num_proc=2) as tok_rows:  # pickled to workers and back
+        out = list(tok_rows.map(rows))
     assert [getattr(r, "kind", "") for r in out] == ["", "empty prompt"] * 4
     assert out[0] == out[6] == PairTokenizer(_raw_tok(), 64)(PAIR) and isinstance(out[0], TokenizedPair)
     with pytest.raises(RowError, match="the prompt has no tokens"):

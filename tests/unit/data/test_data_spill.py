@@ -26,7 +26,8 @@ def test_spill_list_behaves_as_a_list(tmp_path, monkeypatch):
     for obj in objs[:100]:
         assert store.append(obj) == obj["i"]
     assert store[5] == objs[5] and store[99] == objs[99]  # reads see earlier appends
-    store.extend(objs[100:])
+    for obj in objs[100:]:
+        store.append(obj)
     assert len(store) == 300 and list(store) == objs and store[-1] == objs[-1]
     assert store[10:250] == objs[10:250] and store[::7] == objs[::7] and store[290:400] == objs[290:]
     idx = [rng.randrange(300) for _ in range(500)]  # any order, with repeats
