@@ -49,7 +49,8 @@ def grpo_recipe(root, name, **extra):
         data={"datasets": [{"path": str(root / "prompts.jsonl")}], "max_length": 64, "val_size": 4},
         grpo={"num_generations": 2, "rollout_batch_size": 8, "max_new_tokens": 8, "beta": 0.1,
               "epsilon_high": 0.28, **extra.pop("grpo", {})},
-        reward=reward, train=train, output={"dir": str(root / name)}, **COMMON, **extra)
+        reward=reward, train=train, output={"dir": str(root / name), "plot": extra.pop("plot", False)}, **COMMON,
+        **extra)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ def workspace(tmp_path_factory):
 def grpo_run(workspace):
     with pytest.MonkeyPatch.context() as mp:  # a peak, so that metrics.jsonl has an MFU (test_grpo_mfu_is_logged)
         mp.setenv("LLMTUNE_PEAK_TFLOPS", str(PEAK))
-        assert main(["grpo", str(grpo_recipe(workspace, "grpo"))]) == 0
+        assert main(["grpo", str(grpo_recipe(workspace, "grpo", plot=True))]) == 0  # loss.png drawn once here
     return workspace / "grpo"
 
 
@@ -154,11 +155,14 @@ ESTIMATORS_X_LEVELS = [(e, lv) for e in ("grpo", "rloo", "reinforce_plus_plus") 
 @pytest.mark.parametrize("estimator, level", ESTIMATORS_X_LEVELS)
 def test_each_estimator_and_ratio_level_trains_two_iterations_and_resumes_exactly(workspace, estimator, level):
     """advantage_estimator x importance_sampling_level, with a reward function that abstains on some completions
-    and DAPO's overlong penalty: 2 iterations of 2 optimizer steps (old log-probs from the sampling policy,
-    so the ratios and the importance-weighted KL are live), then a resume from the first iteration's checkpoint."""
+    and DAPO's overlong penalty: 2 iterations of 2 optimizer steps (old log-probs from the sampling policy, so the
+    ratios and the importance-weighted KL are live), then a resume from the first iteration's checkpoint."""
     def recipe(name):
+        # 2 prompts x G 2 per iteration, 2 passes (num_iterations) of 1 optimizer step each: the second step trains on
+        # completions of the policy before the first (old log-probs live); the base model directly (no SFT chain)
         path = grpo_recipe(workspace, name, grpo={"advantage_estimator": estimator, "importance_sampling_level": level,
-                                                  "overlong_buffer_tokens": 4},
+                                                  "overlong_buffer_tokens": 4, "rollout_batch_size": 4,
+                                                  "num_iterations": 2},
                            train={"save_total_limit": 2}, model={"name_or_path": str(workspace / "model")})
         doc = yaml.safe_load(path.read_text())
         doc["reward"] = {"function": str(workspace / "my_rewards.py") + ":sometimes"}
