@@ -1,8 +1,8 @@
 """`llmtune grpo` through the CLI on a tiny random Llama: an SFT run, then GRPO with two weighted reward functions;
 run dir, metrics (per-source rewards, all-equal groups, clip fractions, KL 0 before the first update, timing),
 samples, resume reproducing the uninterrupted run (also for every advantage_estimator x importance_sampling_level,
-with an abstaining reward function and DAPO's overlong penalty), 4x1 == 1x4 accumulation, export loading in plain transformers,
-and the pipeline step."""
+with an abstaining reward function and DAPO's overlong penalty), 4x1 == 1x4 accumulation, export loading in plain
+transformers, and the pipeline step."""
 
 import json
 import math
@@ -244,10 +244,12 @@ def test_replace_groups_repads_prompts_left_and_completions_right():
         [[0, 1], [1, 1], [0, 1], [1, 1]]), "responses": torch.tensor([[8], [8], [9], [9]]),
         "mask": torch.ones(4, 1, dtype=torch.long), "ended": torch.tensor([True] * 4), "group_ids": torch.tensor(
         [7, 3, 7, 3]), "reward": torch.tensor([1.0, 0.0, 1.0, 1.0]), "abstained": torch.tensor([False] * 4),
-        "overlong": torch.zeros(4), "per_source": {"r": torch.tensor([1.0, 0.0, 1.0, 1.0])}, "rows": ["a", "b", "a", "b"]}
+        "overlong": torch.zeros(4), "per_source": {"r": torch.tensor([1.0, 0.0, 1.0, 1.0])},
+        "rows": ["a", "b", "a", "b"]}
     extra = {"query_ids": torch.tensor([[1, 2, 3], [1, 2, 3]]), "query_mask": torch.ones(2, 3, dtype=torch.long),
              "responses": torch.tensor([[4, 4, 0], [4, 0, 0]]), "mask": torch.tensor([[1, 1, 0], [1, 0, 0]]),
-             "ended": torch.tensor([False, True]), "group_ids": torch.tensor([0, 0]), "reward": torch.tensor([2.0, 3.0]),
+             "ended": torch.tensor([False, True]), "group_ids": torch.tensor([0, 0]),
+             "reward": torch.tensor([2.0, 3.0]),
              "abstained": torch.tensor([False, True]), "overlong": torch.tensor([-0.5, 0.0]),
              "per_source": {"r": torch.tensor([2.0, 3.0])}, "rows": ["c", "c"]}
     out = _replace_groups(groups, extra, [(7, 0)], pad_id=0)
@@ -256,7 +258,8 @@ def test_replace_groups_repads_prompts_left_and_completions_right():
     assert out["responses"].tolist() == [[4, 4, 0], [8, 0, 0], [4, 0, 0], [9, 0, 0]]
     assert out["mask"].tolist() == [[1, 1, 0], [1, 0, 0], [1, 0, 0], [1, 0, 0]]
     assert out["reward"].tolist() == [2.0, 0.0, 3.0, 1.0] and out["rows"] == ["c", "b", "c", "b"]
-    assert out["ended"].tolist() == [False, True, True, True] and out["per_source"]["r"].tolist() == [2.0, 0.0, 3.0, 1.0]
+    assert out["ended"].tolist() == [False, True, True, True]
+    assert out["per_source"]["r"].tolist() == [2.0, 0.0, 3.0, 1.0]
     assert out["abstained"].tolist() == [False, False, True, False] and out["overlong"].tolist() == [-0.5, 0, 0, 0]
     assert out["group_ids"].tolist() == [7, 3, 7, 3]  # the slots keep their ids
 
@@ -267,8 +270,9 @@ def test_grpo_help_lists_its_options(capsys):
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert "grpo.num_generations" in out and "grpo.loss_aggregation" in out and "reward.functions" in out
-    for key, source in [("grpo.advantage_estimator", "Ahmadian et al. 2024"), ("grpo.importance_sampling_level",
-                        "Zheng et al. 2025"), ("grpo.sequence_epsilon_low", "GSPO paper"), ("grpo.sequence_epsilon_high",
-                        "GSPO paper"), ("grpo.overlong_buffer_tokens", "Yu et al. 2025"),
-                        ("grpo.overlong_penalty_factor", "DAPO"), ("grpo.scale_rewards", "true/false")]:
+    for key, source in [("grpo.advantage_estimator", "Ahmadian et al. 2024"),
+                        ("grpo.importance_sampling_level", "Zheng et al. 2025"),
+                        ("grpo.sequence_epsilon_low", "GSPO paper"), ("grpo.sequence_epsilon_high", "GSPO paper"),
+                        ("grpo.overlong_buffer_tokens", "Yu et al. 2025"), ("grpo.overlong_penalty_factor", "DAPO"),
+                        ("grpo.scale_rewards", "true/false")]:
         assert key in out and source in out.split(key, 1)[1].split("\n  grpo.", 1)[0], key

@@ -11,10 +11,10 @@ never enters a statistic an advantage is computed from: its group's mean/std, th
 
 Sources: group-relative advantages and the per-token KL term — Shao et al. 2024 (DeepSeekMath, GRPO); token-level
 loss, clip-higher (``epsilon_high`` > ``epsilon_low``), dynamic sampling, overlong filtering and overlong reward
-shaping — Yu et al. 2025 (DAPO); no std scaling and a constant normaliser — Liu et al. 2025 (Dr. GRPO, "Understanding
-R1-Zero-Like Training"); leave-one-out baseline — Ahmadian et al. 2024 (RLOO, "Back to Basics"); global batch
-normalisation — Hu 2025 (REINFORCE++); sequence-level importance ratios — Zheng et al. 2025 (GSPO); the importance
-weight on the KL estimate — DeepSeek-AI 2025 (DeepSeek-V3.2, "unbiased KL estimate"; TRL's
+shaping — Yu et al. 2025 (DAPO); no std scaling and a constant normaliser — Liu et al. 2025 (Dr. GRPO,
+"Understanding R1-Zero-Like Training"); leave-one-out baseline — Ahmadian et al. 2024 (RLOO, "Back to Basics");
+global batch normalisation — Hu 2025 (REINFORCE++); sequence-level importance ratios — Zheng et al. 2025 (GSPO); the
+importance weight on the KL estimate — DeepSeek-AI 2025 (DeepSeek-V3.2, "unbiased KL estimate"; TRL's
 ``use_bias_correction_kl``).
 """
 

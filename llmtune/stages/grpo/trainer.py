@@ -2,18 +2,19 @@
 
 One iteration = ``grpo.rollout_batch_size / num_generations`` prompts over all ranks (dealt round-robin), each
 sampled ``num_generations`` times from the current policy; every completion is scored by the reward sources (plus
-DAPO's overlong penalty), the advantages (``advantage_estimator``) are computed on the rank that holds the group,
-over the rows that train — a row with an empty loss mask (truncated under ``mask_truncated_completions``, dropped by
-dynamic sampling, every reward function abstained) never moves a baseline; groups are found by explicit group ids,
-never by position (``scale_rewards: batch`` and ``reinforce_plus_plus`` sum their moments over ranks), then ``num_iterations`` shuffled passes of optimizer steps of ``train.global_batch_size`` completions
-run over it. A group may span micro-batches and optimizer steps: its advantages are fixed at sampling time, and
-the loss of a micro-batch is its sum divided by the item count of the whole optimizer step on all ranks (tokens
-for ``token_mean``, completions otherwise), so the split into micro-batches and ranks never changes a step.
+DAPO's overlong penalty); the advantages (``advantage_estimator``) are computed on the rank that holds the group,
+over the rows that train only: a row with an empty loss mask (truncated under ``mask_truncated_completions``,
+dropped by dynamic sampling, every reward function abstained) never moves a baseline. Groups are found by explicit
+group ids, never by position; ``scale_rewards: batch`` and ``reinforce_plus_plus`` sum their moments over ranks.
+Then ``num_iterations`` shuffled passes of optimizer steps of ``train.global_batch_size`` completions run over it.
+A group may span micro-batches and optimizer steps: its advantages are fixed at sampling time, and the loss of a
+micro-batch is its sum divided by the item count of the whole optimizer step on all ranks (tokens for
+``token_mean``, completions otherwise), so the split into micro-batches and ranks never changes a step.
 
 Old log-probs (the sampling policy, for the importance ratio) are computed at sampling time when the policy moves
 before the completions are used (several optimizer steps per rollout batch, or ``num_iterations`` > 1); otherwise
-the ratio is exactly 1 in value and the current log-probs stand in for them (detached). With ``beta`` > 0 the
-reference log-probs (adapters disabled) are computed at sampling time too.
+the ratio is exactly 1 in value (the loss gets no old log-probs and uses the current ones, detached). With
+``beta`` > 0 the reference log-probs (adapters disabled) are computed at sampling time too.
 """
 
 from __future__ import annotations
