@@ -5,7 +5,8 @@ A reward function scores B generated completions: ``fn(prompts, completions[, re
 where ``prompts[b]`` is the last user message of prompt b, ``completions[b]`` the generated text (decoded
 without special tokens) and ``references[b]`` the dataset's answer for that prompt (None when the data has
 none). ``references`` is passed only to functions that accept it (a ``references`` parameter or
-``**kwargs``). The recipe names one with ``reward.function: module:function``.
+``**kwargs``). The recipe names one with ``reward.function: module:function``. In online RL a function may return
+None for a completion it cannot score (it abstains): see :class:`llmtune.rl.scoring.RewardSources`.
 """
 
 from __future__ import annotations
@@ -206,23 +207,28 @@ def accepts_references(fn: Callable) -> bool:
 
 
 def call_reward_function(
-    fn: Callable, prompts: Sequence[str], completions: Sequence[str], references: Sequence[str | None] | None = None
+    fn: Callable, prompts: Sequence[str], completions: Sequence[str], references: Sequence[str | None] | None = None,
+    allow_abstain: bool = False,
 ) -> torch.Tensor:
     """Score B completions with ``fn`` and check the result.
 
     ``fn(prompts, completions, references=references)`` when ``fn`` accepts ``references``
-    (:func:`accepts_references`), else ``fn(prompts, completions)``.
+    (:func:`accepts_references`), else ``fn(prompts, completions)``. With ``allow_abstain`` a value may be None:
+    the function abstains on that completion (an unparsable answer, a sandbox timeout; TRL's reward functions do
+    the same) and the result holds NaN there; a NaN or inf the function returns itself stays an error.
 
     Args:
         fn: the reward function (see :func:`load_reward_function`).
         prompts: B prompt texts. completions: B generated texts. references: B reference answers or None.
+        allow_abstain: accept None values (online RL); otherwise None is an error.
 
     Returns:
-        (B,) float32 tensor of rewards (on CPU).
+        (B,) float32 tensor of rewards (on CPU); NaN exactly where ``fn`` returned None.
 
     Raises:
         RewardFunctionError: ``fn`` raised (its error is chained), or did not return B finite real numbers
-            (a sequence or 1-D tensor/array of length B); the message names the first offending index.
+            (or None with ``allow_abstain``) as a sequence or 1-D tensor/array of length B; the message names the
+            first offending index.
     """
     B = len(completions)
     name = getattr(fn, "__qualname__", repr(fn))
@@ -242,10 +248,15 @@ def call_reward_function(
         raise RewardFunctionError(f"reward function {name} returned {len(out)} values for {B} completions; "
                                   "expected one number per completion")
     for b, value in enumerate(out):
+        if value is None and allow_abstain:
+            continue
+        if value is None:
+            raise RewardFunctionError(f"reward function {name}: value {b} is None; a reward function may abstain "
+                                      "(return None) only in online RL (grpo); return a number here")
         if not isinstance(value, numbers.Real):
             raise RewardFunctionError(f"reward function {name}: value {b} is {type(value).__name__} {value!r}; "
                                       "expected a real number")
         if not math.isfinite(value) or not math.isfinite(float(torch.tensor(float(value), dtype=torch.float32))):
             raise RewardFunctionError(f"reward function {name}: value {b} is {value!r} (not finite in float32) for "
                                       f"completion {completions[b][:80]!r}")
-    return torch.tensor([float(v) for v in out], dtype=torch.float32)
+    return torch.tensor([math.nan if v is None else float(v) for v in out], dtype=torch.float32)

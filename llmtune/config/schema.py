@@ -427,8 +427,37 @@ class GRPOConfig(Section):
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator (Schulman 2020); "
                                                    "k3 = exp(ref - logp) - (ref - logp) - 1, GRPO's.")
     scale_rewards: Literal["group", "batch", "none"] = Field(
-        "group", description="Advantage = reward - group mean, divided by the group's std (group, GRPO), the "
-        "rollout batch's std (batch) or nothing (none, Dr. GRPO).")
+        "group", description="advantage_estimator grpo: advantage = reward - group mean, divided by the group's std "
+        "(group, GRPO), the rollout batch's std (batch) or nothing (none, Dr. GRPO); statistics over the rows that "
+        "train. YAML true/false read as group/none (TRL's scale_rewards).")
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _yaml_bool_scale(cls, value):
+        # TRL and axolotl accept `scale_rewards: false` (Dr. GRPO's no std) and `true` (GRPO's group std)
+        return {False: "none", True: "group"}.get(value, value) if isinstance(value, bool) else value
+
+    advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus"] = Field(
+        "grpo", description="Baseline of the advantage (names as verl's AdvantageEstimator): grpo = group-relative "
+        "(Shao et al. 2024; scale_rewards applies); rloo = reward - mean of the other trainable completions of its "
+        "prompt, no std (Ahmadian et al. 2024; OpenRLHF rloo); reinforce_plus_plus = (reward - mean) / std over all "
+        "trainable tokens of the rollout batch on all ranks, no per-prompt baseline (Hu 2025; OpenRLHF reinforce).")
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token", description="Importance ratio against the sampling policy: token = per token (PPO/GRPO, clipped by "
+        "epsilon_low/epsilon_high); sequence = GSPO (Zheng et al. 2025): exp(mean over the completion's tokens of "
+        "logp - old logp), clipped by sequence_epsilon_low/high (TRL's importance_sampling_level).")
+    sequence_epsilon_low: float = Field(3e-4, gt=0, lt=1, description="importance_sampling_level sequence: lower "
+                                        "clip range of the sequence ratio (GSPO paper, Sec. 5.1: 3e-4; TRL reuses "
+                                        "epsilon for it).")
+    sequence_epsilon_high: float = Field(4e-4, gt=0, description="importance_sampling_level sequence: upper clip "
+                                         "range of the sequence ratio (GSPO paper, Sec. 5.1: 4e-4).")
+    overlong_buffer_tokens: int | None = Field(
+        None, ge=0, description="DAPO overlong reward shaping (Yu et al. 2025, Eq. 13): L_cache, the last tokens "
+        "before max_new_tokens over which the penalty grows linearly from 0 to -overlong_penalty_factor (completion "
+        "length counts its end-of-turn token, as verl's DAPO reward manager); null or 0 = off. Logged as "
+        "rewards/overlong_penalty_mean.")
+    overlong_penalty_factor: float = Field(1.0, ge=0, description="DAPO overlong reward shaping: the penalty at "
+                                           "max_new_tokens (DAPO and verl: 1.0).")
     loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = Field(
         "token_mean", description="token_mean: sum over all completion tokens of the step / their number (DAPO); "
         "sequence_mean: mean over each completion's tokens, then over completions (GRPO); constant: token sum / "
@@ -444,8 +473,9 @@ class GRPOConfig(Section):
 
     max_resample_rounds: int = Field(2, ge=1, description="dynamic_sampling resample: extra sampling rounds per "
                                      "rollout batch at most.")
-    mask_truncated_completions: bool = Field(False, description="Leave completions cut at rollout.max_new_tokens out of "
-                                             "the loss (DAPO overlong filtering).")
+    mask_truncated_completions: bool = Field(False, description="Leave completions cut at rollout.max_new_tokens "
+                                             "out of the loss and of the advantage statistics (DAPO overlong "
+                                             "filtering).")
     missing_eos_penalty: float | None = Field(None, description="Added to the reward of a completion cut at "
                                               "rollout.max_new_tokens (e.g. -1.0); null = none.")
     sample_every: int = Field(1, ge=1, description="Write a few rollout completions to samples.jsonl every N "

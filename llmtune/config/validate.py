@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from llmtune.config.schema import Recipe
+from llmtune.config.schema import ROLLOUT_MAX_NEW_TOKENS, Recipe
 from llmtune.errors import LlmtuneError
 
 
@@ -326,6 +326,18 @@ def grpo_problems(doc: dict) -> list[tuple[str, str]]:
         problems.append(("reward", "GRPO needs at least one reward source: reward.function (module:function, e.g. "
                          "llmtune.rewards:gsm8k_reward), reward.functions ([{function, weight}, ...]) and/or "
                          "reward.from_run (an `llmtune rm` run)"))
+    estimator = _get(doc, "grpo.advantage_estimator", "grpo")
+    scale = _get(doc, "grpo.scale_rewards")
+    if estimator in ("rloo", "reinforce_plus_plus") and scale not in (None, "group", True):
+        problems.append(("grpo.scale_rewards", f"{scale!r} applies to advantage_estimator grpo only; {estimator} has "
+                         "its own normalisation (rloo: none, reinforce_plus_plus: the rollout batch's std): remove "
+                         "the key"))
+    buffer, longest = _get(doc, "grpo.overlong_buffer_tokens"), _get(doc, "rollout.max_new_tokens")
+    longest = ROLLOUT_MAX_NEW_TOKENS["grpo"] if longest is None else longest
+    if isinstance(buffer, int) and isinstance(longest, int) and buffer > longest:
+        problems.append(("grpo.overlong_buffer_tokens", f"{buffer} is more than rollout.max_new_tokens ({longest}): the "
+                         "penalty window lies inside the completion length; use at most max_new_tokens (DAPO: "
+                         "4096 of 20480)"))
     group, rollout = _get(doc, "grpo.num_generations", 4), _get(doc, "grpo.rollout_batch_size", 16)
     glob, mu = _get(doc, "train.global_batch_size", 8), _get(doc, "grpo.num_iterations", 1)
     if not all(isinstance(v, int) and v > 0 for v in (group, rollout, glob, mu)):

@@ -9,6 +9,7 @@ one's raw scores, so every source is logged on its own.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,16 +32,18 @@ class FunctionScorer:
         self.fn, self.tokenizer = load_reward_function(spec, base_dir=base_dir), tokenizer
 
     def __call__(self, query_ids, query_mask, responses, mask, rows) -> torch.Tensor:
-        """(B, P) left-padded prompts + mask, (B, N) responses + mask, B prompt rows -> (B,) fp32 scores.
+        """(B, P) left-padded prompts + mask, (B, N) responses + mask, B prompt rows -> (B,) fp32 scores, NaN where
+        the function abstained (returned None).
 
         Raises:
-            RewardFunctionError: the function raised, or did not return B finite numbers (the index is named).
+            RewardFunctionError: the function raised, or did not return B finite numbers or None (the index is
+                named).
         """
         from llmtune.rewards import call_reward_function
 
         completions = decode_responses(self.tokenizer, responses, mask)
         return call_reward_function(self.fn, [r["prompt"] for r in rows], completions,
-                                    [r.get("reference") for r in rows]).to(responses.device)
+                                    [r.get("reference") for r in rows], allow_abstain=True).to(responses.device)
 
 
 class RewardModelScorer:
@@ -86,11 +89,16 @@ class RewardSource:
 
 
 class RewardSources:
-    """The recipe's reward sources; ``total = sum_i weight_i * score_i``.
+    """The recipe's reward sources; ``total = sum_i weight_i * score_i`` over the sources that did not abstain.
 
     Built from ``reward.from_run`` (weight ``reward.from_run_weight``, name ``reward_model``), ``reward.function``
     (weight 1) and every ``reward.functions`` entry (its weight; name = its ``name`` or the function's name,
     made unique).
+
+    Abstaining: a reward function may return None for a completion (NaN in its scores). The total of a row is then
+    the weighted sum over the sources that scored it (TRL's ``nansum`` over reward functions); a row on which every
+    source abstained has no reward (NaN total): GRPO leaves it out of training and of the advantage statistics
+    and counts it (``rewards/abstained``); it is never a silent 0.
     """
 
     def __init__(self, sources: list[RewardSource]):
@@ -115,18 +123,44 @@ class RewardSources:
         """Score B completions with every source.
 
         Returns:
-            ``(total, per_source)``: (B,) fp32 weighted sum, and ``{name: (B,) raw scores}``.
+            ``(total, per_source)``: (B,) fp32 weighted sum over the sources that scored each row (NaN where every
+            source abstained), and ``{name: (B,) raw scores}`` (NaN where that source abstained).
         """
         per_source = {s.name: s.scorer(query_ids, query_mask, responses, mask, rows).float().to(responses.device)
                       for s in self.sources}
-        total = torch.zeros(responses.shape[0], device=responses.device)
-        for s in self.sources:
-            total = total + s.weight * per_source[s.name]
-        return total, per_source
+        return combine(per_source, {s.name: s.weight for s in self.sources}), per_source
 
     def __call__(self, query_ids, query_mask, responses, mask, rows) -> torch.Tensor:
-        """(B,) weighted total (see :meth:`score`)."""
-        return self.score(query_ids, query_mask, responses, mask, rows)[0]
+        """(B,) weighted total (see :meth:`score`) for a stage that scores every row (PPO).
+
+        Raises:
+            RewardFunctionError: every source abstained on a row (the index is named).
+        """
+        from llmtune.rewards import RewardFunctionError
+
+        total = self.score(query_ids, query_mask, responses, mask, rows)[0]
+        missing = torch.isnan(total).nonzero().flatten().tolist()
+        if missing:
+            raise RewardFunctionError(f"every reward source abstained (returned None) on completion {missing[0]} "
+                                      f"({len(missing)} of {len(total)}); PPO needs a reward for every rollout: "
+                                      "return a number there (GRPO leaves such completions out)")
+        return total
+
+
+def combine(per_source: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
+    """``sum_s weight_s * score_s`` over the sources that did not abstain (NaN) on each row; NaN where all did.
+
+    Args:
+        per_source: {name: (B,) scores, NaN = abstained}. weights: {name: weight}.
+
+    Returns:
+        (B,) fp32.
+    """
+    scores = torch.stack([per_source[n].float() for n in per_source])  # (S, B)
+    w = torch.tensor([weights[n] for n in per_source], dtype=scores.dtype, device=scores.device)[:, None]
+    scored = ~torch.isnan(scores)
+    total = torch.where(scored, w * scores, torch.zeros_like(scores)).sum(0)
+    return torch.where(scored.any(0), total, torch.full_like(total, math.nan))
 
 
 def build_reward_sources(recipe, tokenizer, base_dir: str | Path | None = None) -> RewardSources:

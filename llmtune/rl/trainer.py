@@ -361,16 +361,19 @@ class OnlineRLTrainer(CoreTrainer):
             stats = self.accelerator.gather_for_metrics(stats)
         score, kl, length, truncated = stats[:, :4].T
         p, s = metric_key_prefix, self.score_name
+        scored = score[~torch.isnan(score)]  # rows on which every reward function abstained have no score
         metrics = {
-            f"{p}_{s}": float(score.mean()),
-            f"{p}_{s}_std": float(score.std()) if len(score) > 1 else 0.0,
-            **({f"{p}_rewards/{n}": float(stats[:, 4 + i].mean()) for i, n in enumerate(names)}
+            f"{p}_{s}": float(scored.mean()) if len(scored) else float("nan"),
+            f"{p}_{s}_std": float(scored.std()) if len(scored) > 1 else 0.0,
+            **({f"{p}_rewards/{n}": float(stats[:, 4 + i].nanmean()) for i, n in enumerate(names)}
                if self.per_source_eval else {}),
             f"{p}_kl": float(kl.mean()),
             f"{p}_{self.length_name}": float(length.mean()),
             f"{p}_truncated_fraction": float(truncated.mean()),
             f"{p}_prompts": float(len(score)),
         }
+        if len(scored) < len(score):
+            metrics[f"{p}_rewards/abstained"] = 1.0 - len(scored) / len(score)
         if self.is_world_process_zero():
             path = self.run_dir / f"eval_samples_step{self.state.global_step}.jsonl"
             path.write_text("".join(json.dumps(s) + "\n" for s in samples[:8]))

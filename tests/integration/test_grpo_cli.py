@@ -1,7 +1,8 @@
 """`llmtune grpo` through the CLI on a tiny random Llama: an SFT run, then GRPO with two weighted reward functions;
 run dir, metrics (per-source rewards, all-equal groups, clip fractions, KL 0 before the first update, timing),
-samples, resume reproducing the uninterrupted run, 4x1 == 1x4 accumulation, export loading in plain transformers,
-and the pipeline step."""
+samples, resume reproducing the uninterrupted run (also for every advantage_estimator x importance_sampling_level,
+with an abstaining reward function and DAPO's overlong penalty), 4x1 == 1x4 accumulation, export loading in plain
+transformers, and the pipeline step."""
 
 import json
 import math
@@ -25,6 +26,10 @@ REWARD_FILE = """def length_reward(prompts, completions):
 
 def only_ones(prompts, completions):  # signal for prompts 'What is 1 + b?' only: the other groups are all-equal
     return [float(len(c) % 7) if p.startswith("What is 1 ") else 0.0 for p, c in zip(prompts, completions)]
+
+
+def sometimes(prompts, completions):  # abstains (None) on completions of even length
+    return [None if len(c) % 2 == 0 else float(len(c) % 7) for c in completions]
 """
 
 
@@ -40,12 +45,13 @@ def grpo_recipe(root, name, **extra):
     reward = {"functions": [{"function": str(root / "my_rewards.py") + ":length_reward", "weight": 1.0},
                             {"function": "llmtune.rewards:format_reward", "weight": 0.5}]}
     return write_recipe(
-        root, name, "grpo", model={"from_run": str(root / "sft")},
+        root, name, "grpo", model=extra.pop("model", {"from_run": str(root / "sft")}),
         data={"datasets": [{"path": str(root / "prompts.jsonl")}], "max_length": 64, "val_size": 4},
         grpo={"num_generations": 2, "rollout_batch_size": 8, "beta": 0.1,
               "epsilon_high": 0.28, **extra.pop("grpo", {})},
         rollout={"max_new_tokens": 8, **extra.pop("rollout", {})},
-        reward=reward, train=train, output={"dir": str(root / name)}, **COMMON, **extra)
+        reward=reward, train=train, output={"dir": str(root / name), "plot": extra.pop("plot", False)}, **COMMON,
+        **extra)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +76,7 @@ def workspace(tmp_path_factory):
 def grpo_run(workspace):
     with pytest.MonkeyPatch.context() as mp:  # a peak, so that metrics.jsonl has an MFU (test_grpo_mfu_is_logged)
         mp.setenv("LLMTUNE_PEAK_TFLOPS", str(PEAK))
-        assert main(["grpo", str(grpo_recipe(workspace, "grpo"))]) == 0
+        assert main(["grpo", str(grpo_recipe(workspace, "grpo", plot=True))]) == 0  # loss.png drawn once here
     return workspace / "grpo"
 
 
@@ -121,21 +127,68 @@ def test_grpo_run_dir_metrics_and_samples(workspace, grpo_run):
     assert samples[0]["reward"] == pytest.approx(r["length_reward"] + 0.5 * r["format_reward"])
 
 
-def test_resume_reproduces_the_uninterrupted_run(workspace, grpo_run):
-    copy = workspace / "grpo_resumed"
-    shutil.copytree(grpo_run, copy)
+def _resume_and_compare(workspace, run, recipe_fn):
+    """Copy ``run`` (4 steps = 2 iterations, checkpoints every 2 steps), cut it back to checkpoint-2 and resume:
+    losses, samples and the final adapter equal the uninterrupted run's."""
+    copy = workspace / f"{run.name}_resumed"
+    shutil.copytree(run, copy)
     for name in ("adapter", "checkpoints/checkpoint-4", "checkpoints/checkpoint-3"):
         shutil.rmtree(copy / name, ignore_errors=True)
     (copy / "lineage.json").unlink()
     kept = [r for r in read_jsonl(copy / "metrics.jsonl") if r.get("step", 0) <= 2 and "train_runtime" not in r]
     (copy / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
-    assert main(["grpo", str(grpo_recipe(workspace, "grpo_resumed")), "train.resume_from=latest"]) == 0
-    assert _losses(copy) == pytest.approx(_losses(grpo_run), abs=1e-6)
+    assert main(["grpo", str(recipe_fn(copy.name)), "train.resume_from=latest"]) == 0
+    assert len(_losses(run)) == 4 and _losses(copy) == pytest.approx(_losses(run), abs=1e-6)
     # the rollouts sampled again after the checkpoint replace the interrupted run's, once each
-    samples, original = (read_jsonl(r / "samples.jsonl") for r in (copy, grpo_run))
+    samples, original = (read_jsonl(r / "samples.jsonl") for r in (copy, run))
     assert [(s["step"], s["completion"]) for s in samples] == [(s["step"], s["completion"]) for s in original]
-    one, two = (load_file(r / "adapter" / "adapter_model.safetensors") for r in (copy, grpo_run))
+    one, two = (load_file(r / "adapter" / "adapter_model.safetensors") for r in (copy, run))
     assert one.keys() == two.keys() and all(torch.allclose(one[k], two[k], atol=1e-6) for k in one)
+
+
+def test_resume_reproduces_the_uninterrupted_run(workspace, grpo_run):
+    _resume_and_compare(workspace, grpo_run, lambda name: grpo_recipe(workspace, name))
+
+
+ESTIMATORS_X_LEVELS = [(e, lv) for e in ("grpo", "rloo", "reinforce_plus_plus") for lv in ("token", "sequence")]
+
+
+@pytest.mark.parametrize("estimator, level", ESTIMATORS_X_LEVELS)
+def test_each_estimator_and_ratio_level_trains_two_iterations_and_resumes_exactly(workspace, estimator, level):
+    """advantage_estimator x importance_sampling_level, with a reward function that abstains on some completions
+    and DAPO's overlong penalty: 2 iterations of 2 optimizer steps (old log-probs from the sampling policy, so the
+    ratios and the importance-weighted KL are live), then a resume from the first iteration's checkpoint."""
+    def recipe(name):
+        # 2 prompts x G 2 per iteration, 2 passes (num_iterations) of 1 optimizer step each: the second step trains on
+        # completions of the policy before the first (old log-probs live); the base model directly (no SFT chain)
+        path = grpo_recipe(workspace, name, grpo={"advantage_estimator": estimator, "importance_sampling_level": level,
+                                                  "overlong_buffer_tokens": 4, "rollout_batch_size": 4,
+                                                  "num_iterations": 2},
+                           train={"save_total_limit": 2}, model={"name_or_path": str(workspace / "model")})
+        doc = yaml.safe_load(path.read_text())
+        doc["reward"] = {"function": str(workspace / "my_rewards.py") + ":sometimes"}
+        doc["data"]["val_size"] = 0
+        path.write_text(yaml.safe_dump(doc))
+        return path
+
+    name = f"grpo_{estimator}_{level}"
+    assert main(["grpo", str(recipe(name))]) == 0
+    run = workspace / name
+    logs = [r for r in read_jsonl(run / "metrics.jsonl") if "policy_loss" in r]
+    assert [r["step"] for r in logs] == [1, 2, 3, 4] and all(math.isfinite(r["loss"]) for r in logs)
+    rollouts = [r for r in logs if "reward_mean" in r]
+    assert len(rollouts) == 2
+    for r in rollouts:
+        assert 0 < r["rewards/abstained"] < 1  # completions of even length: every function abstained
+        assert r["trained_completion_fraction"] == pytest.approx(1 - r["rewards/abstained"])  # ... and not trained
+        assert -1.0 <= r["rewards/overlong_penalty_mean"] <= 0.0
+    for s in read_jsonl(run / "samples.jsonl"):
+        if len(s["completion"]) % 2 == 0:
+            assert s["reward"] is None and s["rewards"] == {"sometimes": None} and not s["trained"]
+            assert s["advantage"] == 0.0
+        else:
+            assert s["trained"] and s["reward"] <= s["rewards"]["sometimes"]  # + overlong penalty <= 0
+    _resume_and_compare(workspace, run, recipe)
 
 
 def test_accumulation_4x1_equals_1x4(workspace):
@@ -187,22 +240,29 @@ def test_dynamic_sampling_counts_drops_and_resamples_all_equal_groups(workspace,
 def test_replace_groups_repads_prompts_left_and_completions_right():
     from llmtune.stages.grpo.trainer import _replace_groups
 
-    groups = {"query_ids": torch.tensor([[0, 5], [0, 5], [6, 7], [6, 7]]), "query_mask": torch.tensor(
-        [[0, 1], [0, 1], [1, 1], [1, 1]]), "responses": torch.tensor([[8], [9], [8], [9]]),
-        "mask": torch.ones(4, 1, dtype=torch.long), "ended": torch.tensor([True] * 4),
-        "reward": torch.tensor([1.0, 1.0, 0.0, 1.0]), "per_source": {"r": torch.tensor([1.0, 1.0, 0.0, 1.0])},
-        "rows": ["a", "a", "b", "b"]}
+    # groups laid out interleaved (ids 7, 3, 7, 3): replacing group 7 must touch rows 0 and 2, not rows 0 and 1
+    groups = {"query_ids": torch.tensor([[0, 5], [6, 7], [0, 5], [6, 7]]), "query_mask": torch.tensor(
+        [[0, 1], [1, 1], [0, 1], [1, 1]]), "responses": torch.tensor([[8], [8], [9], [9]]),
+        "mask": torch.ones(4, 1, dtype=torch.long), "ended": torch.tensor([True] * 4), "group_ids": torch.tensor(
+        [7, 3, 7, 3]), "reward": torch.tensor([1.0, 0.0, 1.0, 1.0]), "abstained": torch.tensor([False] * 4),
+        "overlong": torch.zeros(4), "per_source": {"r": torch.tensor([1.0, 0.0, 1.0, 1.0])},
+        "rows": ["a", "b", "a", "b"]}
     extra = {"query_ids": torch.tensor([[1, 2, 3], [1, 2, 3]]), "query_mask": torch.ones(2, 3, dtype=torch.long),
              "responses": torch.tensor([[4, 4, 0], [4, 0, 0]]), "mask": torch.tensor([[1, 1, 0], [1, 0, 0]]),
-             "ended": torch.tensor([False, True]), "reward": torch.tensor([2.0, 3.0]),
+             "ended": torch.tensor([False, True]), "group_ids": torch.tensor([0, 0]),
+             "reward": torch.tensor([2.0, 3.0]),
+             "abstained": torch.tensor([False, True]), "overlong": torch.tensor([-0.5, 0.0]),
              "per_source": {"r": torch.tensor([2.0, 3.0])}, "rows": ["c", "c"]}
-    out = _replace_groups(groups, extra, [(0, 0)], G=2, pad_id=0)
-    assert out["query_ids"].tolist() == [[1, 2, 3], [1, 2, 3], [0, 6, 7], [0, 6, 7]]
-    assert out["query_mask"].tolist() == [[1, 1, 1], [1, 1, 1], [0, 1, 1], [0, 1, 1]]
-    assert out["responses"].tolist() == [[4, 4, 0], [4, 0, 0], [8, 0, 0], [9, 0, 0]]
+    out = _replace_groups(groups, extra, [(7, 0)], pad_id=0)
+    assert out["query_ids"].tolist() == [[1, 2, 3], [0, 6, 7], [1, 2, 3], [0, 6, 7]]
+    assert out["query_mask"].tolist() == [[1, 1, 1], [0, 1, 1], [1, 1, 1], [0, 1, 1]]
+    assert out["responses"].tolist() == [[4, 4, 0], [8, 0, 0], [4, 0, 0], [9, 0, 0]]
     assert out["mask"].tolist() == [[1, 1, 0], [1, 0, 0], [1, 0, 0], [1, 0, 0]]
-    assert out["reward"].tolist() == [2.0, 3.0, 0.0, 1.0] and out["rows"] == ["c", "c", "b", "b"]
-    assert out["ended"].tolist() == [False, True, True, True] and out["per_source"]["r"].tolist()[:2] == [2.0, 3.0]
+    assert out["reward"].tolist() == [2.0, 0.0, 3.0, 1.0] and out["rows"] == ["c", "b", "c", "b"]
+    assert out["ended"].tolist() == [False, True, True, True]
+    assert out["per_source"]["r"].tolist() == [2.0, 0.0, 3.0, 1.0]
+    assert out["abstained"].tolist() == [False, False, True, False] and out["overlong"].tolist() == [-0.5, 0, 0, 0]
+    assert out["group_ids"].tolist() == [7, 3, 7, 3]  # the slots keep their ids
 
 
 def test_grpo_help_lists_its_options(capsys):
@@ -211,3 +271,9 @@ def test_grpo_help_lists_its_options(capsys):
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert "grpo.num_generations" in out and "grpo.loss_aggregation" in out and "reward.functions" in out
+    for key, source in [("grpo.advantage_estimator", "Ahmadian et al. 2024"),
+                        ("grpo.importance_sampling_level", "Zheng et al. 2025"),
+                        ("grpo.sequence_epsilon_low", "GSPO paper"), ("grpo.sequence_epsilon_high", "GSPO paper"),
+                        ("grpo.overlong_buffer_tokens", "Yu et al. 2025"), ("grpo.overlong_penalty_factor", "DAPO"),
+                        ("grpo.scale_rewards", "true/false")]:
+        assert key in out and source in out.split(key, 1)[1].split("\n  grpo.", 1)[0], key

@@ -155,3 +155,36 @@ def test_call_wraps_the_functions_error():
     with pytest.raises(RewardFunctionError, match="boom raised KeyError") as info:
         call_reward_function(boom, ["a"], ["x"])
     assert isinstance(info.value.__cause__, KeyError)
+
+
+def test_a_reward_function_may_abstain_only_where_allowed():
+    def sometimes(prompts, completions):
+        return [1.0, None, 0.5]
+
+    out = call_reward_function(sometimes, ["a"] * 3, ["x", "y", "z"], allow_abstain=True)
+    assert out[0] == 1.0 and math.isnan(out[1]) and out[2] == 0.5
+    as_array = call_reward_function(lambda p, c: np.array([None, 2.0], dtype=object), ["a"] * 2, ["x", "y"],
+                                    allow_abstain=True)
+    assert math.isnan(as_array[0]) and as_array[1] == 2.0
+    with pytest.raises(RewardFunctionError, match="value 1 is None; a reward function may abstain"):
+        call_reward_function(sometimes, ["a"] * 3, ["x", "y", "z"])  # preference data builders: no abstaining
+    with pytest.raises(RewardFunctionError, match="value 1 is nan"):  # NaN returned by the function stays an error
+        call_reward_function(lambda p, c: [1.0, math.nan], ["a"] * 2, ["x", "y"], allow_abstain=True)
+
+
+def test_reward_sources_add_what_did_not_abstain():
+    from llmtune.rl.scoring import RewardSource, RewardSources
+
+    def fixed(values):
+        return lambda q, qm, r, m, rows: torch.tensor(values)
+
+    nan = math.nan
+    sources = RewardSources([RewardSource("a", 1.0, fixed([1.0, nan, nan, 3.0])),
+                             RewardSource("b", 0.5, fixed([2.0, 4.0, nan, nan]))])
+    responses = torch.zeros(4, 2, dtype=torch.long)
+    total, per_source = sources.score(None, None, responses, torch.ones(4, 2), [{}] * 4)
+    # row 0: 1 + 0.5 * 2; row 1: only b scored; row 2: every source abstained (no reward); row 3: only a
+    assert total[[0, 1, 3]].tolist() == [2.0, 2.0, 3.0] and math.isnan(total[2])
+    assert math.isnan(per_source["a"][1]) and per_source["b"][1] == 4.0
+    with pytest.raises(RewardFunctionError, match="every reward source abstained .* on completion 2 \\(1 of 4\\)"):
+        sources(None, None, responses, torch.ones(4, 2), [{}] * 4)  # PPO needs a reward for every rollout

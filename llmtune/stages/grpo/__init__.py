@@ -3,8 +3,11 @@
 Group-relative policy optimization (Shao et al. 2024): sample ``num_generations`` completions per prompt, score
 them, advantage = (reward - group mean) / group std (``scale_rewards``: Dr. GRPO, Liu et al. 2025, drops the std),
 clipped importance-ratio loss against the sampling policy with ``epsilon_low``/``epsilon_high`` (DAPO clip-higher,
-Yu et al. 2025), an optional k3 KL term to the reference (``beta``; the reference is the policy with its adapter
-disabled), aggregated as ``loss_aggregation`` says. No value model. The rollout loop is :class:`GRPOTrainer`.
+Yu et al. 2025), or at the sequence level (GSPO, Zheng et al. 2025: ``importance_sampling_level: sequence`` with
+``sequence_epsilon_low``/``sequence_epsilon_high``), an optional k3 KL term to the reference (``beta``; the
+reference is the policy with its adapter disabled), aggregated as ``loss_aggregation`` says. Baselines:
+``advantage_estimator`` grpo (group mean/std), rloo (leave-one-out, Ahmadian et al. 2024), reinforce_plus_plus
+(global batch normalisation, Hu 2025). No value model. The rollout loop is :class:`GRPOTrainer`.
 
 Units: ``count_items`` = completion tokens in the loss (``token_mean``) or completions in the loss (otherwise); the
 loss of an optimizer step is the sum over its micro-batches divided by that count of the whole step on all ranks.
@@ -38,7 +41,8 @@ class GRPOStage(OnlineRLStage):
         Args:
             batch: a micro-batch from ``GRPOTrainer.make_experience``: ``input_ids``/``attention_mask``/
                 ``position_ids`` (b, P + n), ``responses``/``response_mask``/``loss_mask`` (b, n), ``advantages``
-                (b,), optional ``old_logps``/``ref_logps`` (b, n).
+                (b,), optional ``old_logps``/``ref_logps`` (b, n), optional ``is_weights`` (b, n) (truncated
+                importance weights of the sampling engine, put there by the trainer).
             num_items: completion tokens or completions of the whole optimizer step (all micro-batches, ranks).
         """
         cfg = self.recipe.grpo
@@ -47,10 +51,12 @@ class GRPOStage(OnlineRLStage):
         logits, _ = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                           position_ids=batch["position_ids"], response_width=width)
         logps = response_token_logps(logits, batch["responses"], self.recipe.rollout.temperature)
-        old = batch.get("old_logps")
-        out = ops.grpo_loss(logps, logps.detach() if old is None else old, batch["advantages"], mask,
-                            cfg.epsilon_low, cfg.epsilon_high, cfg.loss_aggregation, self.recipe.rollout.max_new_tokens,
-                            cfg.beta, batch.get("ref_logps"), cfg.kl_estimator)
+        sequence = cfg.importance_sampling_level == "sequence"
+        low, high = ((cfg.sequence_epsilon_low, cfg.sequence_epsilon_high) if sequence
+                     else (cfg.epsilon_low, cfg.epsilon_high))
+        out = ops.grpo_loss(logps, batch.get("old_logps"), batch["advantages"], mask, low, high,
+                            cfg.loss_aggregation, self.recipe.rollout.max_new_tokens, cfg.beta, batch.get("ref_logps"),
+                            cfg.kl_estimator, cfg.importance_sampling_level, batch.get("is_weights"))
         tokens = mask.sum().clamp(min=1)
         with torch.no_grad():
             entropy = masked_mean(entropy_from_logits(logits.detach().float() / self.recipe.rollout.temperature),

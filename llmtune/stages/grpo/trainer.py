@@ -1,17 +1,20 @@
 """GRPO on the shared online-RL trainer (:class:`llmtune.rl.trainer.OnlineRLTrainer`).
 
 One iteration = ``grpo.rollout_batch_size / num_generations`` prompts over all ranks (dealt round-robin), each
-sampled ``num_generations`` times from the current policy; every completion is scored by the reward sources, the
-group-relative advantages are computed on the rank that holds the group (``scale_rewards: batch`` gathers the std
-over ranks), then ``num_iterations`` shuffled passes of optimizer steps of ``train.global_batch_size`` completions
-run over it. A group may span micro-batches and optimizer steps: its advantages are fixed at sampling time, and
-the loss of a micro-batch is its sum divided by the item count of the whole optimizer step on all ranks (tokens
-for ``token_mean``, completions otherwise), so the split into micro-batches and ranks never changes a step.
+sampled ``num_generations`` times from the current policy; every completion is scored by the reward sources (plus
+DAPO's overlong penalty); the advantages (``advantage_estimator``) are computed on the rank that holds the group,
+over the rows that train only: a row with an empty loss mask (truncated under ``mask_truncated_completions``,
+dropped by dynamic sampling, every reward function abstained) never moves a baseline. Groups are found by explicit
+group ids, never by position; ``scale_rewards: batch`` and ``reinforce_plus_plus`` sum their moments over ranks.
+Then ``num_iterations`` shuffled passes of optimizer steps of ``train.global_batch_size`` completions run over it.
+A group may span micro-batches and optimizer steps: its advantages are fixed at sampling time, and the loss of a
+micro-batch is its sum divided by the item count of the whole optimizer step on all ranks (tokens for
+``token_mean``, completions otherwise), so the split into micro-batches and ranks never changes a step.
 
 Old log-probs (the sampling policy, for the importance ratio) are computed at sampling time when the policy moves
 before the completions are used (several optimizer steps per rollout batch, or ``num_iterations`` > 1); otherwise
-the ratio is exactly 1 in value and the current log-probs stand in for them (detached). With ``beta`` > 0 the
-reference log-probs (adapters disabled) are computed at sampling time too.
+the ratio is exactly 1 in value (the loss gets no old log-probs and uses the current ones, detached). With
+``beta`` > 0 the reference log-probs (adapters disabled) are computed at sampling time too.
 """
 
 from __future__ import annotations
@@ -71,17 +74,37 @@ class GRPOTrainer(OnlineRLTrainer):
     # ---- rollouts ---------------------------------------------------------------------------------
     def sample_groups(self, rows: list[dict]) -> dict:
         """``num_generations`` completions of each prompt row, scored: ``query_ids``/``query_mask`` (B, P),
-        ``responses``/``mask`` (B, N), ``ended`` (B,), ``reward`` (B,) total, ``per_source`` {name: (B,)},
-        ``rows`` (B prompt rows), ``engine_logps`` (B, N) or None (see ``OnlineRLTrainer.sample``), B = len(rows) x
-        G, grouped consecutively."""
-        G = self.grpo.num_generations
+        ``responses``/``mask`` (B, N), ``ended`` (B,), ``group_ids`` (B,) (the prompt's index in ``rows``),
+        ``reward`` (B,) = the reward the loss uses (the sources' weighted total + ``missing_eos_penalty`` + DAPO's
+        overlong penalty; 0 where every source abstained), ``abstained`` (B,) bool, ``overlong`` (B,) the overlong
+        penalty, ``per_source`` {name: (B,), NaN = abstained}, ``rows`` (B prompt rows), ``engine_logps`` (B, N) or
+        None (see ``OnlineRLTrainer.sample``), B = len(rows) x G."""
+        g, G = self.grpo, self.grpo.num_generations
+        group_ids = torch.arange(len(rows), device=self.args.device).repeat_interleave(G)
         rows = [row for row in rows for _ in range(G)]
         batch = self.prompt_batch(rows)
         responses, mask, ended, engine_logps = self.sample(batch)
         total, per_source = self.rewards.score(batch["input_ids"], batch["attention_mask"], responses, mask, rows)
+        abstained = torch.isnan(total)
+        reward = torch.nan_to_num(total, nan=0.0)
+        if g.missing_eos_penalty is not None:
+            reward = reward + g.missing_eos_penalty * (~ended).float()
+        overlong = torch.zeros_like(reward)
+        if g.overlong_buffer_tokens:
+            overlong = ops.overlong_penalty(mask.sum(1), self.rollout.max_new_tokens, g.overlong_buffer_tokens,
+                                            g.overlong_penalty_factor).to(reward.device)
+            reward = reward + overlong
         return {"query_ids": batch["input_ids"], "query_mask": batch["attention_mask"], "responses": responses,
-                "mask": mask, "ended": ended, "reward": total, "per_source": per_source, "rows": rows,
-                "engine_logps": engine_logps}
+                "mask": mask, "ended": ended, "group_ids": group_ids, "reward": reward, "abstained": abstained,
+                "overlong": overlong, "per_source": per_source, "rows": rows, "engine_logps": engine_logps}
+
+    def trainable(self, groups: dict) -> torch.Tensor:
+        """(B,) bool: rows that can train before dynamic sampling — not abstained, and ended when
+        ``mask_truncated_completions``."""
+        keep = ~groups["abstained"]
+        if self.grpo.mask_truncated_completions:
+            keep &= groups["ended"]
+        return keep
 
     def _extra_prompts(self, iteration: int, round_: int) -> list[dict]:
         """Dynamic sampling: this rank's share of a fresh random draw of prompts, seeded by (seed, iteration,
@@ -90,52 +113,56 @@ class GRPOTrainer(OnlineRLTrainer):
         picks = torch.randint(len(self.prompts), (self.local_prompts * self.args.world_size,), generator=gen).tolist()
         return [self.prompts[i] for i in picks[self.args.process_index::self.args.world_size]]
 
+    def _silent(self, groups: dict) -> torch.Tensor:
+        """(B,) bool: rows of groups without signal (their trainable rewards all equal, or < 2 trainable rows)."""
+        return ops.group_all_equal(groups["reward"], groups["group_ids"], self.trainable(groups))
+
     def _resample(self, iteration: int, groups: dict) -> tuple[dict, int]:
-        """DAPO dynamic sampling: replace groups whose rewards are all equal by informative groups of extra prompts,
-        for up to ``max_resample_rounds`` rounds (every rank samples each round while any rank still needs to, so
-        collective generation under ZeRO-3 stays in step). Returns the groups and the rounds run."""
-        G, rounds = self.grpo.num_generations, 0
+        """DAPO dynamic sampling: replace groups without signal by informative groups of extra prompts, for up to
+        ``max_resample_rounds`` rounds (every rank samples each round while any rank still needs to, so collective
+        generation under ZeRO-3 stays in step). Returns the groups and the rounds run."""
+        rounds = 0
         for round_ in range(1, self.grpo.max_resample_rounds + 1):
-            equal = _all_equal(groups["reward"], G)
-            need = torch.tensor([float(equal.any())], device=self.args.device)
+            silent = self._silent(groups)
+            need = torch.tensor([float(silent.any())], device=self.args.device)
             if self.args.world_size > 1:
                 need = self.accelerator.reduce(need, reduction="sum")
             if float(need) == 0:
                 break
             rounds = round_
             extra = self.sample_groups(self._extra_prompts(iteration, round_))
-            good = [g for g in range(extra["reward"].shape[0] // G) if not _all_equal(extra["reward"], G)[g]]
-            bad = [g for g in range(equal.shape[0]) if equal[g]]
+            extra_silent = self._silent(extra)
+            good = [int(i) for i in extra["group_ids"].unique() if not extra_silent[extra["group_ids"] == i].any()]
+            bad = [int(i) for i in groups["group_ids"].unique() if silent[groups["group_ids"] == i].any()]
             swaps = list(zip(bad, good))
             if swaps:
-                groups = _replace_groups(groups, extra, swaps, G, self.pad_id)
+                groups = _replace_groups(groups, extra, swaps, self.pad_id)
         return groups, rounds
 
     def make_experience(self, iteration: int) -> list[list[dict[str, torch.Tensor]]]:
-        """Sample and score one rollout batch of groups, compute advantages, log its metrics and return the
-        optimizer steps (``num_iterations`` shuffled passes), each a list of micro-batch dicts."""
-        g, G = self.grpo, self.grpo.num_generations
+        """Sample and score one rollout batch of groups, compute advantages over the rows that train, log its
+        metrics and return the optimizer steps (``num_iterations`` shuffled passes), each a list of micro-batch
+        dicts."""
+        g = self.grpo
         self._seed(iteration)
         rows = [self.prompts[i] for i in self.prompt_indices(iteration, self.local_prompts * self.args.world_size)]
         groups = self.sample_groups(rows)
-        all_equal_first = _all_equal(groups["reward"], G)  # counted before any resampling
+        silent_first = self._silent(groups)  # counted before any resampling
         rounds = 0
         if g.dynamic_sampling == "resample":
             groups, rounds = self._resample(iteration, groups)
-        responses, mask, ended = groups["responses"], groups["mask"], groups["ended"]
-        reward = groups["reward"].clone()
-        if g.missing_eos_penalty is not None:
-            reward = reward + g.missing_eos_penalty * (~ended).float()
-        batch_std = None
-        if g.scale_rewards == "batch":
-            everything = self.accelerator.gather(reward) if self.args.world_size > 1 else reward
-            batch_std = float(everything.std())
-        advantages, all_equal = ops.group_advantages(reward, G, g.scale_rewards, batch_std)
-        keep = torch.ones_like(reward, dtype=torch.bool)
+        responses, mask, reward, group_ids = groups["responses"], groups["mask"], groups["reward"], groups["group_ids"]
+        keep = self.trainable(groups)
+        silent = ops.group_all_equal(reward, group_ids, keep)
         if g.dynamic_sampling != "off":
-            keep &= ~all_equal.repeat_interleave(G)
-        if g.mask_truncated_completions:
-            keep &= ended
+            keep &= ~silent
+        # every statistic below is over the rows that train (bug: masked rows used to move their group's baseline)
+        tokens = mask.sum(1)
+        stats = ops.advantage_moments(g.advantage_estimator, g.scale_rewards, reward, keep, tokens)
+        if stats is not None and self.args.world_size > 1:
+            stats = self.accelerator.reduce(stats.to(self.args.device), reduction="sum")
+        advantages = ops.compute_advantages(g.advantage_estimator, reward, group_ids, keep, g.scale_rewards, stats,
+                                            tokens)
         loss_mask = mask * keep[:, None].long()
 
         width = groups["query_ids"].shape[1]
@@ -155,13 +182,15 @@ class GRPOTrainer(OnlineRLTrainer):
                 kl_rollout = masked_mean(kl_estimate(fwd["logps"], fwd["ref_logps"], g.kl_estimator), mask.float())
         self.engine_correction(experience, inputs, responses, mask, groups["engine_logps"], fwd.get("logps"))
 
-        self.add_metrics(self._rollout_metrics(groups, reward, all_equal_first, all_equal, keep, rounds, kl_rollout))
+        self.add_metrics(self._rollout_metrics(groups, silent_first, silent, keep, rounds, kl_rollout))
         if iteration % g.sample_every == 0:
             texts = decode_responses(self.tokenizer, responses, mask)
             self.write_samples(iteration, [
-                {"prompt": groups["rows"][b]["prompt"], "completion": texts[b], "reward": float(reward[b]),
-                 "rewards": {n: float(v[b]) for n, v in groups["per_source"].items()},
-                 "advantage": float(advantages[b])} for b in range(min(len(texts), 2 * G))])
+                {"prompt": groups["rows"][b]["prompt"], "completion": texts[b],
+                 "reward": None if groups["abstained"][b] else float(reward[b]),
+                 "rewards": {n: _finite_or_none(v[b]) for n, v in groups["per_source"].items()},
+                 "advantage": float(advantages[b]), "trained": bool(keep[b])}
+                for b in range(min(len(texts), 2 * g.num_generations))])
 
         steps = []
         gen = torch.Generator().manual_seed(self.args.seed + 1_000_003 * iteration + self.args.process_index)
@@ -175,35 +204,48 @@ class GRPOTrainer(OnlineRLTrainer):
                               for m in range(0, len(idx), micro)])
         return steps
 
-    def _rollout_metrics(self, groups, reward, all_equal_first, all_equal, keep, rounds, kl) -> dict[str, float]:
-        """Means over all ranks' completions of this iteration."""
+    def _rollout_metrics(self, groups, silent_first, silent, keep, rounds, kl) -> dict[str, float]:
+        """Means over all ranks' completions of this iteration; rewards over the rows that have one (per source:
+        the rows it scored); ``rewards/abstained`` = fraction of rows on which every source abstained."""
         names = list(groups["per_source"])
         mask = groups["mask"]
-        per_row = torch.stack([reward.float(), mask.sum(1).float(), (~groups["ended"]).float(), keep.float(),
-                               *(groups["per_source"][n].float() for n in names)], 1)  # (B, 4 + sources)
-        per_group = torch.stack([all_equal_first.float(), all_equal.float()], 1)  # (B/G, 2)
+        per_row = torch.stack([groups["reward"].float(), mask.sum(1).float(), (~groups["ended"]).float(), keep.float(),
+                               groups["abstained"].float(), groups["overlong"].float(), silent_first.float(),
+                               silent.float(), *(groups["per_source"][n].float() for n in names)], 1)  # (B, 8 + S)
         if self.args.world_size > 1:
-            per_row, per_group = self.accelerator.gather(per_row), self.accelerator.gather(per_group)
+            per_row = self.accelerator.gather(per_row)
+        scored = per_row[per_row[:, 4] == 0, 0]
         metrics = {
-            "reward_mean": float(per_row[:, 0].mean()), "reward_std": float(per_row[:, 0].std()),
+            "reward_mean": _mean(scored), "reward_std": _std(scored),
             "completion_length": float(per_row[:, 1].mean()), "truncated_fraction": float(per_row[:, 2].mean()),
-            "all_equal_group_fraction": float(per_group[:, 0].mean()),
+            "all_equal_group_fraction": float(per_row[:, 6].mean()),  # every group has G rows: = fraction of groups
             "trained_completion_fraction": float(per_row[:, 3].mean()),
+            "rewards/abstained": float(per_row[:, 4].mean()),
         }
         for i, name in enumerate(names):
-            metrics[f"rewards/{name}_mean"] = float(per_row[:, 4 + i].mean())
-            metrics[f"rewards/{name}_std"] = float(per_row[:, 4 + i].std())
+            column = per_row[:, 8 + i]
+            column = column[~torch.isnan(column)]
+            metrics[f"rewards/{name}_mean"], metrics[f"rewards/{name}_std"] = _mean(column), _std(column)
+        if self.grpo.overlong_buffer_tokens:
+            metrics["rewards/overlong_penalty_mean"] = float(per_row[:, 5].mean())
         if self.grpo.dynamic_sampling == "resample":
-            metrics["all_equal_group_fraction_after_resampling"] = float(per_group[:, 1].mean())
+            metrics["all_equal_group_fraction_after_resampling"] = float(per_row[:, 7].mean())
             metrics["resample_rounds"] = float(rounds)
         if kl is not None:
             metrics["rollout_kl"] = float(kl)  # per token, sampling policy vs reference (0 before the first step)
         return metrics
 
 
-def _all_equal(rewards: torch.Tensor, group: int) -> torch.Tensor:
-    grouped = rewards.view(-1, group)
-    return (grouped == grouped[:, :1]).all(1)
+def _mean(x: torch.Tensor) -> float:
+    return float(x.mean()) if len(x) else float("nan")
+
+
+def _std(x: torch.Tensor) -> float:
+    return float(x.std()) if len(x) > 1 else 0.0
+
+
+def _finite_or_none(x: torch.Tensor) -> float | None:
+    return None if torch.isnan(x) else float(x)
 
 
 def _pad_to(x: torch.Tensor, width: int, value: int, left: bool) -> torch.Tensor:
@@ -211,30 +253,44 @@ def _pad_to(x: torch.Tensor, width: int, value: int, left: bool) -> torch.Tensor
     return torch.cat([pad, x] if left else [x, pad], 1)
 
 
-def _replace_groups(groups: dict, extra: dict, swaps: list[tuple[int, int]], G: int, pad_id: int) -> dict:
-    """``groups`` with group ``bad`` replaced by ``extra``'s group ``good`` for each ``(bad, good)``; prompts are
-    re-padded on the left and completions on the right to the wider of the two batches."""
+def _replace_groups(groups: dict, extra: dict, swaps: list[tuple[int, int]], pad_id: int) -> dict:
+    """``groups`` with the rows of group id ``bad`` replaced by ``extra``'s rows of group id ``good`` for each
+    ``(bad, good)`` (found by ``group_ids``, not by position; the replaced rows keep the id ``bad``); prompts are
+    re-padded on the left and completions on the right to the wider of the two batches.
+
+    Raises:
+        ValueError: the two groups of a swap do not have the same number of rows.
+    """
     P = max(groups["query_ids"].shape[1], extra["query_ids"].shape[1])
     N = max(groups["responses"].shape[1], extra["responses"].shape[1])
-    out = {"per_source": {}, "rows": list(groups["rows"]), "engine_logps": None}
+    pairs = []
+    for bad, good in swaps:
+        dst = (groups["group_ids"] == bad).nonzero().flatten()
+        src = (extra["group_ids"] == good).nonzero().flatten()
+        if len(dst) != len(src):
+            raise ValueError(f"group {bad} has {len(dst)} rows but replacement group {good} has {len(src)}")
+        pairs.append((dst, src))
+    out = {"per_source": {}, "rows": list(groups["rows"]), "group_ids": groups["group_ids"],
+           "engine_logps": None}
     layout = {"query_ids": (P, pad_id, True), "query_mask": (P, 0, True), "responses": (N, pad_id, False),
               "mask": (N, 0, False)}
     if groups.get("engine_logps") is not None and extra.get("engine_logps") is not None:
         layout["engine_logps"] = (N, 0.0, False)
     for key, (width, value, left) in layout.items():
-        a, b = _pad_to(groups[key], width, value, left), _pad_to(extra[key], width, value, left)
-        out[key] = _swap_rows(a, b, swaps, G)
-    for key in ("ended", "reward"):
-        out[key] = _swap_rows(groups[key], extra[key], swaps, G)
+        out[key] = _swap_rows(_pad_to(groups[key], width, value, left), _pad_to(extra[key], width, value, left),
+                              pairs)
+    for key in ("ended", "reward", "abstained", "overlong"):
+        out[key] = _swap_rows(groups[key], extra[key], pairs)
     for name in groups["per_source"]:
-        out["per_source"][name] = _swap_rows(groups["per_source"][name], extra["per_source"][name], swaps, G)
-    for bad, good in swaps:
-        out["rows"][bad * G:(bad + 1) * G] = extra["rows"][good * G:(good + 1) * G]
+        out["per_source"][name] = _swap_rows(groups["per_source"][name], extra["per_source"][name], pairs)
+    for dst, src in pairs:
+        for d, s in zip(dst.tolist(), src.tolist()):
+            out["rows"][d] = extra["rows"][s]
     return out
 
 
-def _swap_rows(a: torch.Tensor, b: torch.Tensor, swaps: list[tuple[int, int]], G: int) -> torch.Tensor:
+def _swap_rows(a: torch.Tensor, b: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     a = a.clone()
-    for bad, good in swaps:
-        a[bad * G:(bad + 1) * G] = b[good * G:(good + 1) * G]
+    for dst, src in pairs:
+        a[dst.to(a.device)] = b[src.to(b.device)]
     return a

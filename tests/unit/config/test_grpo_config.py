@@ -64,3 +64,23 @@ def test_ppo_counts_reward_functions_as_its_function_source():
     assert load_recipe(raw={"stage": "ppo", "reward": fns, "train": {"max_steps": 4}}).reward.functions
     got = problems({"stage": "ppo", "reward": {**fns, "from_run": "runs/rm"}, "train": {"max_steps": 4}})
     assert "exactly one score source" in got["reward"]
+
+
+def test_scale_rewards_booleans_and_the_new_keys():
+    raw = yaml.safe_load("stage: grpo\nreward: {function: 'llmtune.rewards:gsm8k_reward'}\ntrain: {max_steps: 2}\n"
+                         "grpo: {scale_rewards: false}\n")
+    assert raw["grpo"]["scale_rewards"] is False  # what TRL / axolotl users write for Dr. GRPO
+    assert load_recipe(raw=raw).grpo.scale_rewards == "none"
+    raw["grpo"]["scale_rewards"] = True
+    assert load_recipe(raw=raw).grpo.scale_rewards == "group"
+    grpo = load_recipe(raw={"stage": "grpo", "reward": REWARD, "train": {"max_steps": 2}}).grpo
+    assert (grpo.advantage_estimator, grpo.importance_sampling_level) == ("grpo", "token")
+    assert (grpo.sequence_epsilon_low, grpo.sequence_epsilon_high) == (3e-4, 4e-4)  # GSPO paper, Sec. 5.1
+    assert grpo.overlong_buffer_tokens is None and grpo.overlong_penalty_factor == 1.0
+    got = problems({"stage": "grpo", "reward": REWARD, "train": {"max_steps": 2},
+                    "rollout": {"max_new_tokens": 16},
+                    "grpo": {"advantage_estimator": "rloo", "scale_rewards": "batch",
+                             "overlong_buffer_tokens": 32, "importance_sampling_level": "seq"}})
+    assert "applies to advantage_estimator grpo only" in got["grpo.scale_rewards"]
+    assert "more than rollout.max_new_tokens (16)" in got["grpo.overlong_buffer_tokens"]
+    assert "grpo.importance_sampling_level" in got
