@@ -30,7 +30,7 @@ from llmtune.data.cache import cached_build
 from llmtune.data.collators import SFTCollator
 from llmtune.data.errors import RowError
 from llmtune.data.pipeline import read_sources, reject_sft_options, to_dataset, tokenize_and_split
-from llmtune.data.preference import PairTokenizer
+from llmtune.data.preference import PairTokenizer, completion_labels
 from llmtune.data.report import DataReport
 from llmtune.data.templates import apply_chat_template_config
 from llmtune.data.tokenize import IGNORE_INDEX
@@ -44,20 +44,24 @@ BALANCE_RANGE = (1.0, 4.0 / 3.0)  # Ethayarajh et al. 2024, Eq. 8
 
 @dataclass
 class TokenizedUnpaired:
-    """One canonical row tokenized: the prompt ids, its completion(s) (two for a pair: chosen, rejected) and labels."""
+    """One canonical row tokenized: the prompt ids, its completion(s) (two for a pair: chosen, rejected), their
+    labels and ``tails`` (the last ids of each completion that are not trained: the template's text after the
+    turn, see :func:`~llmtune.data.preference.render_turn`)."""
 
     prompt_ids: list[int]
     completions: list[list[int]]
     labels: list[bool]
     paired: bool
     truncated: bool = False
+    tails: list[int] = field(default_factory=list)
 
     def to_rows(self, pair_index: int) -> list[dict]:
         """Dataset rows (one per completion); ``pair_index`` is recorded for pairs only (else -1)."""
         p = self.prompt_ids
-        return [{"input_ids": p + c, "labels": [IGNORE_INDEX] * len(p) + c, "prompt_length": len(p),
-                 "label": int(y), "pair_index": pair_index if self.paired else -1}
-                for c, y in zip(self.completions, self.labels)]
+        tails = self.tails or [0] * len(self.completions)
+        return [{"input_ids": p + c, "labels": [IGNORE_INDEX] * len(p) + completion_labels(c, tail),
+                 "prompt_length": len(p), "label": int(y), "pair_index": pair_index if self.paired else -1}
+                for c, y, tail in zip(self.completions, self.labels, tails)]
 
 
 class UnpairedTokenizer:
@@ -77,12 +81,13 @@ class UnpairedTokenizer:
         if "completion" not in row:  # a preference pair: chosen = desirable, rejected = undesirable
             pair = self.pairs(row)
             return TokenizedUnpaired(pair.prompt_ids, [pair.chosen_ids, pair.rejected_ids], [True, False], True,
-                                     pair.truncated)
+                                     pair.truncated, [pair.chosen_tail, pair.rejected_tail])
         try:
             pair = self.pairs({"prompt": row["prompt"], "chosen": row["completion"], "rejected": row["completion"]})
         except RowError as err:  # the pair tokenizer speaks of "the chosen completion"
             raise RowError(err.kind, err.reason.replace("the chosen completion", "the completion"), bad=err.bad) from None
-        return TokenizedUnpaired(pair.prompt_ids, [pair.chosen_ids], [bool(row["label"])], False, pair.truncated)
+        return TokenizedUnpaired(pair.prompt_ids, [pair.chosen_ids], [bool(row["label"])], False, pair.truncated,
+                                 [pair.chosen_tail])
 
 
 @dataclass
@@ -175,12 +180,14 @@ def _build_unpaired_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = "
                        "only completions are scored")
     if cfg.chat_template is not None:
         apply_chat_template_config(cfg, tokenizer)
-    pairs = PairTokenizer(tokenizer, cfg.max_length, cfg.max_prompt_length, cfg.truncation_mode, cfg.truncation)
+    pairs = PairTokenizer(tokenizer, cfg.max_length, cfg.max_prompt_length, cfg.truncation_mode, cfg.truncation,
+                          cfg.truncation_keep_system)
     report = UnpairedReport(max_length=cfg.max_length, seed=cfg.seed, kind="unpaired")
     pools = read_sources(cfg, base_dir, report, kind="unpaired")
     if not pairs.chat and any(not isinstance(row["prompt"], str) for pool in pools for row in pool.rows):
         apply_chat_template_config(cfg, tokenizer)  # raises: message prompts need a chat template
-        pairs = PairTokenizer(tokenizer, cfg.max_length, cfg.max_prompt_length, cfg.truncation_mode, cfg.truncation)
+        pairs = PairTokenizer(tokenizer, cfg.max_length, cfg.max_prompt_length, cfg.truncation_mode, cfg.truncation,
+                          cfg.truncation_keep_system)
     train_res, eval_res = tokenize_and_split(cfg, pools, UnpairedTokenizer(pairs), report)
     scalar = ("prompt_length", "label", "pair_index")
     train_counts, eval_counts = _Counts(), _Counts()
@@ -207,7 +214,7 @@ class _Counts:
             for row in r.to_rows(i):
                 self.rows_ += 1
                 self.tokens += len(row["input_ids"])
-                self.trained += len(row["input_ids"]) - row["prompt_length"]
+                self.trained += sum(label != IGNORE_INDEX for label in row["labels"])
                 self.desirable += row["label"]
                 yield row
 
