@@ -362,7 +362,7 @@ def test_every_pair_stage_trains_on_the_templates_exact_output(template, add_bos
     kto = [r for result in (UnpairedTokenizer(PairTokenizer(tok, 64))(row),
                             UnpairedTokenizer(PairTokenizer(tok, 64))({"prompt": row["prompt"],
                                                                        "completion": row["chosen"], "label": True}))
-           for r in result.to_rows(0)]
+           for r in result.to_rows(0, result, 64, 1)]
     end_of_turn = {"chatml": "<|im_end|>", "boundary merge": "<|im_end|>", "llama2": "</s>"}[template]
     for side, ids, labels in (("chosen", pair["chosen_input_ids"], pair["chosen_labels"]),
                               ("rejected", pair["rejected_input_ids"], pair["rejected_labels"]),
