@@ -348,6 +348,11 @@ class ORPOConfig(Section):
     beta: float = Field(0.1, ge=0, description="Weight lambda of the odds-ratio term -log sigmoid(log odds(chosen) "
                         "- log odds(rejected)) added to the chosen NLL (odds from token-mean log-probs; 0 = SFT on "
                         "chosen); rewards are beta * token-mean logp.")
+    nll_on_prompt: bool = Field(False, description="Include the prompt tokens (and the template's text after the "
+                                "turn) in the NLL term: token-mean NLL of the whole chosen sequence, as TRL's "
+                                "ORPOTrainer always does and the paper's code without --disable_prompt_loss; false = "
+                                "NLL of the chosen completion only (the SFT loss). The odds-ratio term always uses "
+                                "completion tokens.")
 
 
 class SimPOConfig(Section):

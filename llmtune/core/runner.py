@@ -37,7 +37,7 @@ from llmtune.models import (
     load_tokenizer,
     resolve_model_source,
 )
-from llmtune.models.checks import model_fit_problems
+from llmtune.models.checks import model_fit_problems, position_problems
 from llmtune.utils import get_logger, is_main_process, setup_logging, write_json
 
 log = get_logger("runner")
@@ -129,6 +129,12 @@ def _run_stage(stage: Stage, base_dir: str | Path, stop: StopRequest, cleanup: c
     args = build_training_args(recipe, run.root, has_eval, resuming=resume)
     with no_zero3_init() if chain else contextlib.nullcontext():
         model = load_model_with_chain(recipe.model, recipe.precision, chain, head=stage.model_head)
+    # again on the loaded config: the one before loading may not have been readable (a hub id not cached yet)
+    late = position_problems(recipe, model.config, stage.name)
+    if late:
+        from llmtune.config import RecipeError
+
+        raise RecipeError(late)
     model = stage.prepare_model(model, tokenizer)
     quantized = recipe.model.load_in_4bit or recipe.model.load_in_8bit
     model = attach_adapter(

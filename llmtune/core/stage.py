@@ -131,15 +131,11 @@ class PairwiseStage(Stage):
 
     data_kind = "pairwise"
     item_unit = "pairs"
-    # Sequences are the chat template's exact output (reward models: scored where consumers read them), or the
-    # prompt + the assistant turn up to its end-of-turn token (DPO: what the policy generates).
-    exact_template: ClassVar[bool] = False
 
     def build_data(self, tokenizer, base_dir: str) -> StageData:
         from llmtune.data import PreferenceCollator, build_preference_data
 
-        data = build_preference_data(self.recipe.data, tokenizer, base_dir=base_dir,
-                                     exact_template=self.exact_template)
+        data = build_preference_data(self.recipe.data, tokenizer, base_dir=base_dir)
         train, evals = with_pair_length(data.train), with_pair_length(data.eval)
         return StageData(train, evals, data.report, PairCollator(PreferenceCollator(tokenizer)),
                          data.report.sources_lineage())

@@ -9,17 +9,15 @@ Tokenization (:class:`PairTokenizer`): the prompt is rendered and tokenized **on
 ``prompt_length`` (re-tokenizing prompt + completion as one text can merge tokens across the boundary
 and shift it: trl #2054).
 
-* With a chat template (the tokenizer's own or ``data.chat_template``), the prompt messages (a string
-  prompt = one user message) are rendered with the generation prompt, and each completion is the text
-  the template adds for one more assistant turn — ``render(prompt + [assistant])[len(prompt_text):]``
-  without trailing whitespace, the same span rule as SFT (:func:`~llmtune.data.tokenize.assistant_span`):
-  for ChatML ``answer<|im_end|>``.
-* Reward models (``exact_template``): each side is the chat template's exact output for the whole conversation,
-  tokenized as ``tokenizer.apply_chat_template(conversation, tokenize=True)`` tokenizes it (trailing text after the
-  end-of-turn token, e.g. ChatML's ``"\n"``, included; no BOS the template does not render), so a consumer that
-  scores that output reads the position the RM was trained at. The shared prompt is the longest common prefix of
-  both sides and the tokenized prompt. DPO keeps the SFT span rule: the policy's log-probs end at the end-of-turn
-  token it generates.
+* With a chat template (the tokenizer's own or ``data.chat_template``) every stage (RM, DPO, ORPO, SimPO, KTO) sees
+  one rendering (:func:`render_turn`): each side is the chat template's exact output for the conversation prompt +
+  assistant answer, tokenized as ``tokenizer.apply_chat_template(conversation, tokenize=True)`` tokenizes it
+  (the text after the end-of-turn token, e.g. ChatML's ``"\n"``, included; no BOS the template does not render).
+  The shared prompt is the longest common prefix of both sides and the tokenized prompt (rendered with the
+  generation prompt). The trained tokens follow the SFT span rule (:func:`~llmtune.data.tokenize.assistant_span`):
+  the answer through its end-of-turn token (ChatML ``answer<|im_end|>``); the whitespace the template renders after
+  it is in the sequence but not trained (labels -100), as it is never generated. A reward model reads its score at
+  the last token, so consumers that score ``apply_chat_template`` output read the position it was trained at.
 * Without a chat template (string prompts only): the raw prompt, then completion + EOS.
 * BOS as in SFT: one BOS id in front when the tokenizer adds one by itself and the prompt does not start
   with the BOS text; never two.
@@ -81,16 +79,72 @@ class TokenizedPair:
     truncated: bool = False
     prompt_tokens_cut: int = 0  # removed from the prompt
     response_tokens_cut: int = 0  # removed from the ends of chosen and rejected together
+    chosen_tail: int = 0  # last ids of chosen_ids that are not trained (the template's text after the turn)
+    rejected_tail: int = 0
 
     def to_row(self) -> dict:
         """The dataset row: ``{chosen,rejected}_{input_ids,labels}`` (prompt + completion) and ``prompt_length``."""
         p = self.prompt_ids
         masked = [IGNORE_INDEX] * len(p)
         return {
-            "chosen_input_ids": p + self.chosen_ids, "chosen_labels": masked + self.chosen_ids,
-            "rejected_input_ids": p + self.rejected_ids, "rejected_labels": masked + self.rejected_ids,
+            "chosen_input_ids": p + self.chosen_ids, "chosen_labels": masked + completion_labels(self.chosen_ids,
+                                                                                                self.chosen_tail),
+            "rejected_input_ids": p + self.rejected_ids,
+            "rejected_labels": masked + completion_labels(self.rejected_ids, self.rejected_tail),
             "prompt_length": len(p),
         }
+
+
+def completion_labels(ids: list[int], tail: int) -> list[int]:
+    """Labels of a completion: its ids, with the last ``tail`` (template text after the turn) set to -100."""
+    return list(ids[: len(ids) - tail]) + [IGNORE_INDEX] * tail
+
+
+@dataclass
+class RenderedTurn:
+    """One conversation (prompt + one assistant answer) as the chat template renders it, tokenized whole.
+
+    Attributes:
+        ids: ``apply_chat_template(conversation, tokenize=True)``'s ids (``add_special_tokens=False``).
+        prompt_ids: the prompt rendered with the generation prompt, tokenized alone.
+        tail: trailing ids of ``ids`` that lie entirely in the text after the answer's trained span (the
+            whitespace after the end-of-turn token: ChatML ``"\n"``; 0 for Llama-2-style templates).
+    """
+
+    ids: list[int]
+    prompt_ids: list[int]
+    tail: int
+
+
+def render_turn(tokenizer, messages: list[dict], content: str, prompt_text: str | None = None) -> RenderedTurn:
+    """The one rendering of a prompt + assistant answer that every pair stage (RM, DPO, ORPO, SimPO, KTO) trains on.
+
+    The text is ``render(messages + [assistant: content])`` exactly; the trained span is the SFT span rule's
+    (:func:`~llmtune.data.tokenize.assistant_span`: from the generation prompt's end to the end of the turn without
+    trailing whitespace). A token that straddles the end of the span is trained.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template. messages: the prompt conversation.
+        content: the assistant answer. prompt_text: ``messages`` rendered with the generation prompt (computed
+            when None).
+
+    Raises:
+        RowError: the template is not prefix-consistent (the prompt rendering is no prefix of the conversation's),
+            or fails on these messages.
+    """
+    if prompt_text is None:
+        prompt_text = render_chat(tokenizer, messages, generation_prompt=True)
+    text = render_chat(tokenizer, [*messages, {"role": "assistant", "content": content}])
+    if not text.startswith(prompt_text):
+        raise not_prefix_consistent(len(messages))
+    end = max(len(prompt_text), len(text.rstrip()))
+    if getattr(tokenizer, "is_fast", False):
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, tail = enc["input_ids"], sum(1 for start, _ in enc["offset_mapping"] if start >= end)
+    else:  # slow tokenizers: the ids after the tokenized span, when the span's ids are a prefix of the whole
+        ids, head = encode_text(tokenizer, text), encode_text(tokenizer, text[:end])
+        tail = len(ids) - len(head) if ids[: len(head)] == head else 0
+    return RenderedTurn(ids, encode_text(tokenizer, prompt_text), tail)
 
 
 @dataclass
@@ -142,8 +196,6 @@ class PairTokenizer:
         truncation_mode: ``keep_end`` or ``keep_start``: the end of a cut prompt that is kept.
         truncation: ``truncate`` (cut as described in the module docstring) or ``drop`` (drop pairs that need a cut).
         keep_system: ``keep_end`` keeps the system message in front (``data.truncation_keep_system``).
-        exact_template: tokenize each side as the chat template's exact output (reward models; see the module
-            docstring); ``False`` (DPO) = prompt + the assistant turn without the text after its end-of-turn.
 
     Raises:
         DataError: see :func:`check_special_tokens`; ``max_prompt_length >= max_length``.
@@ -152,8 +204,7 @@ class PairTokenizer:
     result_type = TokenizedPair
 
     def __init__(self, tokenizer, max_length: int, max_prompt_length: int | None = None,
-                 truncation_mode: str = "keep_end", truncation: str = "truncate", keep_system: bool = False,
-                 exact_template: bool = False):
+                 truncation_mode: str = "keep_end", truncation: str = "truncate", keep_system: bool = False):
         check_special_tokens(tokenizer)
         if max_prompt_length is not None and max_prompt_length >= max_length:
             raise DataError(
@@ -168,7 +219,6 @@ class PairTokenizer:
         self.keep_system = keep_system
         self.add_bos = tokenizer_adds_bos(tokenizer)
         self.chat = bool(getattr(tokenizer, "chat_template", None))
-        self.exact_template = exact_template
 
     def __call__(self, row: dict) -> TokenizedPair:
         """Tokenize one canonical pair.
@@ -181,54 +231,38 @@ class PairTokenizer:
         if self.chat:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             prompt_text = render_chat(self.tokenizer, messages, generation_prompt=True)
-            if self.exact_template:
-                return self._fit(*self._template_ids(messages, prompt_text, row))
-            completions = [self._turn_text(messages, prompt_text, row[k]) for k in ("chosen", "rejected")]
-            end = []
-        else:
-            if not isinstance(prompt, str):  # build_preference_data sets a template first; direct callers may not
-                raise DataError("this pair's prompt is a list of messages but the tokenizer has no chat template; "
-                                "set data.chat_template.")
-            prompt_text = prompt
-            completions = [row[k].removesuffix(self.tokenizer.eos_token) for k in ("chosen", "rejected")]
-            end = [self.tokenizer.eos_token_id]
-            messages = None
-        prompt_ids = bos_prefix(self.tokenizer, self.add_bos, prompt_text) + encode_text(self.tokenizer, prompt_text)
+            return self._fit(*self._template_ids(messages, prompt_text, row))
+        if not isinstance(prompt, str):  # build_preference_data sets a template first; direct callers may not
+            raise DataError("this pair's prompt is a list of messages but the tokenizer has no chat template; "
+                            "set data.chat_template.")
+        completions = [row[k].removesuffix(self.tokenizer.eos_token) for k in ("chosen", "rejected")]
+        prompt_ids = bos_prefix(self.tokenizer, self.add_bos, prompt) + encode_text(self.tokenizer, prompt)
         need = self.max_length + 1  # enough to know that a completion is too long
-        chosen, rejected = (self._encode_completion(c, need) + end for c in completions)
-        return self._fit(prompt_ids, chosen, rejected, messages)
+        chosen, rejected = (self._encode_completion(c, need) + [self.tokenizer.eos_token_id] for c in completions)
+        return self._fit(prompt_ids, chosen, rejected)
 
     def _encode_completion(self, text: str, need: int) -> list[int]:
         """Completion ids; a long one is tokenized whole so that the report counts exactly what a cut removes."""
         ids = encode_text(self.tokenizer, text, need)
         return encode_text(self.tokenizer, text) if len(ids) >= need else ids
 
-    def _template_ids(self, messages: list[dict], prompt_text: str, row: dict) -> tuple[list, list, list]:
-        """``(shared prompt ids, chosen ids, rejected ids)`` whose concatenations are the template's exact output
-        for prompt + each completion, tokenized as ``apply_chat_template(..., tokenize=True)`` does."""
-        sides = []
-        for key in ("chosen", "rejected"):
-            text = render_chat(self.tokenizer, [*messages, {"role": "assistant", "content": row[key]}])
-            if not text.startswith(prompt_text):
-                raise not_prefix_consistent(len(messages))
-            sides.append(encode_text(self.tokenizer, text))
-        prompt = encode_text(self.tokenizer, prompt_text)
-        k = next((i for i, ids in enumerate(zip(prompt, *sides)) if len(set(ids)) > 1),
-                 min(map(len, [prompt, *sides])))
-        return sides[0][:k], sides[0][k:], sides[1][k:]
+    def _template_ids(self, messages: list[dict], prompt_text: str, row: dict) -> tuple:
+        """``(shared prompt ids, chosen ids, rejected ids, messages, chosen tail, rejected tail)``: the
+        concatenations are the template's exact output (:func:`render_turn`) for prompt + each completion."""
+        sides = [render_turn(self.tokenizer, messages, row[key], prompt_text) for key in ("chosen", "rejected")]
+        prompt = sides[0].prompt_ids
+        k = next((i for i, ids in enumerate(zip(prompt, sides[0].ids, sides[1].ids)) if len(set(ids)) > 1),
+                 min(len(prompt), len(sides[0].ids), len(sides[1].ids)))
+        chosen, rejected = sides[0].ids[k:], sides[1].ids[k:]
+        return (sides[0].ids[:k], chosen, rejected, messages, min(sides[0].tail, len(chosen)),
+                min(sides[1].tail, len(rejected)))
 
-    def _turn_text(self, messages: list[dict], prompt_text: str, content: str) -> str:
-        """The text one more assistant turn adds to the rendered prompt (answer + end-of-turn)."""
-        through = render_chat(self.tokenizer, [*messages, {"role": "assistant", "content": content}])
-        if not through.startswith(prompt_text):
-            raise not_prefix_consistent(len(messages))
-        return through[len(prompt_text) : max(len(prompt_text), len(through.rstrip()))]
-
-    def _fit(self, prompt: list[int], chosen: list[int], rejected: list[int], messages=None) -> TokenizedPair:
+    def _fit(self, prompt: list[int], chosen: list[int], rejected: list[int], messages=None, chosen_tail: int = 0,
+             rejected_tail: int = 0) -> TokenizedPair:
         if not prompt:
             raise RowError("empty prompt", "the prompt has no tokens, so no completion token can be predicted")
-        if not chosen or not rejected:
-            which = "chosen" if not chosen else "rejected"
+        if len(chosen) <= chosen_tail or len(rejected) <= rejected_tail:
+            which = "chosen" if len(chosen) <= chosen_tail else "rejected"
             raise RowError("no completion tokens", f"the {which} completion renders no tokens")
         L, P = self.max_length, self.max_prompt_length
         longest = max(len(chosen), len(rejected))
@@ -256,7 +290,9 @@ class PairTokenizer:
             )
         truncated = cut_prompt or len(chosen) > room or len(rejected) > room
         cut = max(0, len(chosen) - room) + max(0, len(rejected) - room)
-        return TokenizedPair(prompt, chosen[:room], rejected[:room], truncated, full - len(prompt), cut)
+        tails = [max(0, tail - max(0, len(ids) - room)) for ids, tail in ((chosen, chosen_tail),
+                                                                           (rejected, rejected_tail))]
+        return TokenizedPair(prompt, chosen[:room], rejected[:room], truncated, full - len(prompt), cut, *tails)
 
     def _cut_prompt(self, prompt: list[int], n: int, messages: list[dict] | None) -> list[int]:
         if self.truncation_mode == "keep_start":
@@ -265,8 +301,7 @@ class PairTokenizer:
         return apply_cut(prompt, *prompt_cut(len(prompt), n, "keep_end", head=head))
 
 
-def build_preference_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".",
-                          exact_template: bool = False) -> PreferenceData:
+def build_preference_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".") -> PreferenceData:
     """Read, validate, mix, tokenize and split the preference pairs of a recipe.
 
     Mixing (``weight``), ``max_samples`` (per source and total), ``val_size`` and ``seed`` work as for SFT
@@ -277,7 +312,6 @@ def build_preference_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = 
         cfg: the recipe's ``data`` section.
         tokenizer: a Hugging Face fast tokenizer.
         base_dir: directory that relative local paths are resolved against (usually the recipe's).
-        exact_template: reward models: each side is the template's exact output (see :class:`PairTokenizer`).
 
     Returns:
         :class:`PreferenceData` with train/eval ``datasets.Dataset`` and the :class:`DataReport`.
@@ -289,19 +323,18 @@ def build_preference_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = 
             tokenizer lacks EOS (or BOS its template renders); ``max_prompt_length >= max_length``;
             ``val_size`` too large; no pairs left.
     """
-    return cached_build("preference", cfg, tokenizer, base_dir, lambda: _build_preference_data(
-        cfg, tokenizer, base_dir=base_dir, exact_template=exact_template), exact_template=exact_template)
+    return cached_build("preference", cfg, tokenizer, base_dir,
+                        lambda: _build_preference_data(cfg, tokenizer, base_dir=base_dir))
 
 
-def _build_preference_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".",
-                          exact_template: bool = False) -> PreferenceData:
+def _build_preference_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".") -> PreferenceData:
     reject_sft_options(cfg, "preference pairs", "each pair is one chosen and one rejected sequence",
                        "only completions are scored")
     if cfg.chat_template is not None:
         apply_chat_template_config(cfg, tokenizer)
     # Set-up errors (missing EOS/BOS, max_prompt_length) come before any data is read.
     fn = PairTokenizer(tokenizer, cfg.max_length, cfg.max_prompt_length, cfg.truncation_mode, cfg.truncation,
-                       cfg.truncation_keep_system, exact_template=exact_template)
+                       cfg.truncation_keep_system)
     report = DataReport(max_length=cfg.max_length, seed=cfg.seed, kind="preference")
     pools = read_sources(cfg, base_dir, report, kind="preference")
     if not fn.chat and any(not isinstance(row["prompt"], str) for pool in pools for row in pool.rows):
@@ -319,12 +352,12 @@ def _build_preference_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path =
 
 
 def _count_tokens(pairs: Iterable[TokenizedPair]) -> tuple[int, int]:
-    """(tokens of all chosen and rejected sequences, their completion tokens)."""
-    completion = prompt = 0
+    """(tokens of all chosen and rejected sequences, their trained completion tokens)."""
+    completion = untrained = 0
     for p in pairs:
-        completion += len(p.chosen_ids) + len(p.rejected_ids)
-        prompt += 2 * len(p.prompt_ids)
-    return completion + prompt, completion
+        completion += len(p.chosen_ids) + len(p.rejected_ids) - p.chosen_tail - p.rejected_tail
+        untrained += 2 * len(p.prompt_ids) + p.chosen_tail + p.rejected_tail
+    return completion + untrained, completion
 
 
 def render_pair(row: dict, tokenizer) -> str:

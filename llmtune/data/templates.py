@@ -171,9 +171,8 @@ def turn_tail_ids(tokenizer) -> list[int]:
     """Token ids the chat template renders after the end-of-turn token that closes the last assistant turn:
     ChatML ``"\\n"`` after ``<|im_end|>``, alpaca ``"\\n\\n"``; none for Llama-2/3 (the turn ends the text).
 
-    A reward model is trained on the template's exact output (:class:`llmtune.data.preference.PairTokenizer`
-    with ``exact_template``), so a generated reply that stops at its end-of-turn token gets these ids appended
-    before it is scored (:meth:`llmtune.models.reward.RewardModel.score_rollouts`).
+    A reward model is trained on the template's exact output (:func:`llmtune.data.preference.render_turn`), so a
+    generated reply that stops at its end-of-turn token gets these ids appended before it is scored (:meth:`llmtune.models.reward.RewardModel.score_rollouts`).
 
     Returns:
         The ids (empty without a chat template or when nothing follows the end-of-turn token).

@@ -93,7 +93,7 @@ def model_fit_problems(recipe: Recipe, tokenizer, head: str = "causal_lm", stage
                        config: Any | None = None, check_vocab: bool = True) -> list[tuple[str, str]]:
     """Recipe values that cannot work with this model, as ``(dotted key, message)``.
 
-    Checks ``data.max_length`` (PPO, GRPO: prompt + ``rollout.max_new_tokens``) against ``max_position_embeddings``, the
+    Checks the longest sequence against the model's position limit (:func:`position_problems`), the
     tokenizer's size against the embedding rows (``vocab_size``: a larger id is an IndexError at the first
     forward; ``check_vocab=False`` for a ``from_run`` chain, whose adapters may resize the embeddings), and the
     adapter module names (:func:`adapter_name_problems`). Reads the config only.
@@ -102,21 +102,7 @@ def model_fit_problems(recipe: Recipe, tokenizer, head: str = "causal_lm", stage
     if config is None:
         return []
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    problems: list[tuple[str, str]] = []
-    limit = getattr(text, "max_position_embeddings", None)
-    data = recipe.data
-    if isinstance(limit, int) and limit > 0:
-        if stage in ("ppo", "grpo"):
-            new = recipe.rollout.max_new_tokens or 0
-            need = (data.max_prompt_length or data.max_length) + new
-            if need > limit:
-                problems.append(("rollout.max_new_tokens", f"prompts of up to {data.max_prompt_length or data.max_length} "
-                                 f"tokens + {new} new tokens = {need} exceed the model's position "
-                                 f"limit (max_position_embeddings {limit}); lower data.max_prompt_length or "
-                                 "rollout.max_new_tokens"))
-        elif data.max_length > limit:
-            problems.append(("data.max_length", f"{data.max_length} exceeds the model's position limit "
-                             f"(max_position_embeddings {limit} in its config); set data.max_length <= {limit}"))
+    problems = position_problems(recipe, config, stage)
     rows = getattr(text, "vocab_size", None)
     if check_vocab and tokenizer is not None and isinstance(rows, int) and len(tokenizer) > rows:
         problems.append(("model.name_or_path", f"the tokenizer has {len(tokenizer)} tokens but the model's embedding "
@@ -133,6 +119,65 @@ def model_fit_problems(recipe: Recipe, tokenizer, head: str = "causal_lm", stage
         else:
             problems += adapter_name_problems(recipe, names)
     return problems
+
+
+# ---- positions ----------------------------------------------------------------------------------------------------
+# rope types whose config keeps max_position_embeddings at the trained length and extends it by ``factor``
+# (transformers: linear position interpolation, dynamic NTK); yarn/llama3/longrope configs state the extended length
+FACTOR_ROPE_TYPES = ("linear", "dynamic")
+
+
+def position_limit(config: Any) -> tuple[int, str] | None:
+    """The longest sequence (tokens) the model ``config`` is built for, and where that number comes from.
+
+    ``max_position_embeddings`` of the (text) config; with a ``linear``/``dynamic`` rope scaling (``rope_scaling`` /
+    ``rope_parameters``) that states no ``original_max_position_embeddings``, times its ``factor`` (Chen et al.
+    2023, position interpolation: the config keeps the pre-training length). ``None`` when the config has no limit.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    if not isinstance(limit, int) or limit <= 0:
+        return None
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
+        rope = max(rope.values(), key=lambda r: float(r.get("factor") or 1.0))  # per attention type: the widest
+    rope = rope if isinstance(rope, dict) else {}
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    factor = rope.get("factor")
+    if kind in FACTOR_ROPE_TYPES and isinstance(factor, (int, float)) and factor > 1 \
+            and "original_max_position_embeddings" not in rope:
+        return int(limit * factor), f"max_position_embeddings {limit} x rope_scaling {kind} factor {factor:g}"
+    return limit, f"max_position_embeddings {limit}" + ("" if kind == "default" else f", rope_scaling {kind}")
+
+
+def position_problems(recipe: Recipe, config: Any, stage: str | None = None) -> list[tuple[str, str]]:
+    """The stage's longest sequence above the model's position limit (:func:`position_limit`), as
+    ``(dotted key, message)``: positions the model never saw in training would be trained on silently.
+
+    Longest sequence: ``data.max_length`` (SFT, RM, DPO, ORPO, SimPO, KTO and its KL sequences); PPO/GRPO: the
+    longest prompt (``data.max_prompt_length``, default ``data.max_length``) + ``rollout.max_new_tokens``.
+    """
+    found = position_limit(config)
+    if found is None:
+        return []
+    limit, source = found
+    data = recipe.data
+    fix = ("or extend the model's context first (a long-context variant, or rope scaling in its config: "
+           "rope_scaling {rope_type: linear|yarn, factor: ...})")
+    if stage in ("ppo", "grpo"):
+        new = recipe.rollout.max_new_tokens or 0
+        prompt = data.max_prompt_length or data.max_length
+        if prompt + new > limit:
+            return [("rollout.max_new_tokens", f"prompts of up to {prompt} tokens + {new} new tokens = "
+                     f"{prompt + new} tokens exceed the model's position limit of {limit} ({source} in its config): "
+                     f"positions the model never saw. Lower data.max_prompt_length or rollout.max_new_tokens so that "
+                     f"their sum is <= {limit}, {fix}")]
+        return []
+    if data.max_length > limit:
+        return [("data.max_length", f"{data.max_length} exceeds the model's position limit of {limit} ({source} in "
+                 f"its config): sequences would train on positions the model never saw. Set data.max_length <= "
+                 f"{limit}, {fix}")]
+    return []
 
 
 # ---- weight files -----------------------------------------------------------------------------------------------

@@ -2,9 +2,8 @@
 
 The model is the RM run's base with its whole adapter chain merged (fp32 merge, cast once) and its score head; a
 score is read at the last real token of each row (:func:`llmtune.models.heads.sequence_scores`), so left, right or
-mixed padding give the same score. Texts are tokenized exactly as the RM's training pairs were (``PairTokenizer``
-with ``exact_template``: the chat template's exact output, with the run's ``max_length``, ``max_prompt_length`` and
-``truncation_mode``); token ids of generated replies get the template's text after the end-of-turn token appended
+mixed padding give the same score. Texts are tokenized exactly as the RM's training pairs were (``PairTokenizer``:
+the chat template's exact output, with the run's ``max_length``, ``max_prompt_length`` and ``truncation_mode``); token ids of generated replies get the template's text after the end-of-turn token appended
 (:meth:`RewardModel.score_rollouts`), so both are scored at the position the RM was trained at.
 
 Shapes: B = rows, T = tokens (padded).
@@ -51,8 +50,7 @@ class RewardModel:
         self.model.requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(self.run_dir / "adapter")
         self.pairs = PairTokenizer(self.tokenizer, recipe.data.max_length, recipe.data.max_prompt_length,
-                                   recipe.data.truncation_mode, keep_system=recipe.data.truncation_keep_system,
-                                   exact_template=True)
+                                   recipe.data.truncation_mode, keep_system=recipe.data.truncation_keep_system)
         self.turn_ends = set(template_eos_ids(self.tokenizer))
         self.tail = turn_tail_ids(self.tokenizer) if self.pairs.chat else []
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from llmtune.config import Recipe, RecipeError
 from llmtune.core.fused import fuse_swiglu, recompute_norm_outputs
 from llmtune.core.lm_head import pair_logps
+from llmtune.core.ops import IGNORE_INDEX
 from llmtune.core.stage import PairwiseStage, StageData
 from llmtune.utils import get_logger
 
@@ -133,11 +134,25 @@ class DPOStage(PairwiseStage):
             "logps/rejected": float(rejected.detach().float().mean()),
         }
 
+    @staticmethod
+    def trained_pairs(batch) -> torch.Tensor:
+        """(B,) bool: pairs of a (2B, T) batch whose chosen AND rejected rows have a trained target token (after
+        the causal shift). Only they count as items and enter the loss (a pair without one has no log-prob)."""
+        trained = (batch["labels"][:, 1:] != IGNORE_INDEX).any(-1)
+        n = trained.shape[0] // 2
+        return trained[:n] & trained[n:]
+
+    def count_items(self, batch):
+        return self.trained_pairs(batch).sum()
+
     def loss(self, model, batch, num_items):
         ref_chosen, ref_rejected = self.reference_logps(model, batch)  # first: its activations are freed before
         chosen, rejected = self.logps(model, batch)
         losses, chosen_rewards, rejected_rewards = self._losses(chosen, rejected, ref_chosen, ref_rejected)
-        return losses.sum() / num_items, self._metrics(chosen, rejected, chosen_rewards, rejected_rewards)
+        keep = self.trained_pairs(batch)
+        metrics = self._metrics(chosen[keep], rejected[keep], chosen_rewards[keep], rejected_rewards[keep]) \
+            if keep.any() else {}
+        return torch.where(keep, losses, 0.0).sum() / num_items, metrics
 
     def eval_stats(self, model, batch):
         ref_chosen, ref_rejected = self.reference_logps(model, batch)

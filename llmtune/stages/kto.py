@@ -7,12 +7,14 @@ DPO's helper) is compared with a reference point ``z0``: the KL(policy || refere
 and TRL's KTOTrainer, from mismatched prompt/completion pairs — prompt i with the completion of another row —
 as ``mean(logp - ref_logp)`` over them, clamped at 0 and detached (no gradient flows through ``z0``).
 
-``z0`` is estimated once per optimizer step over ALL its rows (every micro-batch, every rank; no-grad forwards in
-:meth:`KTOStage.prepare_step`), so 4x1 and 1x4 give the same gradients, and a micro-batch of one row still gets
-a mismatched completion. Row i is paired with the completion of the next row of the step (cyclically) whose
-prompt differs (TRL rotates completions by one within a micro-batch). Evaluation estimates ``z0`` over the whole
-eval set (rotation within each eval batch). Loss of an optimizer step = sum of the weighted per-row losses /
-rows in the whole step.
+Each row's mismatched sequence is fixed when the data is built (``kl_input_ids``/``kl_labels``,
+:func:`llmtune.data.unpaired.kl_donors`; TRL builds its KL dataset once too): the completion of the next row of
+its split whose prompt differs, never the row's own, so a train or eval batch of any size — one row, the last
+smaller eval batch — and any number of ranks get a true mismatch. ``z0`` is estimated once per optimizer step
+over ALL its rows (every micro-batch, every rank; no-grad forwards in :meth:`KTOStage.prepare_step`), so 4x1 and
+1x4 give the same gradients; evaluation estimates it over the whole eval set. Rows without a trained token are
+not items: they enter neither the loss, nor ``z0``, nor the metrics. Loss of an optimizer step = sum of the
+weighted per-row losses / trained rows in the whole step.
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ def kto_loss(
     ratio = logps.float() - ref_logps.float()
     z0 = torch.as_tensor(kl, dtype=torch.float32, device=ratio.device).detach()
     desirable = desirable.bool()
-    losses = torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * (ratio - z0))),
-                         undesirable_weight * (1 - torch.sigmoid(beta * (z0 - ratio))))
+    # 1 - sigmoid(t) = sigmoid(-t), without the cancellation of 1 - (a value that rounds to 1)
+    losses = torch.where(desirable, desirable_weight * torch.sigmoid(-beta * (ratio - z0)),
+                         undesirable_weight * torch.sigmoid(-beta * (z0 - ratio)))
     return losses, beta * ratio.detach()
 
 
@@ -70,28 +73,26 @@ def kto_kl(kl_logps: torch.Tensor, kl_ref_logps: torch.Tensor) -> torch.Tensor:
     return (kl_logps.float() - kl_ref_logps.float()).mean().clamp(min=0).detach()
 
 
-def mismatched_rows(batches: list[dict[str, torch.Tensor]], max_length: int) -> list[tuple[list[int], list[int]]]:
-    """KL sequences of the rows of ``batches``: prompt i + the completion of the next row (cyclically) whose prompt
-    differs (the next row if every prompt is the same), cut to ``max_length`` tokens.
+def trained_rows(labels: torch.Tensor) -> torch.Tensor:
+    """(N,) bool: rows of (N, T) ``labels`` with at least one trained target token (after the causal shift)."""
+    return (labels[:, 1:] != IGNORE_INDEX).any(-1)
+
+
+def kl_rows(batches: list[dict[str, torch.Tensor]]) -> list[tuple[list[int], list[int]]]:
+    """The mismatched KL sequences of the rows of ``batches``, unpadded: ``[(input_ids, labels)]`` in row order.
 
     Args:
-        batches: collated KTO batches (``input_ids``, ``attention_mask`` (B, T), ``prompt_length`` (B,)).
-        max_length: longest sequence (the recipe's ``data.max_length``).
+        batches: collated KTO batches with ``kl_input_ids``, ``kl_attention_mask``, ``kl_labels`` (B, T')
+            (:class:`~llmtune.data.unpaired.UnpairedCollator`).
 
-    Returns:
-        ``[(input_ids, labels)]``, one per row in order; labels are -100 on the prompt.
+    Raises:
+        KeyError: the batches have no KL sequences (rows not built by :func:`~llmtune.data.build_unpaired_data`).
     """
-    prompts, completions = [], []
+    out = []
     for batch in batches:
-        for ids, mask, p in zip(batch["input_ids"], batch["attention_mask"], batch["prompt_length"]):
-            ids = ids[: int(mask.sum())].tolist()
-            prompts.append(ids[: int(p)])
-            completions.append(ids[int(p):])
-    n, out = len(prompts), []
-    for i, prompt in enumerate(prompts):
-        j = next((k % n for k in range(i + 1, i + n) if prompts[k % n] != prompt), (i + 1) % n)
-        completion = completions[j][: max(max_length - len(prompt), 1)]
-        out.append((prompt + completion, [IGNORE_INDEX] * len(prompt) + completion))
+        for ids, mask, labels in zip(batch["kl_input_ids"], batch["kl_attention_mask"], batch["kl_labels"]):
+            n = int(mask.sum())
+            out.append((ids[:n].tolist(), labels[:n].tolist()))
     return out
 
 
@@ -113,19 +114,13 @@ class KTOStage(DPOStage):
     data_kind = "unpaired"
     item_unit = "completions"
     key_metric = "eval_rewards/margins"
-    eval_keys = ("logps", "ref_logps", "kl_logps", "kl_ref_logps", "label", "pair_index")
+    eval_keys = ("logps", "ref_logps", "kl_logps", "kl_ref_logps", "label", "pair_index", "trained")
 
     def __init__(self, recipe: Recipe):
         super(DPOStage, self).__init__(recipe)  # DPO's precompute_ref_logps rule does not apply: KTO has none
         if recipe.adapter.type == "none":
             raise RecipeError([("adapter.type", "KTO's reference model is the policy with its adapter disabled; full "
                                 "fine-tuning (adapter.type: none) has none. Use adapter.type: lora")])
-
-    def preflight(self, base_dir: str) -> list[tuple[str, str]]:
-        if self.recipe.train.global_batch_size < 2:
-            return [("train.global_batch_size", "KTO estimates its KL reference point from mismatched prompt/"
-                     "completion pairs of each optimizer step, which needs >= 2 rows per step; set it to 2 or more")]
-        return []
 
     # ---- data -------------------------------------------------------------------------------------------
     def build_data(self, tokenizer, base_dir: str) -> StageData:
@@ -138,7 +133,8 @@ class KTOStage(DPOStage):
                          data.report.sources_lineage())
 
     def count_items(self, batch):
-        return torch.tensor(batch["input_ids"].shape[0])
+        """Rows with at least one trained token (a row without one has no log-prob: it is no item)."""
+        return trained_rows(batch["labels"]).sum()
 
     def render_example(self, row: dict, tokenizer) -> str:
         from llmtune.data import render_labels
@@ -164,8 +160,8 @@ class KTOStage(DPOStage):
 
     def kl_logratios(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(N,) policy and (N,) reference log-probs of the KL sequences of ``batch`` (no grad)."""
-        kl_batch = pad_rows(mismatched_rows([batch], self.recipe.data.max_length))
-        kl_batch = {k: v.to(batch["input_ids"].device) for k, v in kl_batch.items()}
+        kl_batch = {"input_ids": batch["kl_input_ids"], "attention_mask": batch["kl_attention_mask"],
+                    "labels": batch["kl_labels"]}
         with torch.no_grad():
             return self.sequence_logps(model, kl_batch), self.sequence_ref_logps(model, kl_batch)
 
@@ -173,7 +169,8 @@ class KTOStage(DPOStage):
     def prepare_step(self, trainer, batches):
         """Estimate z0 over every row of the optimizer step (all micro-batches and ranks) and store it in each
         micro-batch as ``kl`` (a (1,) tensor) for :meth:`loss`."""
-        rows = mismatched_rows(batches, self.recipe.data.max_length)
+        rows = [row for row, trained in zip(kl_rows(batches), torch.cat([trained_rows(b["labels"]) for b in batches]))
+                if trained]  # the KL sequences of the rows that count
         micro = max(len(b["input_ids"]) for b in batches)
         model = trainer.model
         model.train()  # as the training forwards of this step (the Trainer sets it in training_step)
@@ -211,23 +208,29 @@ class KTOStage(DPOStage):
     def loss(self, model, batch, num_items):
         ref_logps = self.sequence_ref_logps(model, batch)  # first: its activations are freed before the policy's
         logps = self.sequence_logps(model, batch)
+        keep = trained_rows(batch["labels"])
         if "kl" in batch:
             kl = batch["kl"].reshape(())
         else:  # called outside the training loop: estimate z0 from this batch alone
-            kl = kto_kl(*self.kl_logratios(model, batch))
+            kl_logps, kl_ref_logps = self.kl_logratios(model, batch)
+            kl = kto_kl(kl_logps[keep], kl_ref_logps[keep]) if keep.any() else torch.zeros(())
         losses, rewards = self._losses(logps, ref_logps, batch["label"], kl)
-        return losses.sum() / num_items, {**self._split_metrics(logps, rewards, batch["label"]), "kl": float(kl)}
+        metrics = self._split_metrics(logps[keep], rewards[keep], batch["label"][keep])
+        return torch.where(keep, losses, 0.0).sum() / num_items, {**metrics, "kl": float(kl)}
 
     def eval_stats(self, model, batch):
         kl_logps, kl_ref_logps = self.kl_logratios(model, batch)
         return {"logps": self.sequence_logps(model, batch), "ref_logps": self.sequence_ref_logps(model, batch),
                 "kl_logps": kl_logps, "kl_ref_logps": kl_ref_logps, "label": batch["label"].float(),
-                "pair_index": batch["pair_index"].float()}
+                "pair_index": batch["pair_index"].float(), "trained": trained_rows(batch["labels"]).float()}
 
     def eval_metrics(self, stats: dict[str, np.ndarray]) -> dict[str, float]:
         """Loss with z0 over the whole eval set; ``rewards/accuracies`` over the held-out pairs (both rows present:
         chosen reward strictly above rejected, as DPO), absent for unpaired data."""
         t = {k: torch.from_numpy(np.asarray(v)) for k, v in stats.items()}
+        if "trained" in t:  # rows without a trained token are no items
+            keep = t.pop("trained") > 0.5
+            t = {k: v[keep] for k, v in t.items()}
         kl = kto_kl(t["kl_logps"], t["kl_ref_logps"])
         desirable = t["label"] > 0.5
         losses, rewards = self._losses(t["logps"], t["ref_logps"], desirable, kl)

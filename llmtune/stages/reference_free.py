@@ -29,6 +29,11 @@ def completion_tokens(labels: torch.Tensor) -> torch.Tensor:
     return (labels[:, 1:] != IGNORE_INDEX).sum(-1).float()
 
 
+def trained_pair_mask(chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: pairs whose both sides have at least one trained token (the only pairs that count)."""
+    return (chosen_tokens > 0) & (rejected_tokens > 0)
+
+
 class ReferenceFreeStage(DPOStage):
     """Base of ORPO and SimPO: DPO's data, batches, log-probs and metrics, without a reference model.
 
@@ -59,20 +64,32 @@ class ReferenceFreeStage(DPOStage):
         chosen_tokens, rejected_tokens = self.halves(completion_tokens(batch["labels"]))
         return chosen, rejected, chosen_tokens, rejected_tokens
 
-    def _metrics_of(self, values, out) -> dict[str, float]:
+    def _pair_losses(self, values):
+        """:meth:`pair_losses` with token counts of at least 1 (a pair without trained tokens gives finite
+        values, not 0/0; it is left out by the caller), and the (B,) mask of pairs that count."""
+        trained = trained_pair_mask(values[2], values[3])
+        values = [*values[:2], values[2].clamp(min=1), values[3].clamp(min=1), *values[4:]]
+        return self.pair_losses(*values), trained
+
+    def _metrics_of(self, values, out, trained) -> dict[str, float]:
         losses, chosen_rewards, rejected_rewards, extra = out
-        return {**self._metrics(values[0], values[1], chosen_rewards, rejected_rewards),
-                **{k: float(v.detach().float().mean()) for k, v in extra.items()}}
+        if not trained.any():
+            return {}
+        return {**self._metrics(values[0][trained], values[1][trained], chosen_rewards[trained],
+                                rejected_rewards[trained]),
+                **{k: float(v.detach().float()[trained].mean()) for k, v in extra.items()}}
 
     def loss(self, model, batch, num_items):
         values = self._all(model, batch)
-        out = self.pair_losses(*values)
-        return out[0].sum() / num_items, self._metrics_of(values, out)
+        out, trained = self._pair_losses(values)
+        return torch.where(trained, out[0], 0.0).sum() / num_items, self._metrics_of(values, out, trained)
 
     def eval_stats(self, model, batch):
         return dict(zip(self.eval_keys, self._all(model, batch)))
 
     def eval_metrics(self, stats: dict[str, np.ndarray]) -> dict[str, float]:
+        """Means over the held-out pairs that have trained tokens on both sides (``pairs`` counts them)."""
         values = [torch.from_numpy(stats[k]) for k in self.eval_keys]
-        out = self.pair_losses(*values)
-        return {"loss": float(out[0].mean()), **self._metrics_of(values, out), "pairs": float(len(out[0]))}
+        out, trained = self._pair_losses(values)
+        return {"loss": float(out[0][trained].mean()), **self._metrics_of(values, out, trained),
+                "pairs": float(trained.sum())}

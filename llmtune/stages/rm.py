@@ -67,7 +67,6 @@ class RMStage(PairwiseStage):
     key_metric = "eval_accuracy"
     model_head = "score"
     eval_keys = ("chosen", "rejected")
-    exact_template = True  # scored on the chat template's exact output, as apply_chat_template(tokenize=True) gives
 
     def __init__(self, recipe: Recipe):
         super().__init__(recipe)

@@ -131,7 +131,6 @@ def test_every_data_kind_is_cached(tok, write, cfg, cache_dir):
     prompts = write("prompts.jsonl", [{"question": f"q{i}", "answer": f"{i}"} for i in range(8)])
     builds = [
         lambda: build_preference_data(cfg(pairs, chat_template="chatml"), tok),
-        lambda: build_preference_data(cfg(pairs, chat_template="chatml"), tok, exact_template=True),
         lambda: build_unpaired_data(cfg(unpaired, chat_template="chatml"), tok),
         lambda: build_prompt_data(cfg({"path": str(prompts), "format": "alpaca",
                                        "columns": {"instruction": "question", "output": "answer"}}), tok),
@@ -142,7 +141,7 @@ def test_every_data_kind_is_cached(tok, write, cfg, cache_dir):
         second = build()
         assert len(_entries(cache_dir)) == i + 1  # a hit
         assert second.train.to_list() == first.train.to_list() and second.report.to_dict() == first.report.to_dict()
-    assert builds[3]().train["reference"] == first.train["reference"]
+    assert builds[2]().train["reference"] == first.train["reference"]
 
 
 def test_auto_num_proc(monkeypatch):

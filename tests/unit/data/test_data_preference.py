@@ -25,11 +25,12 @@ from llmtune.models.tiny import make_tiny_tokenizer
 X = -100
 # "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n" with the tiny ChatML tokenizer (19 tokens).
 PROMPT = [0, 90, 88, 267, 204, 45, 305, 84, 6, 1, 204, 0, 70, 88, 88, 386, 265, 89, 204]
-FINE = [46, 262, 82, 282, 316, 74, 19, 1]  # I am fine.<|im_end|>   (the "\n" after <|im_end|> is not part of it)
+FINE = [46, 262, 82, 282, 316, 74, 19, 1]  # I am fine.<|im_end|>   (trained)
 FIVE = [46, 89, 286, 226, 26, 19, 1]  # It is 5.<|im_end|>
+NL = 204  # the "\n" ChatML renders after <|im_end|>: in the sequence (the template's exact output), not trained
 EXPECTED = {
-    "chosen_input_ids": PROMPT + FINE, "chosen_labels": [X] * 19 + FINE,
-    "rejected_input_ids": PROMPT + FIVE, "rejected_labels": [X] * 19 + FIVE,
+    "chosen_input_ids": PROMPT + FINE + [NL], "chosen_labels": [X] * 19 + FINE + [X],
+    "rejected_input_ids": PROMPT + FIVE + [NL], "rejected_labels": [X] * 19 + FIVE + [X],
     "prompt_length": 19,
 }
 U = {"role": "user", "content": "Hello!"}
@@ -61,7 +62,7 @@ def test_each_format_gives_exact_ids_and_labels(tok, write, cfg, fmt, row, colum
     data = build_preference_data(cfg({"path": str(write("p.jsonl", [row])), "columns": columns}), tok)
     assert data.report.sources[0].format == fmt  # auto-detected
     assert data.train[0] == EXPECTED
-    assert data.report.kind == "preference" and data.report.tokens == 2 * 19 + 8 + 7 and data.report.trained_tokens == 15
+    assert data.report.kind == "preference" and data.report.tokens == 2 * 19 + 9 + 8 and data.report.trained_tokens == 15
 
 
 def test_raw_strings_without_template_end_with_eos(write, cfg):
@@ -105,7 +106,7 @@ def test_empty_hh_answer_keeps_its_end_of_turn_token(assets, tok, cfg):
     data = build_preference_data(cfg(assets / "hh_sample.jsonl", bad_rows="skip", val_size=0), tok)
     p = tok("<|im_start|>user\nlist of profane bad words<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).input_ids
     row = next(r for r in data.train if r["chosen_input_ids"][: len(p)] == p)
-    assert row["chosen_input_ids"] == p + [1] and row["chosen_labels"] == [X] * len(p) + [1]  # just <|im_end|>
+    assert row["chosen_input_ids"] == p + [1, NL] and row["chosen_labels"] == [X] * len(p) + [1, X]  # <|im_end|>
     assert row["prompt_length"] == len(p)
 
 
@@ -157,7 +158,8 @@ def test_prompt_ids_identical_and_first_trained_index_is_prompt_length(tok, asse
         assert row["chosen_input_ids"][:p] == row["rejected_input_ids"][:p]
         for side in ("chosen", "rejected"):
             labels = row[f"{side}_labels"]
-            assert labels[:p] == [X] * p and labels[p] != X and labels[p:] == row[f"{side}_input_ids"][p:]
+            ids = row[f"{side}_input_ids"]
+            assert labels[:p] == [X] * p and labels[p] != X and labels[p:] == ids[p:-1] + [X] and ids[-1] == NL
 
 
 def test_boundary_merge_raw_prompt_is_tokenized_once(write, cfg):
@@ -173,16 +175,16 @@ def test_boundary_merge_raw_prompt_is_tokenized_once(write, cfg):
 
 
 def test_boundary_merge_with_a_template_whose_generation_prompt_ends_in_a_space(tok):
-    tok.chat_template = (
-        "{% for m in messages %}{% if m['role'] == 'user' %}{{ 'Q: ' + m['content'] + '\nA: ' }}"
-        "{% else %}{{ m['content'] + eos_token + '\n' }}{% endif %}{% endfor %}"
-    )
+    """The sequence is the template's output tokenized whole (as apply_chat_template does): "A: The" merges into
+    "ĠThe", so the shared prompt ends before the space and the merged token is the first trained one."""
+    tok.chat_template = BOUNDARY_MERGE
     pair = PairTokenizer(tok, 64)({"prompt": "How many?", "chosen": "The answer is 42.", "rejected": "Ten."})
-    whole = tok("Q: How many?\nA: The answer is 42.<|im_end|>", add_special_tokens=False).input_ids
-    assert "ĠThe" in tok.convert_ids_to_tokens(whole)
-    assert pair.prompt_ids == tok("Q: How many?\nA: ", add_special_tokens=False).input_ids
-    assert tok.convert_ids_to_tokens(pair.chosen_ids) == ["The", "Ġa", "nswer", "Ġis", "Ġ4", "2", ".", "<|im_end|>"]
-    assert pair.prompt_ids + pair.chosen_ids != whole
+    whole = tok("Q: How many?\nA: The answer is 42.<|im_end|>\n", add_special_tokens=False).input_ids
+    assert pair.prompt_ids + pair.chosen_ids == whole
+    assert pair.prompt_ids == tok("Q: How many?\nA:", add_special_tokens=False).input_ids
+    assert tok.convert_ids_to_tokens(pair.chosen_ids) == ["ĠThe", "Ġa", "nswer", "Ġis", "Ġ4", "2", ".", "<|im_end|>",
+                                                          "Ċ"]
+    assert (pair.chosen_tail, pair.rejected_tail) == (1, 1)
 
 
 @pytest.mark.parametrize(
@@ -192,20 +194,24 @@ def test_boundary_merge_with_a_template_whose_generation_prompt_ends_in_a_space(
 def test_truncation_modes_exact(tok, mode, prompt):
     fn = PairTokenizer(tok, 12, max_prompt_length=8, truncation_mode=mode)
     # 19 prompt tokens cut to 8; chosen 8 -> 4 and rejected 7 -> 3 tokens: 11 prompt and 7 completion tokens cut
+    # 19 prompt tokens cut to 8; chosen 9 -> 4 and rejected 8 -> 4 tokens ("\n" tails cut first): 11 + 9 cut
     assert fn(PAIR) == TokenizedPair(prompt, [46, 262, 82, 282], [46, 89, 286, 226], truncated=True,
-                                     prompt_tokens_cut=11, response_tokens_cut=7)
+                                     prompt_tokens_cut=11, response_tokens_cut=9)
     row = fn(PAIR).to_row()
     assert len(row["chosen_input_ids"]) == len(row["rejected_input_ids"]) == 12 and row["prompt_length"] == 8
-    assert PairTokenizer(tok, 40, max_prompt_length=8, truncation_mode=mode)(PAIR) == TokenizedPair(prompt, FINE, FIVE,
-                                                                                                   True, 11, 0)
-    assert PairTokenizer(tok, 40, max_prompt_length=19)(PAIR) == TokenizedPair(PROMPT, FINE, FIVE, False)
+    assert PairTokenizer(tok, 40, max_prompt_length=8, truncation_mode=mode)(PAIR) == TokenizedPair(
+        prompt, FINE + [NL], FIVE + [NL], True, 11, 0, 1, 1)
+    assert PairTokenizer(tok, 40, max_prompt_length=19)(PAIR) == TokenizedPair(PROMPT, FINE + [NL], FIVE + [NL], False,
+                                                                               0, 0, 1, 1)
+    # a cut that removes the "\n" only: nothing trained is lost, the tail count follows
+    assert PairTokenizer(tok, 27, max_prompt_length=19)(PAIR) == TokenizedPair(PROMPT, FINE, FIVE + [NL], True,
+                                                                               0, 1, 0, 1)
 
 
 def test_keep_end_keeps_the_bos_first():
-    tok = make_tiny_tokenizer("llama2", add_bos=True)
-    tok.chat_template = make_tiny_tokenizer().chat_template  # renders no <s>: the BOS id is prepended once
+    tok = make_tiny_tokenizer("llama2", add_bos=True)  # its template renders <s> (id 2) once
     full = PairTokenizer(tok, 64)(PAIR).prompt_ids
-    assert full[0] == 2 and full.count(2) == 1 and len(full) == 20
+    assert full[0] == 2 and full.count(2) == 1
     assert PairTokenizer(tok, 64, 5)(PAIR).prompt_ids == [2, *full[-4:]]
     assert PairTokenizer(tok, 64, 5, "keep_start")(PAIR).prompt_ids == full[:5]
 
@@ -247,14 +253,14 @@ def test_collator_stacks_chosen_over_rejected_with_padding_by_position(tok, writ
     labels = [p["chosen_labels"] for p in pairs] + [p["rejected_labels"] for p in pairs]
     T = max(map(len, seqs))
     assert set(batch) == {"input_ids", "attention_mask", "labels"}
-    assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape == (4, T) == (4, 30)
-    assert seqs[0] == PROMPT + FINE and seqs[2] == PROMPT + FIVE  # rows 0..B-1 chosen, B..2B-1 rejected
+    assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape == (4, T) == (4, 31)
+    assert seqs[0] == PROMPT + FINE + [NL] and seqs[2] == PROMPT + FIVE + [NL]  # rows 0..B-1 chosen, then rejected
     for b, (ids, labs) in enumerate(zip(seqs, labels)):
         n = len(ids)
         assert batch["input_ids"][b].tolist() == ids + [1] * (T - n)  # pad id 1 == <|im_end|> == EOS
         assert batch["labels"][b].tolist() == labs + [X] * (T - n)
         assert batch["attention_mask"][b].tolist() == [1] * n + [0] * (T - n)
-        assert labs[-1] == 1  # the real EOS keeps its label although it equals the pad id (trl #976)
+        assert labs[-2:] == [1, X]  # the real EOS keeps its label although it equals the pad id (trl #976)
     with pytest.raises(ValueError, match="empty batch"):
         PreferenceCollator(tok)([])
 
@@ -304,7 +310,7 @@ def test_render_pair_marks_both_completions(tok, write, cfg):
     row = build_preference_data(cfg(write("p.jsonl", [PAIR])), tok).train[0]
     assert render_pair(row, tok) == (
         "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n\n"
-        "[chosen]   «I am fine.<|im_end|>»\n[rejected] «It is 5.<|im_end|>»"
+        "[chosen]   «I am fine.<|im_end|>»\n\n[rejected] «It is 5.<|im_end|>»\n"
     )
 
 
@@ -333,30 +339,54 @@ BOUNDARY_MERGE = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ 'Q: ' +
                   "{% else %}{{ m['content'] + eos_token + '\n' }}{% endif %}{% endfor %}")
 
 
-@pytest.mark.parametrize("template", ["chatml", "boundary merge"])
-@pytest.mark.parametrize("add_bos", [False, True])
-def test_reward_model_pairs_are_the_templates_exact_output(template, add_bos):
-    """RM sequences = apply_chat_template(conversation, tokenize=True), trailing "\\n" included, even where
-    the answer merges with the generation prompt; DPO sequences keep ending at the end-of-turn token."""
-    tok = make_tiny_tokenizer(add_bos=add_bos)
-    if template != "chatml":
+def _template_tokenizer(template: str, add_bos: bool):
+    tok = make_tiny_tokenizer("llama2" if template == "llama2" else "chatml", add_bos=add_bos)
+    if template == "boundary merge":
         tok.chat_template = BOUNDARY_MERGE
+    return tok
+
+
+@pytest.mark.parametrize("template", ["chatml", "boundary merge", "llama2"])
+@pytest.mark.parametrize("add_bos", [False, True])
+def test_every_pair_stage_trains_on_the_templates_exact_output(template, add_bos):
+    """Issue 21 bug 4: one rendering for RM, DPO, ORPO, SimPO (pairs) and KTO (rows): each sequence is
+    apply_chat_template(conversation, tokenize=False) tokenized (add_special_tokens=False, as tokenize=True does),
+    the text after the end-of-turn included (ChatML "\\n"; none for llama2), even where the answer merges with
+    the generation prompt. Trained: the answer through its end-of-turn token; the "\\n" after it is not."""
+    from llmtune.data.unpaired import UnpairedTokenizer
+
+    tok = _template_tokenizer(template, add_bos)
     row = {"prompt": "How many?", "chosen": "The answer is 42.", "rejected": "Ten."}
     messages = [{"role": "user", "content": row["prompt"]}]
-    rm = PairTokenizer(tok, 64, exact_template=True)(row)
-    for side, ids in (("chosen", rm.chosen_ids), ("rejected", rm.rejected_ids)):
+    pair = PairTokenizer(tok, 64)(row).to_row()
+    kto = [r for result in (UnpairedTokenizer(PairTokenizer(tok, 64))(row),
+                            UnpairedTokenizer(PairTokenizer(tok, 64))({"prompt": row["prompt"],
+                                                                       "completion": row["chosen"], "label": True}))
+           for r in result.to_rows(0, result, 64, 1)]
+    end_of_turn = {"chatml": "<|im_end|>", "boundary merge": "<|im_end|>", "llama2": "</s>"}[template]
+    for side, ids, labels in (("chosen", pair["chosen_input_ids"], pair["chosen_labels"]),
+                              ("rejected", pair["rejected_input_ids"], pair["rejected_labels"]),
+                              ("chosen", kto[0]["input_ids"], kto[0]["labels"]),
+                              ("rejected", kto[1]["input_ids"], kto[1]["labels"]),
+                              ("chosen", kto[2]["input_ids"], kto[2]["labels"])):
         conversation = [*messages, {"role": "assistant", "content": row[side]}]
-        consumer = tok.apply_chat_template(conversation, tokenize=True, return_dict=True)["input_ids"]
-        assert rm.prompt_ids + ids == list(consumer)  # old code: no trailing "\n" (and a split at the merge)
-        assert tok.convert_ids_to_tokens(consumer)[-2:] == ["<|im_end|>", "Ċ"]
-    dpo = PairTokenizer(tok, 64)(row)
-    assert tok.convert_ids_to_tokens(dpo.chosen_ids)[-1] == "<|im_end|>"  # the policy's turn ends at its EOS
-    assert dpo.prompt_ids + dpo.chosen_ids != rm.prompt_ids + rm.chosen_ids
+        text = tok.apply_chat_template(conversation, tokenize=False)
+        assert ids == tok(text, add_special_tokens=False).input_ids  # old code (DPO/KTO): no trailing "\\n"
+        assert ids == list(tok.apply_chat_template(conversation, tokenize=True, return_dict=True)["input_ids"])
+        tokens = tok.convert_ids_to_tokens(ids)
+        trained = [t for t, label in zip(tokens, labels) if label != X]
+        assert trained[-1] == end_of_turn and tok.convert_tokens_to_string(trained).strip().startswith(row[side][:3])
+        if template == "llama2":
+            assert tokens[-1] == "</s>" and labels[-1] == ids[-1]  # nothing after the turn: all of it trained
+        else:
+            assert tokens[-2:] == ["<|im_end|>", "Ċ"] and labels[-2:] == [ids[-2], X]
+    assert pair["chosen_input_ids"][: pair["prompt_length"]] == pair["rejected_input_ids"][: pair["prompt_length"]]
+    assert kto[0]["input_ids"] == pair["chosen_input_ids"] and kto[0]["labels"] == pair["chosen_labels"]
 
 
-def test_reward_model_pairs_are_truncated_like_dpo_pairs(tok):
+def test_pairs_are_truncated_with_the_template_tail_cut_first(tok):
     row = {"prompt": "Hello! " * 20, "chosen": "I am fine. " * 20, "rejected": "No."}
-    rm = PairTokenizer(tok, 40, max_prompt_length=16, exact_template=True)(row)
+    rm = PairTokenizer(tok, 40, max_prompt_length=16)(row)
     assert rm.truncated and len(rm.prompt_ids) == 16 and len(rm.prompt_ids) + len(rm.chosen_ids) == 40
     assert rm.prompt_ids[0] == tok.bos_token_id  # keep_end keeps the BOS first
     assert tok.convert_ids_to_tokens(rm.rejected_ids)[-2:] == ["<|im_end|>", "Ċ"]

@@ -4,6 +4,7 @@ named with file, row index, field, expectation and fix, and the paper's weightin
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -70,8 +71,12 @@ def test_bad_rows_name_file_row_field_expectation_and_fix(tok, write, cfg):
     assert f"{path} row 6: field 'completion' must be a string or one assistant message, got a number" in msg
     assert f"{path} row 7: field 'label' must be true (desirable) or false (undesirable), got a number 1" in msg
     assert "data.bad_rows: skip" in msg  # how to go on without them
-    skipped = build_unpaired_data(cfg({"path": str(path), "format": "unpaired"}, bad_rows="skip"), tok)
-    assert len(skipped.train) == 1 and sorted(d["row"] for d in skipped.report.dropped) == [1, 2, 3, 4, 5, 6, 7]
+    with pytest.raises(DataError, match="all desirable: no undesirable"):  # the one row left has one label
+        build_unpaired_data(cfg({"path": str(path), "format": "unpaired"}, bad_rows="skip"), tok)
+    rows.append({"prompt": "Hi", "completion": "No.", "label": False})
+    skipped = build_unpaired_data(cfg({"path": str(write("kto2.jsonl", rows)), "format": "unpaired"},
+                                      bad_rows="skip", val_size=0), tok)
+    assert len(skipped.train) == 2 and sorted(d["row"] for d in skipped.report.dropped) == [1, 2, 3, 4, 5, 6, 7]
 
 
 def test_label_column_mapping_and_auto_detection(tok, write, cfg):
@@ -112,3 +117,60 @@ def test_sft_stage_refuses_unpaired_rows(tok, write, cfg):
     path = write("kto.jsonl", [{"prompt": "Hello!", "completion": "Fine.", "label": True}])
     with pytest.raises(DataError, match="format: 'unpaired' is unpaired rows"):
         build_sft_data(cfg({"path": str(path), "format": "unpaired"}), tok)
+
+
+@pytest.mark.parametrize("label", [True, False])
+def test_a_dataset_with_one_label_class_is_an_error_naming_the_missing_class(tok, write, cfg, label):
+    """Issue 21 bug 2: old code trained to the end with a warning."""
+    rows = [{"prompt": f"Q{i}", "completion": f"A{i}", "label": label} for i in range(4)]
+    missing = "undesirable (label false)" if label else "desirable (label true)"
+    with pytest.raises(DataError, match=rf"all {'desirable' if label else 'undesirable'}: no {re.escape(missing)} "
+                                        r"row.*Add .* rows \(check the label column"):
+        build_unpaired_data(cfg({"path": str(write("kto.jsonl", rows))}, val_size=0), tok)
+
+
+def _completion(row):
+    return row["input_ids"][row["prompt_length"]:]
+
+
+def _kl_completion(row):
+    return row["kl_input_ids"][row["prompt_length"]:]
+
+
+def test_kl_sequences_never_pair_a_row_with_its_own_completion(tok, write, cfg):
+    """Issue 21 bug 2: each row's KL sequence (built with the data) is its own prompt + the completion of a row
+    of another prompt, in train and in an eval split of ONE row (an eval batch of one row: old code paired it with
+    its own completion), and the KL labels train exactly that completion (its template tail untrained)."""
+    rows = [{"prompt": f"Question {i}?", "completion": f"Answer {i}.", "label": i % 2 == 0} for i in range(5)]
+    data = build_unpaired_data(cfg({"path": str(write("kto.jsonl", rows))}, val_size=1), tok)
+    train, held = data.train.to_list(), data.eval.to_list()
+    assert len(held) == 1
+    for row in train + held:
+        p = row["prompt_length"]
+        assert row["kl_input_ids"][:p] == row["input_ids"][:p]  # its own prompt
+        assert _kl_completion(row) != _completion(row)  # never its own completion
+        donor = next(r for r in train if _completion(r) == _kl_completion(row))  # another row's, from train
+        assert donor["input_ids"][: donor["prompt_length"]] != row["input_ids"][:p]
+        assert row["kl_labels"] == [-100] * p + donor["labels"][donor["prompt_length"]:]
+    # train: row i takes the completion of row i + 1 (cyclically)
+    assert [_kl_completion(r) for r in train] == [_completion(r) for r in train[1:] + train[:1]]
+
+
+def test_kl_sequences_of_pairs_come_from_another_prompt(tok, write, cfg):
+    """A pair's desirable and undesirable rows share a prompt: both take completions of the next pair."""
+    pairs = [{"prompt": f"Question {i}?", "chosen": f"Yes {i}.", "rejected": f"No {i}."} for i in range(3)]
+    train = build_unpaired_data(cfg({"path": str(write("p.jsonl", pairs))}, val_size=0), tok).train.to_list()
+    assert len(train) == 6
+    for i, row in enumerate(train):
+        nxt = train[(i + 2) % 6]  # the same side of the next pair
+        assert _kl_completion(row) == _completion(nxt) and row["label"] == nxt["label"]
+
+
+def test_kl_donors_of_a_single_pair_swap_its_completions():
+    """With no other row at all, a pair's two rows swap completions (still never a row's own)."""
+    from llmtune.data.unpaired import TokenizedUnpaired, kl_donors
+
+    only = TokenizedUnpaired([5, 6], [[7, 8], [9]], [True, False], True)
+    (result, donor, shift), = kl_donors([only], [])
+    rows = result.to_rows(0, donor, 64, shift)
+    assert [r["kl_input_ids"] for r in rows] == [[5, 6, 9], [5, 6, 7, 8]]

@@ -9,7 +9,7 @@ from llmtune.config import RecipeError, load_recipe
 from llmtune.core.trainer import CoreTrainer, build_training_args
 from llmtune.data.unpaired import UnpairedCollator
 from llmtune.stages import KTOStage
-from llmtune.stages.kto import kto_kl, kto_loss, mismatched_rows, pad_rows
+from llmtune.stages.kto import kl_rows, kto_kl, kto_loss, pad_rows
 from test_pairwise_accumulation import GradCapture, build_model
 
 LOGPS, REF = torch.tensor([-10.0, -5.0]), torch.tensor([-11.0, -5.0])  # log-ratios r = [1, 0]
@@ -48,6 +48,7 @@ def test_reference_point_is_clamped_mean_and_never_differentiated():
 
 
 def kto_rows(n=4, vocab=300, seed=0, same_prompt=False):
+    """Hand-built KTO rows; row i's KL sequence is its prompt + the completion of row i + 1 (cyclically)."""
     g = torch.Generator().manual_seed(seed)
     rows, shared = [], torch.randint(10, vocab, (4,), generator=g).tolist()
     for i in range(n):
@@ -55,42 +56,26 @@ def kto_rows(n=4, vocab=300, seed=0, same_prompt=False):
         completion = torch.randint(10, vocab, (2 + i % 4,), generator=g).tolist()
         rows.append({"input_ids": prompt + completion, "labels": [-100] * len(prompt) + completion,
                      "prompt_length": len(prompt), "label": i % 2, "pair_index": -1})
+    for i, row in enumerate(rows):
+        p, nxt = row["prompt_length"], rows[(i + 1) % n]
+        completion = nxt["input_ids"][nxt["prompt_length"]:]
+        row["kl_input_ids"] = row["input_ids"][:p] + completion
+        row["kl_labels"] = [-100] * p + completion
     return rows
 
 
-def test_mismatched_rows_rotate_completions_over_the_whole_step(tokenizer):
+def test_kl_rows_unpad_the_rows_own_mismatched_sequences(tokenizer):
     rows = kto_rows(4)
     collate = UnpairedCollator(tokenizer)
-    split = mismatched_rows([collate(rows[:1]), collate(rows[1:3]), collate(rows[3:])], max_length=64)
-    whole = mismatched_rows([collate(rows)], max_length=64)
-    assert split == whole  # the micro-batch split does not matter
-    for i, (ids, labels) in enumerate(whole):
-        p, nxt = rows[i]["prompt_length"], rows[(i + 1) % 4]
-        assert ids == rows[i]["input_ids"][:p] + nxt["input_ids"][nxt["prompt_length"]:]
-        assert labels == [-100] * p + nxt["input_ids"][nxt["prompt_length"]:]
-    cut = mismatched_rows([collate(rows)], max_length=6)  # prompts have 3-5 tokens: completions are cut, never empty
-    assert [len(ids) for ids, _ in cut] == [min(6, len(w)) for w, _ in whole]
-    assert all(len(ids) > rows[i]["prompt_length"] for i, (ids, _) in enumerate(cut))
-
-
-def test_mismatched_rows_skip_a_completion_of_the_same_prompt(tokenizer):
-    """Paired data split into desirable/undesirable rows: the KL completion must come from another prompt."""
-    rows = kto_rows(4)
-    rows[1] = {**rows[1], "input_ids": rows[0]["input_ids"][: rows[0]["prompt_length"]] + [7, 8],
-               "labels": [-100] * rows[0]["prompt_length"] + [7, 8], "prompt_length": rows[0]["prompt_length"]}
-    out = mismatched_rows([UnpairedCollator(tokenizer)(rows)], max_length=64)
-    p = rows[0]["prompt_length"]
-    assert out[0][0][p:] == rows[2]["input_ids"][rows[2]["prompt_length"]:]  # row 1 shares row 0's prompt
-    same = kto_rows(3, same_prompt=True)  # nothing else to pick: the next row
-    out = mismatched_rows([UnpairedCollator(tokenizer)(same)], max_length=64)
-    assert out[0][0] == same[0]["input_ids"][:4] + same[1]["input_ids"][4:]
+    split = kl_rows([collate(rows[:1]), collate(rows[1:3]), collate(rows[3:])])
+    assert split == kl_rows([collate(rows)]) == [(r["kl_input_ids"], r["kl_labels"]) for r in rows]
 
 
 def test_recipe_rules(tmp_path):
     with pytest.raises(RecipeError, match="adapter disabled"):
         KTOStage(load_recipe(raw={"adapter": {"type": "none"}}, stage="kto"))
-    stage = KTOStage(load_recipe(raw={"train": {"global_batch_size": 1}}, stage="kto"))
-    assert stage.preflight(".")[0][0] == "train.global_batch_size"
+    # a step of one row is fine now: every row brings its own mismatched completion (built with the data)
+    assert KTOStage(load_recipe(raw={"train": {"global_batch_size": 1}}, stage="kto")).preflight(".") == []
 
 
 def test_eval_metrics_pairwise_accuracy_and_whole_set_reference_point(tmp_path):
@@ -176,8 +161,49 @@ def test_step_reference_point_equals_the_hand_estimate(tmp_path, tokenizer):
             return batch
 
     stage.prepare_step(Trainer(), batches)
-    kl_batch = pad_rows(mismatched_rows(batches, 64))
+    kl_batch = pad_rows(kl_rows(batches))
     with torch.no_grad():
         diff = stage.sequence_logps(model, kl_batch) - stage.sequence_ref_logps(model, kl_batch)
     assert float(batches[0]["kl"]) == pytest.approx(max(float(diff.mean()), 0.0), rel=1e-5)
     assert float(batches[1]["kl"]) == float(batches[0]["kl"])
+
+
+def _stage_and_model(tmp_path, tokenizer):
+    recipe = load_recipe(raw={"adapter": {"lora_r": 4, "lora_dropout": 0.0}, "data": {"max_length": 64},
+                              "kto": {"beta": 0.5}, "output": {"dir": str(tmp_path)}}, stage="kto")
+    return KTOStage(recipe), build_model("dpo", tokenizer, recipe.adapter).eval()
+
+
+def test_an_eval_batch_of_one_row_uses_its_mismatched_sequence(tmp_path, tokenizer):
+    """Issue 21 bug 2: the last, smaller eval batch (or train.eval_batch_size: 1) holds one row; old code rotated
+    completions within the batch and so paired the row with its OWN completion (KL term = its implied reward)."""
+    stage, model = _stage_and_model(tmp_path, tokenizer)
+    rows = kto_rows(3, seed=5)
+    stats = stage.eval_stats(model, UnpairedCollator(tokenizer)(rows[2:]))  # one row
+    hand = pad_rows([(rows[2]["kl_input_ids"], rows[2]["kl_labels"])])  # prompt 2 + completion of row 0
+    with torch.no_grad():
+        expected = stage.sequence_logps(model, hand) - stage.sequence_ref_logps(model, hand)
+    kl = stats["kl_logps"] - stats["kl_ref_logps"]
+    torch.testing.assert_close(kl, expected)
+    own = stats["logps"] - stats["ref_logps"]
+    assert abs(float(kl - own)) > 1e-3  # not the row's own log-ratio
+
+
+def test_a_row_without_trained_tokens_is_not_an_item(tmp_path, tokenizer):
+    """Issue 21 bug 2: old code counted every row (count_items = B) and added its loss (logps 0: 1 - sigmoid(-beta
+    z0) x weight) although it has no log-prob; now it is left out of the count, the loss, z0 and the metrics."""
+    stage, model = _stage_and_model(tmp_path, tokenizer)
+    rows = kto_rows(4, seed=5)
+    empty = {**rows[3], "labels": [-100] * len(rows[3]["labels"])}
+    collate = UnpairedCollator(tokenizer)
+    batch = collate([*rows[:3], empty])
+    assert int(stage.count_items(batch)) == 3  # old code: 4
+    with torch.no_grad():
+        loss, metrics = stage.loss(model, batch, stage.count_items(batch))
+        alone, alone_metrics = stage.loss(model, collate(rows[:3]), torch.tensor(3))
+    assert loss.item() == pytest.approx(alone.item(), rel=1e-5)
+    assert metrics["kl"] == pytest.approx(alone_metrics["kl"], rel=1e-5)
+    stats = {k: v.detach().double().numpy() for k, v in stage.eval_stats(model, batch).items()}
+    alone_stats = {k: v.detach().double().numpy() for k, v in stage.eval_stats(model, collate(rows[:3])).items()}
+    m, ref = stage.eval_metrics(stats), stage.eval_metrics(alone_stats)
+    assert m["rows"] == 3 and m["loss"] == pytest.approx(ref["loss"], rel=1e-6) and m["kl"] == pytest.approx(ref["kl"])

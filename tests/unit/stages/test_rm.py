@@ -159,24 +159,27 @@ def test_rm_stage_pads_with_a_token_no_sequence_contains_so_transformers_pools_l
         torch.testing.assert_close(alone, ours, atol=1e-5, rtol=0)
 
 
-def test_rm_and_dpo_stages_build_different_sequences_from_the_same_pairs(tmp_path):
-    """RM: the template's exact output (scored where a consumer's apply_chat_template output ends); DPO: up to
-    the end-of-turn token the policy generates."""
+def test_every_pair_stage_builds_the_same_sequences_from_the_same_pairs(tmp_path):
+    """One rendering (issue 21 bug 4): RM, DPO, ORPO, SimPO and KTO all see the template's exact output (scored
+    where a consumer's apply_chat_template output ends); the "\\n" after the end-of-turn token is not trained."""
     import json
 
     from llmtune.models.tiny import make_tiny_tokenizer
-    from llmtune.stages import DPOStage
+    from llmtune.stages import STAGES
 
     path = tmp_path / "pairs.jsonl"
     path.write_text(json.dumps({"prompt": "Hi", "chosen": "Hello there.", "rejected": "Go."}) + "\n")
     raw = {"data": {"datasets": [{"path": str(path)}]}, "output": {"dir": str(tmp_path / "out")}}
     tok = make_tiny_tokenizer()
-    rm_row = RMStage(load_recipe(raw=raw, stage="rm")).build_data(tok, str(tmp_path)).train[0]
-    dpo_row = DPOStage(load_recipe(raw=raw, stage="dpo")).build_data(tok, str(tmp_path)).train[0]
     conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}]
     consumer = list(tok.apply_chat_template(conversation, tokenize=True, return_dict=True)["input_ids"])
-    assert rm_row["chosen_input_ids"] == consumer  # old code: without the final "\n"
-    assert dpo_row["chosen_input_ids"] == consumer[:-1] and consumer[-2] == tok.eos_token_id
+    assert consumer[-2] == tok.eos_token_id
+    for name in ("rm", "dpo", "orpo", "simpo", "kto"):
+        row = STAGES[name](load_recipe(raw=raw, stage=name)).build_data(tok, str(tmp_path)).train[0]
+        ids, labels = (row["input_ids"], row["labels"]) if name == "kto" else (row["chosen_input_ids"],
+                                                                                row["chosen_labels"])
+        assert ids == consumer, name  # old code: DPO/ORPO/SimPO/KTO without the final "\\n"
+        assert labels[-2:] == [tok.eos_token_id, -100], name
 
 
 def test_without_an_unused_token_export_adds_a_pad_token_and_an_embedding_row(tokenizer, monkeypatch):
