@@ -52,7 +52,7 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
     console.print(f"model: {recipe.model.name_or_path} ({source.kind})")
     from llmtune.models.checks import check_weight_files
 
-    check_weight_files(source.path, source.original)  # headers only: truncated / corrupt safetensors are named
+    check_weight_files(source.path, source.original, model_dir=True)  # no weights; truncated / corrupt safetensors
     tokenizer = prepare_tokenizer(recipe)
     stage_obj = STAGES[stage_name](recipe)
     from llmtune.models.checks import model_fit_problems

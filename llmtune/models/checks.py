@@ -135,10 +135,22 @@ def model_fit_problems(recipe: Recipe, tokenizer, head: str = "causal_lm", stage
 
 
 # ---- weight files -----------------------------------------------------------------------------------------------
-def check_weight_files(path: str | Path, original: str | None = None) -> None:
+# The files transformers' ``from_pretrained`` loads from a local directory, in its order of preference
+# (transformers.utils SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME).
+MODEL_WEIGHT_NAMES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                      "pytorch_model.bin.index.json")
+
+
+def check_weight_files(path: str | Path, original: str | None = None, *, model_dir: bool = False) -> None:
     """Refuse unreadable weights before transformers meets them: every ``*.safetensors`` file of the directory
     must have a valid header that covers the file (truncated and corrupt files are named), and a directory with
     only pickle checkpoints (``*.bin``...) gets a message on how to convert it. Reads headers only.
+
+    Args:
+        path: a model or adapter directory (anything else is left to the loader).
+        original: how the recipe names it (``model.name_or_path``), for the messages.
+        model_dir: ``path`` is a base model directory: it must also hold one of :data:`MODEL_WEIGHT_NAMES` (or
+            the file its config names in ``transformers_weights``), else training would fail at the load.
 
     Raises:
         ModelLoadError: naming the file and what to do.
@@ -150,6 +162,8 @@ def check_weight_files(path: str | Path, original: str | None = None) -> None:
     path = Path(path)
     if not path.is_dir():
         return
+    if model_dir:
+        _require_model_weights(path, original)
     files = sorted(path.glob("*.safetensors"))
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -174,6 +188,40 @@ def check_weight_files(path: str | Path, original: str | None = None) -> None:
                 f"download or copy?). Download or copy it again{f' ({original})' if original else ''}, or re-save "
                 "the model with save_pretrained."
             ) from None
+
+
+def _require_model_weights(path: Path, original: str | None) -> None:
+    """A base model directory with a config but no weight file transformers would load: a ModelLoadError that
+    lists what the directory holds and what it needs."""
+    import json
+
+    from llmtune.models.load import ModelLoadError
+
+    names = list(MODEL_WEIGHT_NAMES)
+    try:  # a config may name its own weight file (transformers' ``transformers_weights``)
+        explicit = json.loads((path / "config.json").read_text(encoding="utf-8")).get("transformers_weights")
+    except (OSError, ValueError, AttributeError):
+        explicit = None
+    if isinstance(explicit, str):
+        names.append(explicit)
+    if any((path / name).is_file() for name in names):
+        return
+    held = sorted(p.name for p in path.iterdir())
+    shown = ", ".join(held[:16]) + (", ..." if len(held) > 16 else "")
+    hint = ""
+    if any(n.endswith(".safetensors") for n in held):
+        hint = (" It has *.safetensors files but neither model.safetensors nor model.safetensors.index.json (the "
+                "index that maps weights to shards): copy the index too, or re-save the model with save_pretrained.")
+    ggufs = [n for n in held if n.lower().endswith(".gguf")]
+    if ggufs:
+        hint += f" For a GGUF model set model.name_or_path to the file itself ({path / ggufs[0]})."
+    where = f"{original!r} ({path})" if original and original != str(path) else f"{str(path)!r}"
+    raise ModelLoadError(
+        f"model.name_or_path: model directory {where} has no weights: it needs one of {', '.join(names)} "
+        f"(it holds: {shown or 'nothing'}).{hint} Copy or download the weights (an interrupted download or a "
+        "copy of the config and tokenizer only?), or point model.name_or_path at a complete model directory, a "
+        ".gguf file or builtin:smollm2-135m-instruct."
+    )
 
 
 def pickle_checkpoint_message(path: str | Path, err: BaseException) -> str | None:
