@@ -5,6 +5,7 @@ module names vs the model's modules (a model built on the ``meta`` device), and 
 
 from __future__ import annotations
 
+import copy
 import difflib
 from pathlib import Path
 from types import SimpleNamespace
@@ -46,8 +47,10 @@ def module_names(config: Any, head: str = "causal_lm", trust_remote_code: bool =
 
     kwargs = {"trust_remote_code": trust_remote_code}
     with torch.device("meta"):
-        if head == "score":
-            model = AutoModelForSequenceClassification.from_config(config, num_labels=1, **kwargs)
+        if head == "score":  # one score: set on a copy of the config (transformers 5's generic sequence-classification
+            config = copy.deepcopy(config)  # classes take no num_labels argument in from_config)
+            config.num_labels = 1
+            model = AutoModelForSequenceClassification.from_config(config, **kwargs)
         else:
             model = AutoModelForCausalLM.from_config(config, **kwargs)
     return [name for name, _ in model.named_modules() if name]
@@ -127,8 +130,9 @@ def model_fit_problems(recipe: Recipe, tokenizer, head: str = "causal_lm", stage
         try:
             names = module_names(config, head, recipe.model.trust_remote_code)
         except Exception as err:  # noqa: BLE001 - an architecture we cannot build empty: peft reports at attach
-            log.warning("could not build %s on the meta device to check adapter names (%s)", recipe.model.name_or_path,
-                        err)
+            log.warning("adapter.target_modules / modules_to_save not checked against the module names of %s: it "
+                        "cannot be built on the meta device here (%s: %s). Training is not affected; peft still stops when "
+                        "no module matches at all, but a misspelled entry among valid ones goes unnoticed", recipe.model.name_or_path, type(err).__name__, err)
         else:
             problems += adapter_name_problems(recipe, names)
     return problems

@@ -163,6 +163,26 @@ def test_names_that_match_nothing(ws, capsys, case):
         assert part in err, (part, err)
 
 
+def test_reward_model_adapter_names_are_checked_on_the_score_model(ws, caplog):
+    """RM builds AutoModelForSequenceClassification on the meta device: its names include the 'score' head (a causal
+    LM has none), a typo is found, and nothing is logged (the build used to fail on num_labels with a WARNING)."""
+    import logging
+
+    from llmtune.config import load_recipe
+    from llmtune.models.checks import model_fit_problems
+
+    raw = {"model": {"name_or_path": str(ws / "model")},
+           "adapter": {"target_modules": ["q_proj", "v_prj"], "modules_to_save": ["score"]}}
+    recipe = load_recipe(raw=raw, stage="rm")
+    with caplog.at_level(logging.WARNING):
+        problems = model_fit_problems(recipe, None, head="score", stage="rm")
+    assert [key for key, _ in problems] == ["adapter.target_modules.1"]  # 'score' exists, 'v_prj' does not
+    assert "did you mean 'v_proj'" in problems[0][1]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    causal = model_fit_problems(recipe, None, head="causal_lm", stage="rm")
+    assert [key for key, _ in causal] == ["adapter.target_modules.1", "adapter.modules_to_save.0"]
+
+
 def test_valid_target_modules_pass(ws, capsys):
     code, err = validate(ws, capsys, with_changes(ws, ("adapter.target_modules", ["q_proj", "v_proj"]),
                                                   ("adapter.modules_to_save", ["lm_head"])))
