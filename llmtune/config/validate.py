@@ -197,7 +197,7 @@ def column_key_problems(columns: dict, key: str) -> list[tuple[str, str]]:
         if name in CANONICAL_COLUMNS:
             continue
         if column in CANONICAL_COLUMNS:
-            fix = (f"the mapping goes canonical field -> your column: write {{{column}: {name}}}")
+            fix = f"the mapping goes canonical field -> your column: write {{{column}: {name}}}"
         else:
             close = difflib.get_close_matches(str(name), CANONICAL_COLUMNS, n=1, cutoff=0.6)
             fix = (f"did you mean {close[0]!r} ({{{close[0]}: {column}}})?" if close

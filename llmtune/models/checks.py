@@ -131,8 +131,9 @@ def model_fit_problems(recipe: Recipe, tokenizer, head: str = "causal_lm", stage
             names = module_names(config, head, recipe.model.trust_remote_code)
         except Exception as err:  # noqa: BLE001 - an architecture we cannot build empty: peft reports at attach
             log.warning("adapter.target_modules / modules_to_save not checked against the module names of %s: it "
-                        "cannot be built on the meta device here (%s: %s). Training is not affected; peft still stops when "
-                        "no module matches at all, but a misspelled entry among valid ones goes unnoticed", recipe.model.name_or_path, type(err).__name__, err)
+                        "cannot be built on the meta device here (%s: %s). Training is not affected; peft still "
+                        "stops when no module matches at all, but a misspelled entry among valid ones goes unnoticed",
+                        recipe.model.name_or_path, type(err).__name__, err)
         else:
             problems += adapter_name_problems(recipe, names)
     return problems
