@@ -281,14 +281,14 @@ def run_stage_command(command: str, recipe_path: str, overrides: list[str], laun
     when more processes or DeepSpeed are asked for and no launcher started it (:mod:`llmtune.launch`)."""
     from llmtune import launch as launcher
     from llmtune.config import load_recipe
-    from llmtune.stages import STAGES
     from llmtune.utils import is_main_process
 
-    recipe = load_recipe(recipe_path, [*overrides, *launch], stage=command)
+    recipe = load_recipe(recipe_path, [*overrides, *launch], stage=command)  # a recipe error: before torch is imported
     os.environ.update(launcher.slurm_rank_env(recipe.distributed))  # srun with one task per GPU
     if launcher.needs_launch(recipe):
         return launcher.relaunch(command, recipe_path, list(overrides), recipe)
     from llmtune.core.runner import run_stage
+    from llmtune.stages import STAGES
 
     summary = run_stage(STAGES[command](recipe), base_dir=Path.cwd())
     if is_main_process():

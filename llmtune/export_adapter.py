@@ -251,7 +251,7 @@ def export_adapter(run_dir: str | Path, out_dir: str | Path | None = None) -> di
              "on the base alone; no earlier adapter is needed.", "",
              "## Base model", "", f"- `base_model_name_or_path`: `{portable['name_or_path']}`",
              f"- Trained against: {portable['weights']}", "",
-             *usage_snippet(portable, "path/to/this/adapter", head, "adapter"),
+             *usage_snippet(portable, "path/to/this/adapter", head, "adapter", local_base=str(source.path)),
              "## Verification", "",
              f"- {'PASSED' if report['passed'] else 'FAILED'}: max |diff| {max_diff:.3g} (tolerance {tolerance:.3g}) "
              "between plain peft with this adapter and llmtune's chain model; details in `verification.json`", ""]

@@ -641,9 +641,10 @@ def run_pipeline(pipe: Pipeline, console=None) -> list[dict]:
     """Run every step in order (skipping, resuming or restarting as its directory says), then export.
 
     Returns:
-        The summary rows (also written to ``<pipeline.dir>/pipeline_summary.json``): per step ``name``, ``kind``,
-        ``action``, ``steps``, ``train_loss``, ``metric`` + ``metric_value``, ``wall_s`` (this invocation),
-        ``trained_wall_s`` (as recorded by the run), ``artifact``.
+        The summary rows of this invocation: per step ``name``, ``kind``, ``action``, ``steps``, ``train_loss``,
+        ``metric`` + ``metric_value``, ``wall_s`` (this invocation), ``trained_wall_s`` (as recorded by the run),
+        ``artifact``. ``<pipeline.dir>/pipeline_summary.json`` keeps, for a skipped step, the numbers of the run
+        that did its work (:func:`_write_summary`).
 
     Raises:
         PipelineError: see :func:`plan_stage`; a pairs step without any pair; a failed export verification.
@@ -673,10 +674,38 @@ def run_pipeline(pipe: Pipeline, console=None) -> list[dict]:
         console.rule(f"[bold]step {total}/{total}: export[/] {pipe.export.step} -> {pipe.dir / MERGED}")
         t0 = time.perf_counter()
         rows.append(_run_export(pipe, console, t0))
-    write_json(pipe.dir / SUMMARY_FILE, {"pipeline": str(pipe.source), "dir": str(pipe.dir), "steps": rows,
-                                         "wall_s": round(time.perf_counter() - t_start, 1)})
+    _write_summary(pipe, rows, time.perf_counter() - t_start, console)
     print_summary(rows, console, time.perf_counter() - t_start)
     return rows
+
+
+# the numbers a step's artifact carries (lineage, pairs report, verification): equal -> the same artifact
+_ARTIFACT_KEYS = ("kind", "artifact", "steps", "train_loss", "metric", "metric_value", "trained_wall_s")
+
+
+def _write_summary(pipe: Pipeline, rows: list[dict], wall: float, console) -> None:
+    """Write ``pipeline_summary.json``: the numbers of the runs that did the work. A step skipped now keeps the
+    ``action`` and ``wall_s`` of its row in the earlier summary when that row describes the same artifact (same
+    :data:`_ARTIFACT_KEYS`); ``wall_s`` at the top = this invocation + the kept rows' ``wall_s``; ``last_run_wall_s``
+    = this invocation. A rerun that skips every step and keeps every row leaves the file as it was."""
+    path = pipe.dir / SUMMARY_FILE
+    try:
+        earlier = {r["name"]: r for r in json.loads(path.read_text())["steps"]} if path.is_file() else {}
+    except (ValueError, KeyError, TypeError):  # unreadable or another shape: written anew
+        earlier = {}
+    kept, merged = 0.0, []
+    for row in rows:
+        old = earlier.get(row["name"])
+        if (row["action"] == "skipped" and old and old.get("action") not in (None, "skipped")
+                and isinstance(old.get("wall_s"), (int, float))
+                and all(old.get(k) == row.get(k) for k in _ARTIFACT_KEYS)):
+            row, kept = {**row, "action": old["action"], "wall_s": old["wall_s"]}, kept + old["wall_s"]
+        merged.append(row)
+    if earlier and merged == list(earlier.values()) and all(r["action"] == "skipped" for r in rows):
+        console.print(f"nothing to do: {path} keeps the numbers of the runs that did the work")
+        return
+    write_json(path, {"pipeline": str(pipe.source), "dir": str(pipe.dir), "steps": merged,
+                      "wall_s": round(wall + kept, 1), "last_run_wall_s": round(wall, 1)})
 
 
 def _print_plan(pipe: Pipeline, console) -> None:

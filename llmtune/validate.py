@@ -18,15 +18,9 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
     Raises:
         RecipeError, DataError, ModelLoadError: reported by the CLI as one error message each.
     """
-    from llmtune.utils import make_console
-
-    from llmtune.config.load import read_yaml
-    from llmtune.core.runner import prepare_tokenizer
     from llmtune.config import RecipeError
-    from llmtune.core.rundir import RunDir
-    from llmtune.core.trainer import accumulation_steps, check_precision, world_size
-    from llmtune.models import resolve_model_source
-    from llmtune.stages import STAGES
+    from llmtune.config.load import read_yaml
+    from llmtune.utils import make_console
 
     console = make_console(stderr=False, highlight=False)
     doc = read_yaml(recipe_path)
@@ -36,10 +30,17 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
         return pipeline_command(recipe_path, overrides, dry_run=True)
     declared = doc.get("stage")
     stage_name = stage or declared or "sft"
+    # the recipe first, with the config package only: a recipe error costs no torch/transformers/peft import
+    recipe = load_recipe(recipe_path, overrides, stage=stage_name)
+    from llmtune.core.rundir import RunDir
+    from llmtune.core.runner import prepare_tokenizer
+    from llmtune.core.trainer import accumulation_steps, check_precision, world_size
+    from llmtune.models import resolve_model_source
+    from llmtune.stages import STAGES
+
     if stage_name not in STAGES:
         raise RecipeError([("stage", f"stage {stage_name!r} is not implemented yet; available: {', '.join(STAGES)}")],
                           source=recipe_path)
-    recipe = load_recipe(recipe_path, overrides, stage=stage_name)
     check_precision(recipe)
     late: list[tuple[str, str]] = []  # problems that do not stop the data check; reported at the end
     try:
@@ -57,7 +58,7 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
         console.print(f"rollout engine: {engine} ({reason})")
     from llmtune.models.checks import check_weight_files
 
-    check_weight_files(source.path, source.original)  # headers only: truncated / corrupt safetensors are named
+    check_weight_files(source.path, source.original, model_dir=True)  # no weights; truncated / corrupt safetensors
     tokenizer = prepare_tokenizer(recipe)
     stage_obj = STAGES[stage_name](recipe)
     from llmtune.models.checks import model_fit_problems

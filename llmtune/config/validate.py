@@ -192,6 +192,33 @@ def cross_field_problems(doc: dict) -> list[tuple[str, str]]:
     datasets = _get(doc, "data.datasets")
     if isinstance(datasets, list) and not datasets:
         problems.append(("data.datasets", "at least one data source is needed"))
+    for i, ds in enumerate(datasets if isinstance(datasets, list) else []):
+        if isinstance(ds, dict) and isinstance(ds.get("columns"), dict):
+            problems += column_key_problems(ds["columns"], f"data.datasets.{i}")
+    return problems
+
+
+# Every canonical field a ``data.datasets[i].columns`` mapping may name: the union of the fields of the data formats
+# (llmtune.data.formats.FORMAT_FIELDS; a test keeps the two equal). Checked here, before any data is read.
+CANONICAL_COLUMNS = ("chosen", "completion", "content", "input", "instruction", "label", "messages", "output",
+                     "prompt", "reference", "rejected", "role", "system", "text")
+
+
+def column_key_problems(columns: dict, key: str) -> list[tuple[str, str]]:
+    """Keys of a ``columns`` mapping (canonical field -> column of the file) that are no canonical field, as
+    ``(f"{key}.columns.<name>", message)`` with a did-you-mean, or the hint that the mapping looks reversed."""
+    problems = []
+    for name, column in columns.items():
+        if name in CANONICAL_COLUMNS:
+            continue
+        if column in CANONICAL_COLUMNS:
+            fix = f"the mapping goes canonical field -> your column: write {{{column}: {name}}}"
+        else:
+            close = difflib.get_close_matches(str(name), CANONICAL_COLUMNS, n=1, cutoff=0.6)
+            fix = (f"did you mean {close[0]!r} ({{{close[0]}: {column}}})?" if close
+                   else f"map a canonical field to your column, e.g. {{instruction: {column}}}")
+        problems.append((f"{key}.columns.{name}", f"{name!r} is not a canonical field; {fix} (canonical fields: "
+                         f"{', '.join(CANONICAL_COLUMNS)})"))
     return problems
 
 

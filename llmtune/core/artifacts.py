@@ -91,8 +91,29 @@ def chain_warning(chain: list[dict]) -> list[str]:
             "model, `llmtune export RUN_DIR`.", ""]
 
 
-def usage_snippet(base: dict, adapter_ref: str, head: str, kind: str) -> list[str]:
-    """Python usage for a card. ``kind``: ``adapter`` (peft on the base) or ``merged`` (a plain model dir)."""
+def usage_snippet(base: dict, adapter_ref: str, head: str, kind: str, local_base: str | None = None) -> list[str]:
+    """Python usage for a card. ``kind``: ``adapter`` (peft on the base) or ``merged`` (a plain model dir).
+
+    ``local_base``: the directory training loaded the base from (a hub snapshot in the HF cache, or llmtune's
+    float32 conversion of a GGUF / ``builtin:`` model); an adapter card then also shows how to load the adapter
+    against a local copy of the base, offline (the builtin default has no hub route without network access).
+    """
+    lines = _snippet(base, adapter_ref, head, kind)
+    if kind == "adapter" and local_base and local_base != base.get("name_or_path"):
+        local = {"load": "AutoModelForCausalLM.from_pretrained(BASE_DIR, dtype=torch.float32)"}
+        code = _snippet(local, adapter_ref, head, kind)[3:]  # the code block without "## Usage"
+        lines += ["### Offline, with a local copy of the base", "",
+                  "`BASE_DIR` below is the directory llmtune loaded the base from on the training machine (a hub "
+                  "snapshot in the Hugging Face cache, or llmtune's float32 conversion of a GGUF / builtin model: "
+                  "exactly the weights trained against). Elsewhere, use any local copy of the base: a directory "
+                  f"written by `save_pretrained`, or `huggingface-cli download {base.get('name_or_path')} "
+                  "--local-dir DIR`. Nothing is downloaded: it works with `HF_HUB_OFFLINE=1`.", "", "```python"]
+        blank = code.index("")  # after the imports
+        lines += [*code[:blank], "", f'BASE_DIR = "{local_base}"', *code[blank + 1:]]
+    return lines
+
+
+def _snippet(base: dict, adapter_ref: str, head: str, kind: str) -> list[str]:
     auto = "AutoModelForSequenceClassification" if head == "score" else "AutoModelForCausalLM"
     if kind == "merged":
         body = [f'model = {auto}.from_pretrained("{adapter_ref}")',
@@ -100,8 +121,8 @@ def usage_snippet(base: dict, adapter_ref: str, head: str, kind: str) -> list[st
     else:
         load = base.get("load") or f'{auto}.from_pretrained("{base.get("name_or_path")}")'
         load = load.replace("AutoModelForCausalLM", auto)
-        if head == "score":
-            load = load.replace(".from_pretrained(", ".from_pretrained(num_labels=1, ", 1)
+        if head == "score":  # a keyword after the positional arguments (before them is a SyntaxError)
+            load = load[:-1] + ", num_labels=1)"
         body = [f"base = {load}", f'model = PeftModel.from_pretrained(base, "{adapter_ref}")',
                 f'tokenizer = AutoTokenizer.from_pretrained("{adapter_ref}")']
     imports = ["import torch", f"from transformers import {auto}, AutoTokenizer"]
@@ -170,7 +191,7 @@ def adapter_card(adapter_dir: Path, lineage: dict) -> str:
              f"- Trained against: {portable.get('weights', base.get('name_or_path'))}",
              f"- Recipe name: `{base.get('name_or_path')}` ({base.get('kind')})", ""]
     lines += usage_snippet(portable, "path/to/this/model" if full else "path/to/this/adapter", head,
-                           "merged" if full else "adapter")
+                           "merged" if full else "adapter", local_base=base.get("path"))
     lines += lineage_lines(lineage)
     return "\n".join(lines)
 

@@ -181,6 +181,11 @@ def detect_format(raw: RawSource, ds: DatasetConfig, key: str, kind: str = "sft"
     Raises:
         DataError: the first row is not an object, or matches no format of ``kind``.
     """
+    from llmtune.config.validate import column_key_problems
+
+    wrong = column_key_problems(ds.columns, key)  # a misspelled field would end in "cannot detect" below
+    if wrong:
+        raise DataError("; ".join(f"{path}: {msg}" for path, msg in wrong))
     first = next(iter(raw.rows), None)
     if first is None:
         raise DataError(f"{raw.path} has no rows (nothing to detect the format from).")

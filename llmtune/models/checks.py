@@ -5,6 +5,7 @@ module names vs the model's modules (a model built on the ``meta`` device), and 
 
 from __future__ import annotations
 
+import copy
 import difflib
 from pathlib import Path
 from types import SimpleNamespace
@@ -46,8 +47,10 @@ def module_names(config: Any, head: str = "causal_lm", trust_remote_code: bool =
 
     kwargs = {"trust_remote_code": trust_remote_code}
     with torch.device("meta"):
-        if head == "score":
-            model = AutoModelForSequenceClassification.from_config(config, num_labels=1, **kwargs)
+        if head == "score":  # one score: set on a copy of the config (transformers 5's generic sequence-classification
+            config = copy.deepcopy(config)  # classes take no num_labels argument in from_config)
+            config.num_labels = 1
+            model = AutoModelForSequenceClassification.from_config(config, **kwargs)
         else:
             model = AutoModelForCausalLM.from_config(config, **kwargs)
     return [name for name, _ in model.named_modules() if name]
@@ -114,8 +117,10 @@ def model_fit_problems(recipe: Recipe, tokenizer, head: str = "causal_lm", stage
         try:
             names = module_names(config, head, recipe.model.trust_remote_code)
         except Exception as err:  # noqa: BLE001 - an architecture we cannot build empty: peft reports at attach
-            log.warning("could not build %s on the meta device to check adapter names (%s)", recipe.model.name_or_path,
-                        err)
+            log.warning("adapter.target_modules / modules_to_save not checked against the module names of %s: it "
+                        "cannot be built on the meta device here (%s: %s). Training is not affected; peft still "
+                        "stops when no module matches at all, but a misspelled entry among valid ones goes unnoticed",
+                        recipe.model.name_or_path, type(err).__name__, err)
         else:
             problems += adapter_name_problems(recipe, names)
     return problems
@@ -181,10 +186,22 @@ def position_problems(recipe: Recipe, config: Any, stage: str | None = None) -> 
 
 
 # ---- weight files -----------------------------------------------------------------------------------------------
-def check_weight_files(path: str | Path, original: str | None = None) -> None:
+# The files transformers' ``from_pretrained`` loads from a local directory, in its order of preference
+# (transformers.utils SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME).
+MODEL_WEIGHT_NAMES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                      "pytorch_model.bin.index.json")
+
+
+def check_weight_files(path: str | Path, original: str | None = None, *, model_dir: bool = False) -> None:
     """Refuse unreadable weights before transformers meets them: every ``*.safetensors`` file of the directory
     must have a valid header that covers the file (truncated and corrupt files are named), and a directory with
     only pickle checkpoints (``*.bin``...) gets a message on how to convert it. Reads headers only.
+
+    Args:
+        path: a model or adapter directory (anything else is left to the loader).
+        original: how the recipe names it (``model.name_or_path``), for the messages.
+        model_dir: ``path`` is a base model directory: it must also hold one of :data:`MODEL_WEIGHT_NAMES` (or
+            the file its config names in ``transformers_weights``), else training would fail at the load.
 
     Raises:
         ModelLoadError: naming the file and what to do.
@@ -196,6 +213,8 @@ def check_weight_files(path: str | Path, original: str | None = None) -> None:
     path = Path(path)
     if not path.is_dir():
         return
+    if model_dir:
+        _require_model_weights(path, original)
     files = sorted(path.glob("*.safetensors"))
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -220,6 +239,40 @@ def check_weight_files(path: str | Path, original: str | None = None) -> None:
                 f"download or copy?). Download or copy it again{f' ({original})' if original else ''}, or re-save "
                 "the model with save_pretrained."
             ) from None
+
+
+def _require_model_weights(path: Path, original: str | None) -> None:
+    """A base model directory with a config but no weight file transformers would load: a ModelLoadError that
+    lists what the directory holds and what it needs."""
+    import json
+
+    from llmtune.models.load import ModelLoadError
+
+    names = list(MODEL_WEIGHT_NAMES)
+    try:  # a config may name its own weight file (transformers' ``transformers_weights``)
+        explicit = json.loads((path / "config.json").read_text(encoding="utf-8")).get("transformers_weights")
+    except (OSError, ValueError, AttributeError):
+        explicit = None
+    if isinstance(explicit, str):
+        names.append(explicit)
+    if any((path / name).is_file() for name in names):
+        return
+    held = sorted(p.name for p in path.iterdir())
+    shown = ", ".join(held[:16]) + (", ..." if len(held) > 16 else "")
+    hint = ""
+    if any(n.endswith(".safetensors") for n in held):
+        hint = (" It has *.safetensors files but neither model.safetensors nor model.safetensors.index.json (the "
+                "index that maps weights to shards): copy the index too, or re-save the model with save_pretrained.")
+    ggufs = [n for n in held if n.lower().endswith(".gguf")]
+    if ggufs:
+        hint += f" For a GGUF model set model.name_or_path to the file itself ({path / ggufs[0]})."
+    where = f"{original!r} ({path})" if original and original != str(path) else f"{str(path)!r}"
+    raise ModelLoadError(
+        f"model.name_or_path: model directory {where} has no weights: it needs one of {', '.join(names)} "
+        f"(it holds: {shown or 'nothing'}).{hint} Copy or download the weights (an interrupted download or a "
+        "copy of the config and tokenizer only?), or point model.name_or_path at a complete model directory, a "
+        ".gguf file or builtin:smollm2-135m-instruct."
+    )
 
 
 def pickle_checkpoint_message(path: str | Path, err: BaseException) -> str | None:

@@ -764,7 +764,7 @@ def load_model(
         auto_class, kwargs["num_labels"] = AutoModelForSequenceClassification, 1
     from llmtune.models.checks import check_weight_files, pickle_checkpoint_message
 
-    check_weight_files(source.path, source.original)  # truncated / corrupt safetensors: named before transformers
+    check_weight_files(source.path, source.original, model_dir=True)  # no weights / corrupt: before transformers
     start = time.perf_counter()
     try:
         with quiet_load_report():

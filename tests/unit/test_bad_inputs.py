@@ -163,6 +163,26 @@ def test_names_that_match_nothing(ws, capsys, case):
         assert part in err, (part, err)
 
 
+def test_reward_model_adapter_names_are_checked_on_the_score_model(ws, caplog):
+    """RM builds AutoModelForSequenceClassification on the meta device: its names include the 'score' head (a causal
+    LM has none), a typo is found, and nothing is logged (the build used to fail on num_labels with a WARNING)."""
+    import logging
+
+    from llmtune.config import load_recipe
+    from llmtune.models.checks import model_fit_problems
+
+    raw = {"model": {"name_or_path": str(ws / "model")},
+           "adapter": {"target_modules": ["q_proj", "v_prj"], "modules_to_save": ["score"]}}
+    recipe = load_recipe(raw=raw, stage="rm")
+    with caplog.at_level(logging.WARNING):
+        problems = model_fit_problems(recipe, None, head="score", stage="rm")
+    assert [key for key, _ in problems] == ["adapter.target_modules.1"]  # 'score' exists, 'v_prj' does not
+    assert "did you mean 'v_proj'" in problems[0][1]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    causal = model_fit_problems(recipe, None, head="causal_lm", stage="rm")
+    assert [key for key, _ in causal] == ["adapter.target_modules.1", "adapter.modules_to_save.0"]
+
+
 def test_valid_target_modules_pass(ws, capsys):
     code, err = validate(ws, capsys, with_changes(ws, ("adapter.target_modules", ["q_proj", "v_proj"]),
                                                   ("adapter.modules_to_save", ["lm_head"])))
@@ -255,6 +275,47 @@ def test_a_missing_weight_shard_is_named(ws, capsys, tmp_path):
     (model / "model.safetensors.index.json").write_text(json.dumps(index))
     code, err = validate(ws, capsys, with_changes(ws, ("model.name_or_path", str(model))))
     assert code == 1 and "model-00002-of-00002.safetensors" in err and "missing" in err
+
+
+@pytest.mark.parametrize("left", ["config + tokenizer", "unindexed shard", "gguf beside"])
+def test_a_model_directory_without_weights_is_an_error(ws, capsys, tmp_path, left):
+    model = save_tiny_model(tmp_path / "m")
+    weights = model / "model.safetensors"
+    if left == "unindexed shard":  # a shard without the index transformers needs to find it
+        weights.rename(model / "model-00001-of-00002.safetensors")
+    elif left == "gguf beside":
+        weights.unlink()
+        (model / "model.Q4_0.gguf").write_bytes(b"GGUF")
+    else:
+        weights.unlink()
+    code, err = validate(ws, capsys, with_changes(ws, ("model.name_or_path", str(model))))
+    assert code == 1, err
+    assert "has no weights" in err and "model.safetensors, model.safetensors.index.json, pytorch_model.bin" in err
+    assert "tokenizer.json" in err  # what the directory does hold
+    if left == "unindexed shard":
+        assert "model.safetensors.index.json (the index" in err
+    if left == "gguf beside":
+        assert f"model.name_or_path to the file itself ({model / 'model.Q4_0.gguf'})" in err
+    assert "model source and data checked" not in capsys.readouterr().out
+
+
+def test_each_weight_file_transformers_loads_is_accepted(tmp_path):
+    """pytorch_model.bin alone is a complete model directory (transformers loads it); only an empty one is refused."""
+    import torch
+    from safetensors.torch import load_file
+
+    from llmtune.models import ModelLoadError
+    from llmtune.models.checks import check_weight_files
+
+    model = save_tiny_model(tmp_path / "m")
+    check_weight_files(model, model_dir=True)
+    torch.save(load_file(str(model / "model.safetensors")), model / "pytorch_model.bin")
+    (model / "model.safetensors").unlink()
+    check_weight_files(model, model_dir=True)
+    check_weight_files(tmp_path, model_dir=False)  # an adapter/other directory: no base weights asked for
+    (model / "pytorch_model.bin").unlink()
+    with pytest.raises(ModelLoadError, match="has no weights"):
+        check_weight_files(model, model_dir=True)
 
 
 def test_a_pickle_only_checkpoint_says_what_to_do(tmp_path):

@@ -19,6 +19,18 @@ def test_help_imports_neither_transformers_nor_bitsandbytes():
     assert "kernels" not in out.stderr
 
 
+@pytest.mark.parametrize("command", ["validate", "sft"])
+def test_a_recipe_error_imports_no_torch(tmp_path, command):
+    """A recipe error is reported from the config package alone (was ~5 s of torch/transformers/peft imports)."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("stage: sft\ntrain: {lerning_rate: 0.1}\n")
+    code = (f"import sys\nfrom llmtune.cli import main\nrc = main([{command!r}, {str(recipe)!r}])\n"
+            "print(rc, sorted(m for m in ('torch', 'transformers', 'peft', 'llmtune.stages') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "1 []", out.stderr
+    assert "train.lerning_rate: unknown key; did you mean 'learning_rate'?" in out.stderr
+
+
 def test_stage_commands_are_the_registry():
     from llmtune.stages import STAGES
 

@@ -216,6 +216,61 @@ def test_plan_stale_input_retrains(one_step):
     assert action == "restart" and recipe.output.overwrite and "sft" in why
 
 
+# --- pipeline_summary.json across reruns ------------------------------------------------------------------------------
+
+
+def test_a_rerun_keeps_the_numbers_of_the_runs_that_did_the_work(one_step, monkeypatch):
+    """Training faked with a fake clock (s): run 1 trains sft (1000) and dpo (500); run 2 skips both (0.2 each);
+    run 3 retrains dpo (400); run 4 finds sft's artifact changed behind the summary (other numbers in its lineage)."""
+    import io
+
+    from rich.console import Console
+
+    from llmtune import pipeline as pl
+
+    _path, pipe = one_step
+    pipe.export.enabled = False
+    clock = [0.0]
+    monkeypatch.setattr(pl.time, "perf_counter", lambda: clock[0])
+    todo = {}  # step name -> (action, seconds, train_loss) of the next invocation
+
+    def fake_training(step, _pipe, _console):
+        action, seconds, loss = todo[step.name]
+        clock[0] += seconds
+        if action != "skipped":
+            step.dir.mkdir(parents=True, exist_ok=True)
+            summary = {"steps": 2, "train_loss": loss, "wall_s": seconds - 10, "eval_after": {"eval_loss": 0.5}}
+            step.done_marker.write_text(json.dumps({"stage": step.kind, "summary": summary}))
+        return {"action": action}
+
+    monkeypatch.setattr(pl, "_run_training", fake_training)
+    path = pipe.dir / "pipeline_summary.json"
+
+    def run(**actions):
+        todo.update(actions)
+        pl.run_pipeline(pipe, Console(file=io.StringIO()))
+        doc = json.loads(path.read_text())
+        return doc, {r["name"]: (r["action"], r["wall_s"], r["trained_wall_s"]) for r in doc["steps"]}
+
+    doc, rows = run(sft=("trained", 1000.0, 2.0), dpo=("trained", 500.0, 0.7))
+    assert rows == {"sft": ("trained", 1000.0, 990.0), "dpo": ("trained", 500.0, 490.0)}
+    assert (doc["wall_s"], doc["last_run_wall_s"]) == (1500.0, 1500.0)
+    before = (path.read_bytes(), path.stat().st_mtime_ns)
+
+    run(sft=("skipped", 0.2, None), dpo=("skipped", 0.2, None))  # nothing to do: the file stays as it was
+    assert (path.read_bytes(), path.stat().st_mtime_ns) == before
+
+    doc, rows = run(dpo=("retrained", 400.0, 0.6))
+    assert rows == {"sft": ("trained", 1000.0, 990.0), "dpo": ("retrained", 400.0, 390.0)}
+    assert (doc["wall_s"], doc["last_run_wall_s"]) == (1400.2, 400.2)  # 0.2 (sft skipped) + 400 now + 1000 kept
+
+    (pipe.steps[0].done_marker).write_text(json.dumps({"stage": "sft", "summary": {"steps": 2, "train_loss": 1.9,
+                                                                                     "wall_s": 42.0}}))
+    doc, rows = run(sft=("skipped", 0.2, None), dpo=("skipped", 0.2, None))
+    assert rows == {"sft": ("skipped", 0.2, 42.0), "dpo": ("retrained", 400.0, 390.0)}  # sft: not the run above
+    assert (doc["wall_s"], doc["last_run_wall_s"]) == (400.4, 0.4)
+
+
 # --- the pair rule ----------------------------------------------------------------------------------------------------
 
 

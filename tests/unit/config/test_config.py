@@ -39,6 +39,25 @@ def test_unknown_section_and_misplaced_key():
     assert found["train.max_length"] == "unknown key here; 'max_length' belongs in 'data.max_length'"
 
 
+def test_a_columns_key_that_is_no_canonical_field_is_named_before_any_data_is_read():
+    """The file does not exist: the problems come from the recipe alone (the data used to end in 'cannot detect')."""
+    found = problems({"data": {"datasets": [{"path": "missing.jsonl", "columns": {"instrution": "question",
+                                                                                     "output": "answer"}},
+                                            {"path": "b.jsonl", "columns": {"question": "prompt"}}]}})
+    assert set(found) == {"data.datasets.0.columns.instrution", "data.datasets.1.columns.question"}
+    assert found["data.datasets.0.columns.instrution"].startswith(
+        "'instrution' is not a canonical field; did you mean 'instruction' ({instruction: question})?")
+    assert "write {prompt: question}" in found["data.datasets.1.columns.question"]  # reversed mapping
+    assert "canonical fields: chosen, completion, content, input, instruction" in found["data.datasets.1.columns.question"]
+
+
+def test_canonical_columns_are_the_fields_of_the_data_formats():
+    from llmtune.config.validate import CANONICAL_COLUMNS
+    from llmtune.data.formats import FORMAT_FIELDS
+
+    assert set(CANONICAL_COLUMNS) == {f for fields in FORMAT_FIELDS.values() for f in fields}
+
+
 def test_global_batch_must_be_multiple_of_micro_batch():
     found = problems({"train": {"micro_batch_size": 3, "global_batch_size": 8}})
     assert found == {"train.global_batch_size": "must be a multiple of micro_batch_size (3); got 8"}

@@ -62,6 +62,57 @@ def test_finalize_adapter_dir_names_the_portable_base_and_warns_about_the_chain(
     assert "PeftModel.from_pretrained" in card and "torch 2.13.0" in card and "commit `abc`" in card
 
 
+@pytest.mark.parametrize("head", ["causal_lm", "score"])
+def test_the_card_snippet_loads_the_adapter_on_a_local_base_offline(tmp_path, monkeypatch, head):
+    """A builtin-base adapter (its base: llmtune's converted directory, here a tiny model): the card's offline snippet,
+    run as written with HF_HUB_OFFLINE=1, gives the logits of the adapter model it was saved from."""
+    import re
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from llmtune.models.tiny import save_tiny_model
+
+    base_dir = save_tiny_model(tmp_path / "converted")
+    auto = AutoModelForSequenceClassification if head == "score" else AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = get_peft_model(auto.from_pretrained(base_dir, dtype=torch.float32, **({"num_labels": 1} if head == "score"
+                                                                                  else {})),
+                           LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False,
+                                      modules_to_save=["score"] if head == "score" else None)).eval()
+    adapter = tmp_path / "adapter"
+    model.save_pretrained(adapter)
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    tokenizer.save_pretrained(adapter)
+    lineage = {"stage": "rm" if head == "score" else "sft", "model_head": head, "llmtune_version": "0.1.0",
+               "base_model": {"name_or_path": "builtin:smollm2-135m-instruct", "kind": "builtin",
+                              "path": str(base_dir)}, "summary": {"steps": 1}}
+    artifacts.finalize_adapter_dir(adapter, lineage)
+    card = (adapter / "README.md").read_text()
+    online, offline = card.split("### Offline, with a local copy of the base")
+    compile(re.search(r"```python\n(.*?)```", online, re.S).group(1), "card", "exec")  # the hub route parses too
+    code = re.search(r"```python\n(.*?)```", offline, re.S).group(1)
+    assert f'BASE_DIR = "{base_dir}"' in code and "from_pretrained(BASE_DIR, dtype=torch.float32" in code
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    scope = {}
+    exec(code.replace("path/to/this/adapter", str(adapter)), scope)  # noqa: S102 - the card's own snippet
+    enc = scope["enc"]
+    with torch.no_grad():
+        expected = model(**enc).logits
+        assert torch.equal(scope["model"](**enc).logits, expected)
+        plain = auto.from_pretrained(base_dir, dtype=torch.float32, **({"num_labels": 1} if head == "score" else {}))
+        assert not torch.allclose(plain(**enc).logits, expected)  # the adapter changes the output
+    if head == "score":
+        assert scope["score"] == expected[0, 0]
+
+
+def test_a_local_base_needs_no_second_snippet(tmp_path):
+    base = portable_base("./m", "local", str(tmp_path))
+    card = "\n".join(artifacts.usage_snippet(base, "a", "causal_lm", "adapter", local_base=str(tmp_path.resolve())))
+    assert "Offline" not in card and f'from_pretrained("{tmp_path.resolve()}")' in card
+
+
 def test_package_versions_and_commit():
     versions = artifacts.package_versions()
     assert {"torch", "transformers", "peft", "trl", "deepspeed", "bitsandbytes"} <= set(versions)

@@ -110,6 +110,15 @@ def test_undetectable_format_lists_columns(tok, write, cfg):
         build_sft_data(cfg(path), tok)
 
 
+def test_a_misspelled_columns_key_is_named_not_undetectable(tok, write, cfg):
+    """A DataConfig built without the recipe check (pipeline pairs steps): the data layer names the key too."""
+    path = write("qa.jsonl", [{"question": "What is 2 + 3?", "answer": "It is 5."}])
+    with pytest.raises(DataError) as info:
+        build_sft_data(cfg({"path": str(path), "columns": {"instrution": "question", "output": "answer"}}), tok)
+    assert str(info.value).startswith("data.datasets[0].columns.instrution: 'instrution' is not a canonical field; "
+                                      "did you mean 'instruction' ({instruction: question})?")
+
+
 def test_column_mapping_alpaca(tok, write, cfg):
     path = write("qa.jsonl", [{"question": "What is 2 + 3?", "answer": "It is 5."}])
     data = build_sft_data(cfg({"path": str(path), "columns": {"instruction": "question", "output": "answer"}}), tok)
