@@ -22,7 +22,7 @@ EXIT_USAGE = 2
 
 # recipe sections a stage reads (llmtune <stage> --help lists these); validate lists them all
 # a stage reads the common sections, its own (named like the stage, when the schema has one) and these:
-STAGE_SECTIONS = {"ppo": ("reward",), "grpo": ("reward",)}
+STAGE_SECTIONS = {"ppo": ("rollout", "reward"), "grpo": ("rollout", "reward")}
 COMMON_SECTIONS = ("model", "data", "adapter", "train", "precision", "distributed", "output")
 
 
@@ -50,6 +50,13 @@ def options_help(stage: str | None = None) -> str:
         cls = SECTIONS[section]
         lines.append(f"\n  {section}:  {(cls.__doc__ or '').strip().splitlines()[0]}")
         for name, field in cls.model_fields.items():
+            nested = field.annotation if isinstance(field.annotation, type) and issubclass(field.annotation,
+                                                                                           BaseModel) else None
+            if nested is not None:  # a sub-section (rollout.vllm): its doc line, then its keys
+                lines.append(f"    {section}.{name}:  {(nested.__doc__ or '').strip().splitlines()[0]}")
+                for sub, sub_field in nested.model_fields.items():
+                    lines.append(_field_line(f"{section}.{name}.{sub}", sub_field, indent=6))
+                continue
             lines.append(_field_line(f"{section}.{name}", field))
             if section == "data" and name == "datasets":
                 for sub, sub_field in DatasetConfig.model_fields.items():

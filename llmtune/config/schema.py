@@ -12,6 +12,7 @@ with field errors in one message.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -380,11 +381,6 @@ class PPOConfig(Section):
 
     rollout_batch_size: int = Field(16, ge=1, description="Prompts generated per PPO iteration, over all ranks.")
     ppo_epochs: int = Field(2, ge=1, description="Passes of optimizer steps over each rollout batch.")
-    max_new_tokens: int = Field(64, ge=1, description="Longest response in tokens; a response that reaches it "
-                                "without EOS is counted in truncated_fraction.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold of the rollouts (1 = off).")
-    top_k: int = Field(0, ge=0, description="Top-k sampling of the rollouts (0 = off).")
     kl_coef: float = Field(0.05, ge=0, description="Initial coefficient of the per-token KL(policy||reference) "
                            "penalty in the reward.")
     kl_target: float | None = Field(None, gt=0, description="Adaptive KL controller target (nats per response; "
@@ -401,13 +397,11 @@ class PPOConfig(Section):
                                    "rollouts so far, this one included; never the identity).")
     score_clip: float | None = Field(None, gt=0, description="Clip (normalised) scores to [-score_clip, score_clip].")
     missing_eos_penalty: float | None = Field(None, description="Added to the score of a response that did not end "
-                                              "with EOS within max_new_tokens (e.g. -1.0); null = none.")
+                                              "with EOS within rollout.max_new_tokens (e.g. -1.0); null = none.")
     value_model: Literal["adapter"] = Field("adapter", description="adapter = a value head on its own LoRA adapter "
                                             "over the policy's base (one base in memory).")
     init_value_from_reward: bool = Field(True, description="Initialise the value adapter and head from the reward "
                                          "model's adapter and score head when reward.from_run is set.")
-    eval_max_new_tokens: int | None = Field(None, ge=1, description="Longest greedy eval response (default "
-                                            "max_new_tokens).")
     sample_every: int = Field(1, ge=1, description="Write a few rollout completions to samples.jsonl every N PPO "
                               "iterations.")
 
@@ -425,11 +419,6 @@ class GRPOConfig(Section):
                                     "(prompts x num_generations); a multiple of train.global_batch_size.")
     num_iterations: int = Field(1, ge=1, description="Passes mu of optimizer steps over each rollout batch; the "
                                 "importance ratio is taken against the sampling policy.")
-    max_new_tokens: int = Field(128, ge=1, description="Longest completion in tokens; one that reaches it without "
-                                "the end-of-turn token is truncated (truncated_fraction).")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold of the rollouts (1 = off).")
-    top_k: int = Field(0, ge=0, description="Top-k sampling of the rollouts (0 = off).")
     epsilon_low: float = Field(0.2, gt=0, lt=1, description="Lower clip range: ratio clipped at 1 - epsilon_low.")
     epsilon_high: float = Field(0.2, gt=0, description="Upper clip range: ratio clipped at 1 + epsilon_high (DAPO "
                                 "clip-higher uses 0.28).")
@@ -443,7 +432,7 @@ class GRPOConfig(Section):
     loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = Field(
         "token_mean", description="token_mean: sum over all completion tokens of the step / their number (DAPO); "
         "sequence_mean: mean over each completion's tokens, then over completions (GRPO); constant: token sum / "
-        "(completions x max_new_tokens) (Dr. GRPO).")
+        "(completions x rollout.max_new_tokens) (Dr. GRPO).")
     dynamic_sampling: Literal["off", "drop", "resample"] = Field(
         "off", description="Groups whose rewards are all equal carry no signal (always counted: "
         "all_equal_group_fraction). drop: leave them out of the loss and its normaliser; resample (DAPO): sample "
@@ -455,14 +444,84 @@ class GRPOConfig(Section):
 
     max_resample_rounds: int = Field(2, ge=1, description="dynamic_sampling resample: extra sampling rounds per "
                                      "rollout batch at most.")
-    mask_truncated_completions: bool = Field(False, description="Leave completions cut at max_new_tokens out of "
+    mask_truncated_completions: bool = Field(False, description="Leave completions cut at rollout.max_new_tokens out of "
                                              "the loss (DAPO overlong filtering).")
     missing_eos_penalty: float | None = Field(None, description="Added to the reward of a completion cut at "
-                                              "max_new_tokens (e.g. -1.0); null = none.")
-    eval_max_new_tokens: int | None = Field(None, ge=1, description="Longest greedy eval completion (default "
-                                            "max_new_tokens).")
+                                              "rollout.max_new_tokens (e.g. -1.0); null = none.")
     sample_every: int = Field(1, ge=1, description="Write a few rollout completions to samples.jsonl every N "
                               "iterations.")
+
+
+# rollout.max_new_tokens when null: each online-RL stage's own default (completion / response tokens)
+ROLLOUT_MAX_NEW_TOKENS = {"ppo": 64, "grpo": 128}
+
+
+class VLLMConfig(Section):
+    """The vLLM rollout engine (``rollout.engine: vllm``): in this process (``colocate``) or a server of its own
+    (``server``, possibly on other GPUs or nodes, in its own environment). The trained LoRA adapter reaches the
+    engine as a new, versioned LoRA request after every optimizer step; the adapters below it are merged once
+    into the engine's base."""
+
+    mode: Literal["colocate", "server"] = Field(
+        "colocate", description="colocate: vLLM runs in the training process on the same device(s); server: the "
+        "trainer samples through a running rollout server at url (`llmtune rollout-server RECIPE`).")
+    url: str | None = Field(None, description="server mode: http://host:port of a running rollout server.")
+    gpu_memory_utilization: float = Field(
+        0.3, gt=0, le=1, description="colocate on GPU: fraction (0, 1] of device memory for vLLM (weights + KV "
+        "cache); the trainer uses the rest.")
+    enable_sleep_mode: bool = Field(True, description="colocate on GPU: release vLLM's KV cache and weights while "
+                                    "training, wake it for each rollout batch.")
+    max_model_len: int | None = Field(
+        None, ge=1, description="Longest sequence (prompt + completion tokens) the engine serves; null = the longest "
+        "prompt (data.max_prompt_length or data.max_length) + rollout.max_new_tokens.")
+    max_lora_rank: int | None = Field(None, ge=1, description="Largest LoRA rank the engine accepts; null = the "
+                                      "trained adapter's adapter.lora_r.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="dtype of the engine's weights and compute; auto = the trainer's precision (bf16/fp16 "
+        "when precision asks for it, else float32).")
+    startup_timeout_s: float = Field(600.0, gt=0, description="Seconds to wait for the engine / server to become "
+                                     "healthy before failing.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Seconds one generation or weight-sync request to the "
+                                     "engine may take before failing.")
+    importance_sampling_correction: bool = Field(
+        True, description="Truncated importance sampling (TIS; Yao et al. 2025, \"Your efficient RL framework "
+        "secretly brings you off-policy RL training\"; TRL's vllm_importance_sampling_correction): multiply the "
+        "per-token policy-gradient loss by min(pi_trainer / pi_engine, importance_sampling_cap) of each sampled "
+        "token, correcting for the engine/trainer numerical mismatch (not the KL term).")
+    importance_sampling_cap: float = Field(
+        2.0, ge=1, description="Cap C of the per-token weight min(pi_trainer / pi_engine, C), >= 1 (Yao et al. "
+        "2025 use C = 2, as TRL's token-level vllm_importance_sampling_cap default 2.0 did; TRL 1.16 defaults to "
+        "sequence-level masking at 3.0).")
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value):
+        if value is not None and not re.fullmatch(r"https?://[^/\s:]+(:\d{1,5})?/?", value):
+            raise ValueError(f"must look like http://host:port (e.g. http://127.0.0.1:8000), got {value!r}")
+        return value
+
+
+class RolloutConfig(Section):
+    """Sampling of the online-RL stages (PPO and GRPO): which rollout engine generates the completions and with which
+    settings. The trainer recomputes the log-probs used in the loss; the engine's own log-probs only measure the
+    mismatch (rollout/logprob_diff_*) and feed the importance-sampling correction."""
+
+    engine: Literal["auto", "hf", "vllm"] = Field(
+        "auto", description="Rollout engine: hf = transformers' generate on the training model; vllm = vLLM (see "
+        "rollout.vllm); auto = vllm when CUDA is available and vLLM can be used (importable here for colocate, "
+        "rollout.vllm.url set for server), else hf.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts; the loss's log-probs "
+                               "are taken at this temperature too.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold of the rollouts (1 = off).")
+    top_k: int = Field(0, ge=0, description="Top-k sampling of the rollouts (0 = off).")
+    max_new_tokens: int | None = Field(
+        None, ge=1, description="Longest sampled completion in tokens; one that reaches it without the end-of-turn "
+        "token is truncated (truncated_fraction). null = the stage's default (ppo 64, grpo 128).")
+    eval_max_new_tokens: int | None = Field(None, ge=1, description="Longest greedy eval completion in tokens "
+                                            "(null = max_new_tokens).")
+    seed: int | None = Field(None, ge=0, le=SEED_MAX, description="Seed of the sampling; null = train.seed. The "
+                             "engine's per-request seeds derive from (seed, iteration, rank).")
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
 
 class RewardFunctionConfig(Section):
@@ -527,8 +586,16 @@ class Recipe(Section):
     orpo: ORPOConfig = Field(default_factory=ORPOConfig)
     simpo: SimPOConfig = Field(default_factory=SimPOConfig)
     kto: KTOConfig = Field(default_factory=KTOConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
+
+    @model_validator(mode="after")
+    def _stage_max_new_tokens(self):
+        """Fill ``rollout.max_new_tokens: null`` with the stage's default, so every reader gets an int."""
+        if self.rollout.max_new_tokens is None and self.stage in ROLLOUT_MAX_NEW_TOKENS:
+            self.rollout.max_new_tokens = ROLLOUT_MAX_NEW_TOKENS[self.stage]
+        return self
 
 
 SECTIONS: dict[str, type[Section]] = {

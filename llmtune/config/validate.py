@@ -87,9 +87,22 @@ def _merge_union_errors(problems: list[tuple[str, str]]) -> list[tuple[str, str]
     return [(key, messages[0] if len(messages) == 1 else "; or ".join(messages)) for key, messages in merged.items()]
 
 
+# keys that moved to another section: `old.path: new.path` (the error names the new key)
+MOVED_KEYS: dict[str, str] = {
+    f"{stage}.{key}": f"rollout.{key}"
+    for stage in ("ppo", "grpo")
+    for key in ("temperature", "top_p", "top_k", "max_new_tokens", "eval_max_new_tokens")
+}
+
+
 def _format_pydantic(err: dict) -> tuple[str, str]:
     loc = tuple(err["loc"])
     path = ".".join(str(p) for p in loc)
+    if err["type"] == "extra_forbidden" and path in MOVED_KEYS:
+        new = MOVED_KEYS[path]
+        section, key = new.split(".", 1)
+        return path, (f"{path} moved to {new} (PPO and GRPO share one `{section}:` section for sampling); write "
+                      f"`{section}: {{{key}: {err.get('input')!r}}}` or the override {new}=...")
     if err["type"] == "extra_forbidden":
         key = str(loc[-1])
         names = _field_names(Recipe, loc)

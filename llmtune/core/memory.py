@@ -160,14 +160,13 @@ def max_sequence_tokens(recipe, data_kind: str) -> tuple[int, int]:
     """(sequences per micro-batch, tokens per sequence) of the largest micro-batch a stage can build.
 
     SFT: ``micro_batch_size`` rows of ``data.max_length``; pairwise stages: chosen and rejected rows (2x); online RL
-    (``prompt``): prompt (``data.max_prompt_length`` or ``max_length``) + the stage's ``max_new_tokens``.
+    (``prompt``): prompt (``data.max_prompt_length`` or ``max_length``) + ``rollout.max_new_tokens``.
     """
     t, d = recipe.train, recipe.data
     if data_kind == "pairwise":
         return 2 * t.micro_batch_size, d.max_length
     if data_kind == "prompt":
-        cfg = getattr(recipe, recipe.stage, None)
-        new = getattr(cfg, "max_new_tokens", 0) or 0
+        new = recipe.rollout.max_new_tokens or 0
         return t.micro_batch_size, (d.max_prompt_length or d.max_length) + new
     return t.micro_batch_size, d.max_length
 
@@ -217,8 +216,7 @@ def estimate_training_memory(model: torch.nn.Module, recipe, data_kind: str, zer
     if autocast and layers:  # autocast's half copies of the LoRA factors, kept for the backward of each layer
         activations += n_layers * 2 * sum(p.numel() for p in layers[0].parameters() if p.requires_grad)
     activations_ckpt = int(tokens * act_bytes * (n_layers * per_layer_ckpt * passes + per_layer))
-    head_rows = rows * (getattr(getattr(recipe, recipe.stage, None), "max_new_tokens", 0) or 0) \
-        if data_kind == "prompt" else tokens
+    head_rows = rows * (recipe.rollout.max_new_tokens or 0) if data_kind == "prompt" else tokens
     copies = 2 if data_kind == "prompt" else 1  # full logits + fp32 log-softmax vs. one fp32 buffer (lm_head.py)
     head = int(head_rows * vocab * 4 * copies + tokens * act_bytes * h)  # + the final norm's input
     return MemoryEstimate(weights=int(weights), trainable=int(grads + states + master), activations=activations,

@@ -93,7 +93,7 @@ def model_fit_problems(recipe: Recipe, tokenizer, head: str = "causal_lm", stage
                        config: Any | None = None, check_vocab: bool = True) -> list[tuple[str, str]]:
     """Recipe values that cannot work with this model, as ``(dotted key, message)``.
 
-    Checks ``data.max_length`` (PPO: prompt + ``ppo.max_new_tokens``) against ``max_position_embeddings``, the
+    Checks ``data.max_length`` (PPO, GRPO: prompt + ``rollout.max_new_tokens``) against ``max_position_embeddings``, the
     tokenizer's size against the embedding rows (``vocab_size``: a larger id is an IndexError at the first
     forward; ``check_vocab=False`` for a ``from_run`` chain, whose adapters may resize the embeddings), and the
     adapter module names (:func:`adapter_name_problems`). Reads the config only.
@@ -106,13 +106,14 @@ def model_fit_problems(recipe: Recipe, tokenizer, head: str = "causal_lm", stage
     limit = getattr(text, "max_position_embeddings", None)
     data = recipe.data
     if isinstance(limit, int) and limit > 0:
-        if stage == "ppo":
-            need = (data.max_prompt_length or data.max_length) + recipe.ppo.max_new_tokens
+        if stage in ("ppo", "grpo"):
+            new = recipe.rollout.max_new_tokens or 0
+            need = (data.max_prompt_length or data.max_length) + new
             if need > limit:
-                problems.append(("ppo.max_new_tokens", f"prompts of up to {data.max_prompt_length or data.max_length} "
-                                 f"tokens + {recipe.ppo.max_new_tokens} new tokens = {need} exceed the model's position "
+                problems.append(("rollout.max_new_tokens", f"prompts of up to {data.max_prompt_length or data.max_length} "
+                                 f"tokens + {new} new tokens = {need} exceed the model's position "
                                  f"limit (max_position_embeddings {limit}); lower data.max_prompt_length or "
-                                 "ppo.max_new_tokens"))
+                                 "rollout.max_new_tokens"))
         elif data.max_length > limit:
             problems.append(("data.max_length", f"{data.max_length} exceeds the model's position limit "
                              f"(max_position_embeddings {limit} in its config); set data.max_length <= {limit}"))

@@ -61,8 +61,8 @@ class OnlineRLTrainer(CoreTrainer):
 
     Constructed by the runner like every stage trainer: ``train_dataset``/``eval_dataset`` are prompt rows
     (``llmtune.data.prompts``), ``data_collator`` left-pads them, ``model`` is the peft policy (adapter ``default``).
-    The stage's recipe section (``recipe.<stage name>``) supplies ``temperature``/``top_p``/``top_k``,
-    ``max_new_tokens``, ``eval_max_new_tokens`` and ``sample_every``.
+    ``recipe.rollout`` supplies the sampling settings (``temperature``/``top_p``/``top_k``, ``max_new_tokens``,
+    ``eval_max_new_tokens``) and the engine; the stage's section (``recipe.<stage name>``) ``sample_every``.
 
     Raises:
         ValueError: the tokenizer has no way to end a completion (no EOS, no end-of-turn token).
@@ -78,6 +78,7 @@ class OnlineRLTrainer(CoreTrainer):
                  processing_class=None, **kwargs):
         recipe = stage.recipe
         self.cfg = getattr(recipe, stage.name)
+        self.rollout = recipe.rollout  # sampling settings and the rollout engine (shared by PPO and GRPO)
         self.tokenizer = processing_class
         self.prompts, self.prompt_collator = train_dataset, data_collator
         self.eval_prompts = eval_dataset
@@ -98,8 +99,8 @@ class OnlineRLTrainer(CoreTrainer):
                          eval_dataset=eval_dataset, data_collator=_slot_collate, processing_class=processing_class,
                          **kwargs)
         self.rewards.to(self.args.device)
-        self.generation = HFGenerationBackend(self, self.eos_ids, self.pad_id, self.cfg.temperature, self.cfg.top_p,
-                                              self.cfg.top_k)
+        self.generation = HFGenerationBackend(self, self.eos_ids, self.pad_id, self.rollout.temperature,
+                                              self.rollout.top_p, self.rollout.top_k)
 
     # ---- what a stage supplies ------------------------------------------------------------------
     def build_model(self, policy, recipe) -> torch.nn.Module:
@@ -177,7 +178,7 @@ class OnlineRLTrainer(CoreTrainer):
         from llmtune.core.flops import forward_flops_per_token, peak_tflops
 
         start = time.perf_counter()
-        sequences = self.generate(batch, greedy=False, max_new_tokens=self.cfg.max_new_tokens)
+        sequences = self.generate(batch, greedy=False, max_new_tokens=self.rollout.max_new_tokens)
         seconds = time.perf_counter() - start
         self._generation_s += seconds
         responses, mask, ended = split_generation(sequences, batch["input_ids"].shape[1], self.eos_ids, self.pad_id)
@@ -269,7 +270,7 @@ class OnlineRLTrainer(CoreTrainer):
         indices = list(range(len(rows_all)))[self.args.process_index::self.args.world_size]
         size = self.args.per_device_eval_batch_size
         per_row, samples = [], []
-        max_new = self.cfg.eval_max_new_tokens or self.cfg.max_new_tokens
+        max_new = self.rollout.eval_max_new_tokens or self.rollout.max_new_tokens
         names = self.rewards.names
         from tqdm.auto import tqdm
 

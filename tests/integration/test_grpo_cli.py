@@ -42,8 +42,9 @@ def grpo_recipe(root, name, **extra):
     return write_recipe(
         root, name, "grpo", model={"from_run": str(root / "sft")},
         data={"datasets": [{"path": str(root / "prompts.jsonl")}], "max_length": 64, "val_size": 4},
-        grpo={"num_generations": 2, "rollout_batch_size": 8, "max_new_tokens": 8, "beta": 0.1,
+        grpo={"num_generations": 2, "rollout_batch_size": 8, "beta": 0.1,
               "epsilon_high": 0.28, **extra.pop("grpo", {})},
+        rollout={"max_new_tokens": 8, **extra.pop("rollout", {})},
         reward=reward, train=train, output={"dir": str(root / name)}, **COMMON, **extra)
 
 

@@ -55,7 +55,7 @@ def workspace(tmp_path_factory):
             "data": {"datasets": [{"path": "{pairs}"}], "max_length": 64, "val_size": 2}, "train": TRAIN, **COMMON}},
         {"name": "ppo", "stage": "ppo", "recipe": {
             "data": {"datasets": [{"path": str(root / "prompts.jsonl")}], "max_length": 64, "val_size": 2},
-            "reward": reward, "ppo": {"rollout_batch_size": 4, "ppo_epochs": 1, "max_new_tokens": 6},
+            "reward": reward, "ppo": {"rollout_batch_size": 4, "ppo_epochs": 1}, "rollout": {"max_new_tokens": 6},
             "train": TRAIN, **COMMON}},
     ]
     path = root / "pipeline.yaml"

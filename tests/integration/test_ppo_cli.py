@@ -31,8 +31,9 @@ def ppo_recipe(root, name, reward, **extra):
     return write_recipe(
         root, name, "ppo", model={"from_run": str(root / "sft")},
         data={"datasets": [{"path": str(root / "prompts.jsonl")}], "max_length": 64, "val_size": 4},
-        ppo={"rollout_batch_size": 4, "ppo_epochs": 2, "max_new_tokens": 8, "kl_coef": 0.05, "kl_target": 1.0,
+        ppo={"rollout_batch_size": 4, "ppo_epochs": 2, "kl_coef": 0.05, "kl_target": 1.0,
              "missing_eos_penalty": -1.0, **extra.pop("ppo", {})},
+        rollout={"max_new_tokens": 8, **extra.pop("rollout", {})},
         reward=reward, train=train, output={"dir": str(root / name)}, **COMMON, **extra)
 
 

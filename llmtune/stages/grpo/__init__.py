@@ -46,14 +46,14 @@ class GRPOStage(OnlineRLStage):
         width = batch["responses"].shape[1]
         logits, _ = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                           position_ids=batch["position_ids"], response_width=width)
-        logps = response_token_logps(logits, batch["responses"], cfg.temperature)
+        logps = response_token_logps(logits, batch["responses"], self.recipe.rollout.temperature)
         old = batch.get("old_logps")
         out = ops.grpo_loss(logps, logps.detach() if old is None else old, batch["advantages"], mask,
-                            cfg.epsilon_low, cfg.epsilon_high, cfg.loss_aggregation, cfg.max_new_tokens,
+                            cfg.epsilon_low, cfg.epsilon_high, cfg.loss_aggregation, self.recipe.rollout.max_new_tokens,
                             cfg.beta, batch.get("ref_logps"), cfg.kl_estimator)
         tokens = mask.sum().clamp(min=1)
         with torch.no_grad():
-            entropy = masked_mean(entropy_from_logits(logits.detach().float() / cfg.temperature),
+            entropy = masked_mean(entropy_from_logits(logits.detach().float() / self.recipe.rollout.temperature),
                                   batch["response_mask"].float())
         local = ops.count_items(mask, cfg.loss_aggregation).clamp(min=1)  # this micro-batch's share of num_items
         metrics = {"policy_loss": float(out.loss_sum.detach() / local), "entropy": float(entropy),

@@ -145,7 +145,7 @@ class GRPOTrainer(OnlineRLTrainer):
         kl_rollout = None
         if self.needs_old_logps or g.beta > 0:
             fwd = self.forward_chunks(inputs, responses, with_values=False, reference=g.beta > 0,
-                                      temperature=g.temperature, policy=True)
+                                      temperature=self.rollout.temperature, policy=True)
             if self.needs_old_logps:
                 experience["old_logps"] = fwd["logps"] * mask
             if g.beta > 0:

@@ -44,13 +44,13 @@ class PPOStage(OnlineRLStage):
         width = batch["responses"].shape[1]
         logits, values = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                position_ids=batch["position_ids"], response_width=width)
-        logps = response_token_logps(logits, batch["responses"], cfg.temperature)
+        logps = response_token_logps(logits, batch["responses"], self.recipe.rollout.temperature)
         pg = ops.policy_loss(logps, batch["old_logps"], batch["advantages"], mask, cfg.cliprange)
         vf_sum, vf_clipped = ops.value_loss(values, batch["old_values"], batch["returns"], mask, cfg.cliprange_value)
         loss = (pg.loss_sum + cfg.vf_coef * vf_sum) / num_items
         tokens = mask.sum().clamp(min=1)
         with torch.no_grad():
-            entropy = ops.masked_mean(ops.entropy_from_logits(logits.detach().float() / cfg.temperature), mask)
+            entropy = ops.masked_mean(ops.entropy_from_logits(logits.detach().float() / self.recipe.rollout.temperature), mask)
         metrics = {
             "policy_loss": float(pg.loss_sum.detach() / tokens), "value_loss": float(vf_sum.detach() / tokens),
             "clipfrac": float(pg.clipped / tokens), "vf_clipfrac": float(vf_clipped / tokens),

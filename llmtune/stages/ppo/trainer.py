@@ -120,7 +120,7 @@ class PPOTrainer(OnlineRLTrainer):
         responses, mask, ended = self.sample(batch)
         inputs = join(batch["input_ids"], batch["attention_mask"], responses, mask)
         fwd = self.forward_chunks(inputs, responses, with_values=True, reference=True,
-                                   temperature=self.ppo.temperature)
+                                   temperature=self.rollout.temperature)
         maskf = mask.float()
         logps, ref_logps, values = fwd["logps"] * maskf, fwd["ref_logps"] * maskf, fwd["values"] * maskf
         raw_scores = self.rewards(batch["input_ids"], batch["attention_mask"], responses, mask, rows).to(maskf.device)

@@ -223,7 +223,7 @@ def test_cli_ppo_skips_a_nonfinite_optimizer_step(cli_workspace, monkeypatch):
     recipe = {"stage": "ppo", "model": {"name_or_path": str(cli_workspace / "model")},
               "data": {"datasets": [{"path": str(cli_workspace / "prompts.jsonl")}], "max_length": 64},
               "adapter": {"lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0},
-              "ppo": {"rollout_batch_size": 4, "ppo_epochs": 1, "max_new_tokens": 4},
+              "ppo": {"rollout_batch_size": 4, "ppo_epochs": 1}, "rollout": {"max_new_tokens": 4},
               "reward": {"function": "llmtune.rewards:gsm8k_reward"},
               "train": {"micro_batch_size": 2, "global_batch_size": 4, "max_steps": 3, "learning_rate": 1e-3},
               "output": {"dir": str(cli_workspace / "ppo")}}

@@ -160,7 +160,7 @@ def test_pairwise_and_prompt_stages_count_their_sequences():
     r = load_recipe(raw={"stage": "grpo", "data": {"max_length": 100, "max_prompt_length": 60},
                          "train": {"micro_batch_size": 2, "global_batch_size": 8, "max_steps": 2},
                          "reward": {"function": "llmtune.rewards:gsm8k_reward"},
-                         "grpo": {"max_new_tokens": 30, "rollout_batch_size": 8, "num_generations": 4}})
+                         "grpo": {"rollout_batch_size": 8, "num_generations": 4}, "rollout": {"max_new_tokens": 30}})
     assert memory.max_sequence_tokens(r, "prompt") == (2, 90)
 
 
