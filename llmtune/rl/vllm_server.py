@@ -47,6 +47,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 PROTOCOL = 1
 # vLLM accepts only these LoRA ranks as max_lora_rank (vllm.config.lora.LoRAConfig)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+CPU_KV_CACHE_BYTES = 1 << 30
 
 
 def engine_lora_rank(rank: int) -> int:
@@ -90,6 +91,10 @@ class RolloutCore:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if enable_sleep_mode and not _on_cpu():
             kwargs["enable_sleep_mode"] = True
+        if _on_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            # on CPU vLLM reserves gpu_memory_utilization x the node's memory (0.92 by default) unless the KV cache
+            # size is given: 1 GiB (VLLM_CPU_KVCACHE_SPACE=<GiB> sets another size)
+            kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
         kwargs.update(engine_args or {})
         self.llm = LLM(**kwargs)
 

@@ -32,6 +32,7 @@ TOL = 2e-4
 EOS = 1  # the tiny chatml tokenizer's <|im_end|>
 PAD = 1
 TEMPERATURE = 0.7
+ENGINE_ARGS = {"kv_cache_memory_bytes": 64 << 20}  # 64 MiB of KV cache: 65k tokens of the tiny model
 
 
 def _peft_model(model_dir: Path, r: int, seed: int):
@@ -65,7 +66,9 @@ def server(model_dir, tmp_path_factory):
     settings = VLLMSettings(max_model_len=128, max_lora_rank=4, dtype="float32", seed=0, startup_timeout_s=300,
                             request_timeout_s=120, temperature=TEMPERATURE)
     start = time.perf_counter()
-    client = start_colocated(model_dir, settings, tmp_path_factory.mktemp("vllm_run"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LLMTUNE_VLLM_ENGINE_ARGS", json.dumps(ENGINE_ARGS))
+        client = start_colocated(model_dir, settings, tmp_path_factory.mktemp("vllm_run"))
     print(f"vLLM engine started in {time.perf_counter() - start:.1f} s")
     yield client, settings
     from llmtune.rl.vllm_engine import _stop
