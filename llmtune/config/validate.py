@@ -183,6 +183,8 @@ def cross_field_problems(doc: dict) -> list[tuple[str, str]]:
         problems += ppo_problems(doc)
     if _get(doc, "stage") == "grpo":
         problems += grpo_problems(doc)
+    if _get(doc, "stage") in ("ppo", "grpo"):
+        problems += rollout_problems(doc)
     problems += distributed_problems(doc)
     from llmtune.config.surface import surface_problems
 
@@ -242,6 +244,56 @@ def distributed_problems(doc: dict) -> list[tuple[str, str]]:
         problems.append(("dpo.precompute_ref_logps", "with ZeRO-3 the weights are partitioned before training "
                          "starts, so reference log-probs cannot be computed ahead; set it to false (the reference "
                          "is the policy with its adapter disabled) or use ZeRO stage 2"))
+    return problems
+
+
+def rollout_problems(doc: dict, engine: str | None = None) -> list[tuple[str, str]]:
+    """Server mode without its url (engine vllm or auto), and what the vLLM rollout engine cannot sample for
+    (engine vllm; see ``RolloutConfig``).
+
+    vLLM receives the policy as a LoRA adapter after every optimizer step, on top of a rollout base that is the
+    frozen model below the adapter (issue 22). So it refuses full fine-tuning (every weight would have to be sent
+    and loaded each step), a quantized base (the trainer's policy is the 4-/8-bit base + adapter; the engine's base
+    would be other weights, so it would sample from another policy: off-policy by construction, not the small
+    numerical mismatch the capped importance correction is for), DoRA and ``modules_to_save`` (not in vLLM's
+    LoRA), ZeRO-3 (the adapter is partitioned over ranks) and an engine LoRA rank below the adapter's.
+
+    Args:
+        doc: the raw recipe mapping. engine: check as if ``rollout.engine`` were this (``auto`` selection asks with
+            ``vllm``); default the recipe's own.
+    """
+    engine = engine or _get(doc, "rollout.engine", "auto")
+    problems: list[tuple[str, str]] = []
+    if engine != "hf" and _get(doc, "rollout.vllm.mode", "colocate") == "server" and not _get(doc, "rollout.vllm.url"):
+        problems.append(("rollout.vllm.url", "rollout.vllm.mode: server needs the address of a running rollout "
+                         "server, e.g. rollout.vllm.url: http://127.0.0.1:8000 (start one with `llmtune "
+                         "rollout-server RECIPE`, which prints it), or use mode: colocate"))
+    if engine != "vllm":
+        return problems
+    alternative = "or use rollout.engine: hf (transformers' generate on the training model)"
+    if _get(doc, "adapter.type", "lora") == "none":
+        problems.append(("rollout.engine", "vllm samples with the trained LoRA adapter, pushed to the engine after "
+                         "every optimizer step; full fine-tuning (adapter.type: none) would have to send and reload "
+                         f"every weight of the model each step. Use adapter.type: lora, {alternative}"))
+    for key, what in (("model.load_in_4bit", "4-bit (QLoRA)"), ("model.load_in_8bit", "8-bit")):
+        if _get(doc, key) is True:
+            problems.append(("rollout.engine", f"vllm with a {what} base ({key}: true): the trained policy is the "
+                             "quantized base + adapter, but the engine serves other base weights, so it would "
+                             "sample from another policy (off-policy by construction, beyond what the importance "
+                             f"correction is for). Train LoRA on the unquantized base ({key}: false), {alternative}"))
+    if _get(doc, "adapter.use_dora") is True:
+        problems.append(("rollout.engine", f"vllm has no DoRA adapters (adapter.use_dora: true): use plain LoRA, "
+                         f"{alternative}"))
+    if _get(doc, "adapter.modules_to_save"):
+        problems.append(("rollout.engine", "vllm's LoRA cannot load fully trained modules (adapter.modules_to_save): "
+                         f"leave it empty, {alternative}"))
+    if _zero_stage(doc) == 3:
+        problems.append(("rollout.engine", "vllm reads the whole policy adapter after every step; ZeRO-3 partitions "
+                         f"it over the ranks: use distributed.zero_stage 2, {alternative}"))
+    rank, lora_r = _get(doc, "rollout.vllm.max_lora_rank"), _get(doc, "adapter.lora_r", 16)
+    if isinstance(rank, int) and isinstance(lora_r, int) and rank < lora_r:
+        problems.append(("rollout.vllm.max_lora_rank", f"{rank} is below the trained adapter's rank adapter.lora_r "
+                         f"= {lora_r}: the engine would refuse the adapter; set it >= {lora_r} or null (= lora_r)"))
     return problems
 
 

@@ -77,11 +77,12 @@ def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
     from llmtune.core.guard import oom_guard
 
     setup_logging()
-    with oom_guard(stage.recipe), StopRequest() as stop:
-        return _run_stage(stage, base_dir, stop)
+    # cleanup: what a trainer holds outside this process's memory (the online-RL rollout engine), freed on the way out
+    with oom_guard(stage.recipe), StopRequest() as stop, contextlib.ExitStack() as cleanup:
+        return _run_stage(stage, base_dir, stop, cleanup)
 
 
-def _run_stage(stage: Stage, base_dir: str | Path, stop: StopRequest) -> dict:
+def _run_stage(stage: Stage, base_dir: str | Path, stop: StopRequest, cleanup: contextlib.ExitStack) -> dict:
     recipe, chain = inherit_from_run(stage.recipe, base_dir)  # model.from_run: base, chat template, adapter chain
     stage.recipe = recipe
     t0 = time.perf_counter()
@@ -155,6 +156,8 @@ def _run_stage(stage: Stage, base_dir: str | Path, stop: StopRequest) -> dict:
         callbacks=[MetricsJsonlCallback(run / rd.METRICS), *(early_stopping(recipe) if has_eval else [])],
         stage=stage,
     )
+    if hasattr(trainer, "close"):  # online RL: the rollout engine, also when training fails
+        cleanup.callback(trainer.close)
     prepared = stage.prepare_data(trainer, data)
     if prepared is not data:
         data, trainer.train_dataset = prepared, prepared.train

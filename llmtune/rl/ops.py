@@ -1,4 +1,5 @@
-"""Arithmetic every online-RL stage needs: masked reductions, entropy, KL estimators.
+"""Arithmetic every online-RL stage needs: masked reductions, entropy, KL estimators, the rollout engine's
+importance weights.
 
 Shapes: B = completions, N = response tokens (right-padded); ``mask`` (B, N) is 1 on real response tokens (up to and
 including the first EOS) and 0 on the padding after it. Reductions count real tokens only.
@@ -56,3 +57,60 @@ def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "
     if estimator == "k3":
         return torch.exp(log_r) - log_r - 1.0
     raise ValueError(f"unknown KL estimator {estimator!r}; use one of {', '.join(KL_ESTIMATORS)}")
+
+
+def truncated_is_weights(trainer_logps: torch.Tensor, engine_logps: torch.Tensor, mask: torch.Tensor,
+                         cap: float) -> torch.Tensor:
+    """Truncated importance-sampling weights of tokens sampled by a rollout engine (Yao et al. 2025, "Your efficient
+    RL framework secretly brings you off-policy RL training"; TRL's ``vllm_importance_sampling_correction`` with
+    token-level truncation): ``w_t = min(pi_trainer(y_t) / pi_engine(y_t), cap)``, which corrects the policy
+    gradient for the numerical mismatch between the engine that sampled and the trainer that computes the loss.
+
+    Args:
+        trainer_logps: (B, N) log-probs of the sampled tokens under the trainer's policy at sampling time.
+        engine_logps: (B, N) the engine's log-probs of the same tokens (its sampling distribution).
+        mask: (B, N) 1 on real response tokens. cap: C >= 1.
+
+    Returns:
+        (B, N) fp32 weights, detached, 0 on padding.
+    """
+    ratio = torch.exp((trainer_logps.detach().float() - engine_logps.float()) * mask)
+    return ratio.clamp(max=cap) * mask
+
+
+def engine_mismatch_stats(trainer_logps: torch.Tensor, engine_logps: torch.Tensor, mask: torch.Tensor,
+                          cap: float) -> torch.Tensor:
+    """Sums of the engine/trainer log-prob mismatch over the real tokens of one rank, to be summed (max for
+    element 1) over ranks and turned into metrics by :func:`engine_mismatch_metrics`.
+
+    Args:
+        trainer_logps, engine_logps, mask: (B, N) as in :func:`truncated_is_weights`. cap: C.
+
+    Returns:
+        (5,) fp32: ``[sum |delta|, max |delta|, tokens, sum of min(ratio, C), tokens with ratio > C]`` with
+        ``delta = trainer_logp - engine_logp`` (nats) and ``ratio = exp(delta)``.
+    """
+    m = mask.bool()
+    delta = (trainer_logps.detach().float() - engine_logps.float())[m]
+    ratio = torch.exp(delta)
+    if delta.numel() == 0:
+        return torch.zeros(5, device=mask.device)
+    return torch.stack([delta.abs().sum(), delta.abs().max(), torch.tensor(float(delta.numel()), device=delta.device),
+                        ratio.clamp(max=cap).sum(), (ratio > cap).float().sum()])
+
+
+def engine_mismatch_metrics(stats: torch.Tensor) -> dict[str, float]:
+    """Metrics of :func:`engine_mismatch_stats` rows of all ranks, (R, 5).
+
+    Returns:
+        ``rollout/logprob_diff_mean`` and ``rollout/logprob_diff_max`` (|trainer - engine| log-prob of the sampled
+        tokens, nats, mean and max over all real tokens), ``rollout/is_weight_mean`` (mean truncated weight) and
+        ``rollout/is_clipped_fraction`` (share of tokens whose ratio exceeded the cap).
+    """
+    stats = stats.reshape(-1, 5).float()
+    tokens = float(stats[:, 2].sum())
+    per = max(tokens, 1.0)
+    return {"rollout/logprob_diff_mean": float(stats[:, 0].sum()) / per,
+            "rollout/logprob_diff_max": float(stats[:, 1].max()) if tokens else 0.0,
+            "rollout/is_weight_mean": float(stats[:, 3].sum()) / per if tokens else 1.0,
+            "rollout/is_clipped_fraction": float(stats[:, 4].sum()) / per}

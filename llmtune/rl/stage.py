@@ -20,9 +20,10 @@ class OnlineRLStage(Stage):
         return StageData(data.train, data.eval, data.report, PromptCollator(tokenizer), data.report.sources_lineage())
 
     def preflight(self, base_dir: str) -> list[tuple[str, str]]:
-        """Every reward source exists before anything is loaded: an RM run that finished, importable functions."""
+        """Every reward source exists before anything is loaded (an RM run that finished, importable functions),
+        and the rollout engine asked for can run here (:meth:`engine_problems`)."""
         reward = self.recipe.reward
-        problems: list[tuple[str, str]] = []
+        problems: list[tuple[str, str]] = self.engine_problems()
         if reward.from_run:
             lineage_path = Path(reward.from_run) / "lineage.json"
             if not lineage_path.is_file():
@@ -45,6 +46,22 @@ class OnlineRLStage(Stage):
             except RewardFunctionError as exc:
                 problems.append((key, str(exc).removeprefix("reward.function: ")))
         return problems
+
+    def engine_problems(self) -> list[tuple[str, str]]:
+        """``rollout.engine: vllm`` in colocate mode needs vLLM installed here (a server elsewhere does not); the
+        recipe rules (adapter, quantization, server url) are checked with the recipe
+        (:func:`llmtune.config.validate.rollout_problems`). No GPU is needed: vLLM's CPU build runs the engine."""
+        rollout = self.recipe.rollout
+        if rollout.engine != "vllm" or rollout.vllm.mode != "colocate":
+            return []
+        from llmtune.rl.generation import vllm_installed
+
+        if vllm_installed():
+            return []
+        return [("rollout.engine", "vllm (rollout.vllm.mode: colocate) but vLLM is not installed here: `bash "
+                 "scripts/setup.sh` sets it up in its own environment (.venv-vllm; or point LLMTUNE_VLLM_PYTHON at a "
+                 "python that has vllm), or run a rollout server elsewhere (rollout.vllm.mode: server with "
+                 "rollout.vllm.url; `llmtune rollout-server RECIPE`), or use rollout.engine: hf")]
 
     def render_example(self, row: dict, tokenizer) -> str:
         prompt = tokenizer.decode(row["input_ids"])

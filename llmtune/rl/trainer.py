@@ -8,7 +8,9 @@ stage's :meth:`make_experience`) when the last one is used up. Gradient accumula
 stages: the loss of a micro-batch is its sum divided by the stage's item count of the whole optimizer step over all
 ranks (:meth:`CoreTrainer._get_num_items_in_batch`).
 
-Shared here: prompt order, seeding, sampling through a :class:`~llmtune.rl.generation.GenerationBackend`, response
+Shared here: prompt order, seeding, sampling through the rollout engine (:func:`llmtune.rl.generation.build_engine`:
+``hf`` or vLLM, synced to the policy before every rollout batch and evaluation, closed with :meth:`close`), the
+engine/trainer log-prob mismatch and its truncated importance weights (:meth:`engine_correction`), response
 log-probs of the policy and the reference in chunks, reward sources (:mod:`llmtune.rl.scoring`), sample logs,
 the greedy evaluation, adapter checkpoints, and the time split between generation and training.
 
@@ -30,7 +32,7 @@ from llmtune.core.rundir import SAMPLES
 from llmtune.core.trainer import CoreTrainer
 from llmtune.data.templates import template_eos_ids
 from llmtune.rl import ops
-from llmtune.rl.generation import HFGenerationBackend
+from llmtune.rl.generation import build_engine
 from llmtune.rl.rollout import decode_responses, join, response_token_logps, split_generation
 from llmtune.rl.scoring import build_reward_sources
 
@@ -99,8 +101,7 @@ class OnlineRLTrainer(CoreTrainer):
                          eval_dataset=eval_dataset, data_collator=_slot_collate, processing_class=processing_class,
                          **kwargs)
         self.rewards.to(self.args.device)
-        self.generation = HFGenerationBackend(self, self.eos_ids, self.pad_id, self.rollout.temperature,
-                                              self.rollout.top_p, self.rollout.top_k)
+        self.generation = build_engine(self, recipe)  # the rollout engine (hf or vLLM); close() frees it
 
     # ---- what a stage supplies ------------------------------------------------------------------
     def build_model(self, policy, recipe) -> torch.nn.Module:
@@ -133,6 +134,7 @@ class OnlineRLTrainer(CoreTrainer):
                 break
         if not self._buffer:
             start = time.perf_counter()
+            self.generation.sync(self.state.global_step)  # the engine samples from the policy of this step
             self._buffer = self.make_experience(self.state.global_step // self.steps_per_iteration)
             self._rollout_s += time.perf_counter() - start
         micro_batches = self._buffer.pop(0)
@@ -157,31 +159,48 @@ class OnlineRLTrainer(CoreTrainer):
     def _seed(self, iteration: int, salt: int = 0) -> None:
         from transformers import set_seed
 
+        seed = self.args.seed if self.rollout.seed is None else self.rollout.seed
         # modulo numpy's seed range: seed + 1_000_003 x iteration passes 2**32 after ~4,300 iterations
-        set_seed((self.args.seed + 1_000_003 * iteration + 7919 * self.args.process_index + salt) % 2**32)
+        set_seed((seed + 1_000_003 * iteration + 7919 * self.args.process_index + salt) % 2**32)
 
     def prompt_batch(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         """(B, P) left-padded ``input_ids``/``attention_mask`` of prompt rows, on the training device."""
         return {k: v.to(self.args.device) for k, v in self.prompt_collator(rows).items()
                 if k in ("input_ids", "attention_mask")}
 
-    def generate(self, batch: dict[str, torch.Tensor], greedy: bool, max_new_tokens: int) -> torch.Tensor:
-        """(B, P + N) sequences sampled (or greedy) from the policy adapter for left-padded prompts."""
+    def generate(self, batch: dict[str, torch.Tensor], greedy: bool, max_new_tokens: int
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(sequences, engine_logps)``: (B, P + N) sequences sampled (or greedy) from the policy adapter for
+        left-padded prompts, and the engine's (B, N) log-probs of the sampled tokens (None: not reported)."""
         return self.generation.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=max_new_tokens,
                                         greedy=greedy)
 
-    def sample(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sample completions of (B, P) prompts; ``(responses, mask, ended)`` as ``rollout.split_generation``.
+    def close(self) -> None:
+        """Free the rollout engine (the runner calls this when the stage ends, also on errors)."""
+        engine = getattr(self, "generation", None)
+        if engine is not None:
+            engine.close()
+
+    def sample(self, batch: dict[str, torch.Tensor]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Sample completions of (B, P) prompts; ``(responses, mask, ended, engine_logps)``: the first three as
+        ``rollout.split_generation``, then the engine's (B, N) fp32 log-probs of the sampled tokens (0 on padding)
+        or None when the engine does not report them (``hf``).
         Logs ``generation_tokens_per_s`` (real completion tokens per second of sampling, this rank),
         ``generation_tflops_per_s`` (their model FLOPs, a KV-cached forward per token, :mod:`llmtune.core.flops`)
         and ``generation_mfu`` (that over this device's peak, where known)."""
         from llmtune.core.flops import forward_flops_per_token, peak_tflops
 
         start = time.perf_counter()
-        sequences = self.generate(batch, greedy=False, max_new_tokens=self.rollout.max_new_tokens)
+        sequences, engine_logps = self.generate(batch, greedy=False, max_new_tokens=self.rollout.max_new_tokens)
         seconds = time.perf_counter() - start
         self._generation_s += seconds
         responses, mask, ended = split_generation(sequences, batch["input_ids"].shape[1], self.eos_ids, self.pad_id)
+        if engine_logps is not None:
+            if engine_logps.shape != responses.shape:
+                raise RuntimeError(f"the rollout engine returned log-probs of shape {tuple(engine_logps.shape)} for "
+                                   f"completions of shape {tuple(responses.shape)}")
+            engine_logps = engine_logps.to(device=responses.device, dtype=torch.float32) * mask
         tokens_per_s = float(mask.sum()) / max(seconds, 1e-9)
         # a generated token attends to its prompt and the completion so far: on average prompt + half of it
         context = float(batch["attention_mask"].sum(1).float().mean()) + float(mask.sum(1).float().mean() + 1) / 2
@@ -189,7 +208,39 @@ class OnlineRLTrainer(CoreTrainer):
         peak = peak_tflops()
         self.add_metrics({"generation_tokens_per_s": tokens_per_s, "generation_tflops_per_s": tflops,
                           **({"generation_mfu": tflops / peak} if peak else {})})
-        return responses, mask, ended
+        return responses, mask, ended, engine_logps
+
+    def engine_correction(self, experience: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor],
+                          responses: torch.Tensor, mask: torch.Tensor, engine_logps: torch.Tensor | None,
+                          trainer_logps: torch.Tensor | None = None) -> None:
+        """Measure the engine/trainer mismatch of a rollout batch and, with
+        ``rollout.vllm.importance_sampling_correction``, put the truncated importance weights into the experience
+        (``experience["is_weights"]`` (B, N), detached, 0 on padding; the policy losses multiply their per-token
+        surrogate by it). Nothing happens when the engine reported no log-probs (``hf``).
+
+        Logs, over all ranks' real tokens: ``rollout/logprob_diff_mean``/``_max`` (|trainer - engine| log-prob of
+        the sampled tokens, nats), ``rollout/is_weight_mean`` and ``rollout/is_clipped_fraction``
+        (:func:`llmtune.rl.ops.engine_mismatch_metrics`).
+
+        Args:
+            experience: the rollout batch's experience dict (updated in place).
+            inputs: (B, P + N) prompt + response model inputs (``rollout.join``). responses, mask: (B, N).
+            engine_logps: (B, N) from :meth:`sample`. trainer_logps: (B, N) the policy's log-probs of the sampled
+                tokens at sampling time when already computed (they are the old log-probs), else computed here.
+        """
+        if engine_logps is None:
+            return
+        if trainer_logps is None:
+            trainer_logps = self.forward_chunks(inputs, responses, with_values=False, reference=False,
+                                                temperature=self.rollout.temperature)["logps"]
+        maskf = mask.float()
+        cap = self.rollout.vllm.importance_sampling_cap
+        stats = ops.engine_mismatch_stats(trainer_logps, engine_logps, maskf, cap)[None]  # (1, 5)
+        if self.args.world_size > 1:
+            stats = self.accelerator.gather(stats)  # (ranks, 5)
+        self.add_metrics(ops.engine_mismatch_metrics(stats))
+        if self.rollout.vllm.importance_sampling_correction:
+            experience["is_weights"] = ops.truncated_is_weights(trainer_logps, engine_logps, maskf, cap)
 
     def add_metrics(self, metrics: dict[str, float]) -> None:
         """Add metrics to the next training log (averaged with the other values logged until then, all ranks)."""
@@ -267,6 +318,7 @@ class OnlineRLTrainer(CoreTrainer):
         rows_all = eval_dataset if eval_dataset is not None else self.eval_prompts
         if rows_all is None or len(rows_all) == 0:
             return {}
+        self.generation.sync(self.state.global_step)  # greedy answers of the policy of this step
         indices = list(range(len(rows_all)))[self.args.process_index::self.args.world_size]
         size = self.args.per_device_eval_batch_size
         per_row, samples = [], []
@@ -280,7 +332,7 @@ class OnlineRLTrainer(CoreTrainer):
             rows = [rows_all[i] for i in indices[start:start + size]]
             batch = self.prompt_batch(rows)
             width = batch["input_ids"].shape[1]
-            sequences = self.generate(batch, greedy=True, max_new_tokens=max_new)
+            sequences, _ = self.generate(batch, greedy=True, max_new_tokens=max_new)
             responses, mask, ended = split_generation(sequences, width, self.eos_ids, self.pad_id)
             inputs = join(batch["input_ids"], batch["attention_mask"], responses, mask)
             fwd = self.forward_chunks(inputs, responses, with_values=False, reference=True, temperature=1.0,

@@ -72,14 +72,16 @@ class GRPOTrainer(OnlineRLTrainer):
     def sample_groups(self, rows: list[dict]) -> dict:
         """``num_generations`` completions of each prompt row, scored: ``query_ids``/``query_mask`` (B, P),
         ``responses``/``mask`` (B, N), ``ended`` (B,), ``reward`` (B,) total, ``per_source`` {name: (B,)},
-        ``rows`` (B prompt rows), B = len(rows) x G, grouped consecutively."""
+        ``rows`` (B prompt rows), ``engine_logps`` (B, N) or None (see ``OnlineRLTrainer.sample``), B = len(rows) x
+        G, grouped consecutively."""
         G = self.grpo.num_generations
         rows = [row for row in rows for _ in range(G)]
         batch = self.prompt_batch(rows)
-        responses, mask, ended = self.sample(batch)
+        responses, mask, ended, engine_logps = self.sample(batch)
         total, per_source = self.rewards.score(batch["input_ids"], batch["attention_mask"], responses, mask, rows)
         return {"query_ids": batch["input_ids"], "query_mask": batch["attention_mask"], "responses": responses,
-                "mask": mask, "ended": ended, "reward": total, "per_source": per_source, "rows": rows}
+                "mask": mask, "ended": ended, "reward": total, "per_source": per_source, "rows": rows,
+                "engine_logps": engine_logps}
 
     def _extra_prompts(self, iteration: int, round_: int) -> list[dict]:
         """Dynamic sampling: this rank's share of a fresh random draw of prompts, seeded by (seed, iteration,
@@ -142,7 +144,7 @@ class GRPOTrainer(OnlineRLTrainer):
                       "advantages": advantages}
         if all("index" in row for row in groups["rows"]):  # (B,) prompt rows, named by the non-finite guard
             experience[ROW_KEY] = torch.tensor([int(r["index"]) for r in groups["rows"]], device=responses.device)
-        kl_rollout = None
+        kl_rollout, fwd = None, {}
         if self.needs_old_logps or g.beta > 0:
             fwd = self.forward_chunks(inputs, responses, with_values=False, reference=g.beta > 0,
                                       temperature=self.rollout.temperature, policy=True)
@@ -151,6 +153,7 @@ class GRPOTrainer(OnlineRLTrainer):
             if g.beta > 0:
                 experience["ref_logps"] = fwd["ref_logps"] * mask
                 kl_rollout = masked_mean(kl_estimate(fwd["logps"], fwd["ref_logps"], g.kl_estimator), mask.float())
+        self.engine_correction(experience, inputs, responses, mask, groups["engine_logps"], fwd.get("logps"))
 
         self.add_metrics(self._rollout_metrics(groups, reward, all_equal_first, all_equal, keep, rounds, kl_rollout))
         if iteration % g.sample_every == 0:
@@ -213,9 +216,11 @@ def _replace_groups(groups: dict, extra: dict, swaps: list[tuple[int, int]], G: 
     re-padded on the left and completions on the right to the wider of the two batches."""
     P = max(groups["query_ids"].shape[1], extra["query_ids"].shape[1])
     N = max(groups["responses"].shape[1], extra["responses"].shape[1])
-    out = {"per_source": {}, "rows": list(groups["rows"])}
+    out = {"per_source": {}, "rows": list(groups["rows"]), "engine_logps": None}
     layout = {"query_ids": (P, pad_id, True), "query_mask": (P, 0, True), "responses": (N, pad_id, False),
               "mask": (N, 0, False)}
+    if groups.get("engine_logps") is not None and extra.get("engine_logps") is not None:
+        layout["engine_logps"] = (N, 0.0, False)
     for key, (width, value, left) in layout.items():
         a, b = _pad_to(groups[key], width, value, left), _pad_to(extra[key], width, value, left)
         out[key] = _swap_rows(a, b, swaps, G)

@@ -36,7 +36,8 @@ class PPOStage(OnlineRLStage):
         Args:
             batch: a micro-batch from ``PPOTrainer.make_experience``: ``input_ids``/``attention_mask``/
                 ``position_ids`` (b, P + n), ``responses``/``response_mask``/``old_logps``/``old_values``/
-                ``advantages``/``returns`` (b, n).
+                ``advantages``/``returns`` (b, n), optional ``is_weights`` (b, n) (the rollout engine's truncated
+                importance weights).
             num_items: response tokens of the whole optimizer step (all micro-batches, all ranks).
         """
         cfg = self.recipe.ppo
@@ -45,7 +46,8 @@ class PPOStage(OnlineRLStage):
         logits, values = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                position_ids=batch["position_ids"], response_width=width)
         logps = response_token_logps(logits, batch["responses"], self.recipe.rollout.temperature)
-        pg = ops.policy_loss(logps, batch["old_logps"], batch["advantages"], mask, cfg.cliprange)
+        pg = ops.policy_loss(logps, batch["old_logps"], batch["advantages"], mask, cfg.cliprange,
+                             batch.get("is_weights"))
         vf_sum, vf_clipped = ops.value_loss(values, batch["old_values"], batch["returns"], mask, cfg.cliprange_value)
         loss = (pg.loss_sum + cfg.vf_coef * vf_sum) / num_items
         tokens = mask.sum().clamp(min=1)

@@ -94,25 +94,31 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 class PolicyLoss:
     """Sums over the real tokens of a micro-batch (divide by the step's token count for the mean)."""
 
-    loss_sum: torch.Tensor  # sum of max(-A r, -A clip(r)) over tokens
+    loss_sum: torch.Tensor  # sum of max(-A r, -A clip(r)) (x the importance weight, when given) over tokens
     clipped: torch.Tensor  # number of tokens where the clipped branch was taken
     approx_kl_sum: torch.Tensor  # sum of 0.5 (logp - old_logp)^2
 
 
 def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                cliprange: float) -> PolicyLoss:
-    """Clipped surrogate loss ``max(-A r, -A clip(r, 1-eps, 1+eps))`` with ``r = exp(logp - old_logp)``.
+                cliprange: float, is_weights: torch.Tensor | None = None) -> PolicyLoss:
+    """Clipped surrogate loss ``max(-A r, -A clip(r, 1-eps, 1+eps))`` with ``r = exp(logp - old_logp)``, times the
+    rollout engine's truncated importance weight ``w_t`` of each token when given (Yao et al. 2025: the tokens were
+    sampled by another engine than the one computing ``old_logp``; :func:`llmtune.rl.ops.truncated_is_weights`).
+    PPO's KL penalty is in the reward, so the weight multiplies the whole per-token policy loss.
 
     Args:
         logps: (B, N) current log-probs of the rollout tokens (with grad). old_logps: (B, N) at rollout time.
-        advantages: (B, N). mask: (B, N). cliprange: eps.
+        advantages: (B, N). mask: (B, N). cliprange: eps. is_weights: (B, N) detached weights, or None (= 1).
     """
     log_ratio = (logps - old_logps) * mask
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    per_token = torch.maximum(unclipped, clipped)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach()
     return PolicyLoss(
-        loss_sum=masked_sum(torch.maximum(unclipped, clipped), mask),
+        loss_sum=masked_sum(per_token, mask),
         clipped=masked_sum((clipped > unclipped).float(), mask).detach(),
         approx_kl_sum=masked_sum(0.5 * log_ratio.detach() ** 2, mask),
     )

@@ -117,7 +117,7 @@ class PPOTrainer(OnlineRLTrainer):
         rows = [self.prompts[i] for i in indices]
         batch = self.prompt_batch(rows)
         width = batch["input_ids"].shape[1]
-        responses, mask, ended = self.sample(batch)
+        responses, mask, ended, engine_logps = self.sample(batch)
         inputs = join(batch["input_ids"], batch["attention_mask"], responses, mask)
         fwd = self.forward_chunks(inputs, responses, with_values=True, reference=True,
                                    temperature=self.rollout.temperature)
@@ -154,6 +154,7 @@ class PPOTrainer(OnlineRLTrainer):
             "advantages": advantages, "returns": returns,
             ROW_KEY: torch.tensor(indices, dtype=torch.long, device=responses.device),  # (B,) prompt rows (guard)
         }
+        self.engine_correction(experience, inputs, responses, mask, engine_logps, fwd["logps"])  # vLLM: is_weights
         minibatches = []
         gen = torch.Generator().manual_seed(self.args.seed + 1_000_003 * iteration + self.args.process_index)
         micro = self.args.per_device_train_batch_size

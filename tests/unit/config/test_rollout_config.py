@@ -1,0 +1,132 @@
+"""The `rollout:` section (issue 22): defaults, moved keys, what the vLLM engine refuses, engine selection."""
+
+import pytest
+
+from llmtune.cli import options_help
+from llmtune.config import RecipeError, load_recipe
+from llmtune.config.schema import Recipe
+from llmtune.rl import generation
+from llmtune.rl.generation import select_engine
+
+GRPO = {"stage": "grpo", "reward": {"function": "llmtune.rewards:gsm8k_reward"},
+        "train": {"global_batch_size": 8, "max_steps": 2}}
+PPO = {"stage": "ppo", "reward": {"function": "llmtune.rewards:gsm8k_reward"},
+       "train": {"global_batch_size": 8, "max_steps": 4}}
+
+
+def _problems(raw: dict, overrides=()) -> list[tuple[str, str]]:
+    with pytest.raises(RecipeError) as info:
+        load_recipe(raw=raw, overrides=list(overrides))
+    return info.value.problems
+
+
+def test_defaults_and_stage_max_new_tokens():
+    grpo, ppo = load_recipe(raw=GRPO).rollout, load_recipe(raw=PPO).rollout
+    assert (grpo.engine, grpo.temperature, grpo.top_p, grpo.top_k, grpo.seed) == ("auto", 1.0, 1.0, 0, None)
+    assert grpo.max_new_tokens == 128 and ppo.max_new_tokens == 64  # null = the stage's own default
+    assert grpo.eval_max_new_tokens is None and Recipe().rollout.max_new_tokens is None  # no stage: left null
+    assert load_recipe(raw={**GRPO, "rollout": {"max_new_tokens": 7}}).rollout.max_new_tokens == 7
+    v = grpo.vllm
+    assert (v.mode, v.url, v.gpu_memory_utilization, v.enable_sleep_mode, v.max_model_len, v.max_lora_rank,
+            v.dtype) == ("colocate", None, 0.3, True, None, None, "auto")
+    assert (v.importance_sampling_correction, v.importance_sampling_cap) == (True, 2.0)
+    assert (v.startup_timeout_s, v.request_timeout_s) == (600.0, 600.0)
+
+
+@pytest.mark.parametrize("stage", ["grpo", "ppo"])
+@pytest.mark.parametrize("key,value", [("temperature", 0.7), ("top_p", 0.9), ("top_k", 5), ("max_new_tokens", 32),
+                                       ("eval_max_new_tokens", 40)])
+def test_old_sampling_keys_name_the_new_key(stage, key, value):
+    raw = {**(GRPO if stage == "grpo" else PPO), stage: {key: value}}
+    assert _problems(raw) == [(f"{stage}.{key}", f"{stage}.{key} moved to rollout.{key} (PPO and GRPO share one "
+                               f"`rollout:` section for sampling); write `rollout: {{{key}: {value!r}}}` or the "
+                               f"override rollout.{key}=...")]
+    # the same through an override
+    base = GRPO if stage == "grpo" else PPO
+    assert [p for p, _ in _problems(base, [f"{stage}.{key}={value}"])] == [f"{stage}.{key}"]
+
+
+@pytest.mark.parametrize("section,path", [
+    ({"temperature": 0}, "rollout.temperature"), ({"top_p": 1.5}, "rollout.top_p"),
+    ({"vllm": {"gpu_memory_utilization": 0}}, "rollout.vllm.gpu_memory_utilization"),
+    ({"vllm": {"importance_sampling_cap": 0.5}}, "rollout.vllm.importance_sampling_cap"),
+    ({"vllm": {"url": "localhost:8000"}}, "rollout.vllm.url"),
+    ({"engine": "sglang"}, "rollout.engine"), ({"vllm": {"dtype": "fp32"}}, "rollout.vllm.dtype"),
+])
+def test_field_ranges(section, path):
+    assert path in [p for p, _ in _problems({**GRPO, "rollout": section})]
+
+
+@pytest.mark.parametrize("overrides,key,needle", [
+    (["adapter.type=none"], "rollout.engine", "full fine-tuning"),
+    (["model.load_in_4bit=true"], "rollout.engine", "4-bit (QLoRA)"),
+    (["model.load_in_8bit=true"], "rollout.engine", "8-bit"),
+    (["adapter.use_dora=true"], "rollout.engine", "DoRA"),
+    (["adapter.modules_to_save=[lm_head]"], "rollout.engine", "modules_to_save"),
+    (["distributed.zero_stage=3"], "rollout.engine", "ZeRO-3"),
+    (["rollout.vllm.max_lora_rank=8"], "rollout.vllm.max_lora_rank", "below the trained adapter's rank"),
+    (["rollout.vllm.mode=server"], "rollout.vllm.url", "needs the address of a running rollout server"),
+])
+def test_vllm_refuses_with_reason_and_alternative(overrides, key, needle):
+    problems = _problems(GRPO, ["rollout.engine=vllm", *overrides])
+    match = [m for p, m in problems if p == key and needle in m]
+    assert match, problems
+    if key == "rollout.engine":
+        assert "rollout.engine: hf" in match[0]  # the alternative is named
+    try:  # the hf engine samples on the training model itself: none of these concern it
+        load_recipe(raw=GRPO, overrides=["rollout.engine=hf", *overrides])
+    except RecipeError as exc:
+        assert not [p for p, _ in exc.problems if p.startswith("rollout")], exc.problems
+
+
+def test_server_mode_needs_url_unless_hf():
+    assert [p for p, _ in _problems(GRPO, ["rollout.vllm.mode=server"])] == ["rollout.vllm.url"]  # auto too
+    load_recipe(raw=GRPO, overrides=["rollout.engine=hf", "rollout.vllm.mode=server"])
+    ok = load_recipe(raw=GRPO, overrides=["rollout.engine=vllm", "rollout.vllm.mode=server",
+                                           "rollout.vllm.url=http://10.0.0.7:8000"])
+    assert ok.rollout.vllm.url == "http://10.0.0.7:8000"
+    load_recipe(raw={**GRPO, "stage": "sft", "rollout": {"engine": "vllm"}, "adapter": {"type": "none"}})  # unused
+
+
+def test_auto_selection(monkeypatch):
+    recipe = load_recipe(raw=GRPO)
+    monkeypatch.setattr(generation.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(generation, "vllm_installed", lambda: True)
+    assert select_engine(recipe)[0] == "hf"  # no CUDA: hf, even with vLLM installed
+    monkeypatch.setattr(generation.torch.cuda, "is_available", lambda: True)
+    assert select_engine(recipe)[0] == "vllm"
+    monkeypatch.setattr(generation, "vllm_installed", lambda: False)
+    engine, reason = select_engine(recipe)
+    assert engine == "hf" and "not installed" in reason
+    server = load_recipe(raw=GRPO, overrides=["rollout.vllm.mode=server", "rollout.vllm.url=http://h:1"])
+    assert select_engine(server)[0] == "vllm"  # a server elsewhere needs no vLLM here
+    monkeypatch.setattr(generation, "vllm_installed", lambda: True)
+    full = load_recipe(raw=GRPO, overrides=["adapter.type=none"])
+    engine, reason = select_engine(full)
+    assert engine == "hf" and "full fine-tuning" in reason  # auto never picks an engine that would refuse
+    for explicit in ("hf", "vllm"):
+        assert select_engine(load_recipe(raw=GRPO, overrides=[f"rollout.engine={explicit}"]))[0] == explicit
+
+
+def test_preflight_names_a_missing_vllm(monkeypatch):
+    from llmtune.stages import STAGES
+
+    monkeypatch.setattr(generation, "vllm_installed", lambda: False)
+    vllm = STAGES["grpo"](load_recipe(raw=GRPO, overrides=["rollout.engine=vllm"]))
+    [(key, message)] = vllm.engine_problems()
+    assert key == "rollout.engine" and "scripts/setup.sh" in message and "mode: server" in message
+    server = load_recipe(raw=GRPO, overrides=["rollout.engine=vllm", "rollout.vllm.mode=server",
+                                              "rollout.vllm.url=http://h:1"])
+    assert STAGES["grpo"](server).engine_problems() == []
+    assert STAGES["ppo"](load_recipe(raw=PPO)).engine_problems() == []  # auto falls back to hf
+    monkeypatch.setattr(generation, "vllm_installed", lambda: True)
+    assert vllm.engine_problems() == []
+
+
+def test_help_lists_the_rollout_keys():
+    for stage in ("grpo", "ppo"):
+        text = options_help(stage)
+        for key in ("rollout.engine", "rollout.temperature", "rollout.max_new_tokens", "rollout.vllm.mode",
+                    "rollout.vllm.importance_sampling_cap"):
+            assert key in text, (stage, key)
+    assert "rollout." not in options_help("sft")

@@ -1,0 +1,107 @@
+"""The rollout engine's log-prob mismatch (issue 22): truncated importance weights (Yao et al. 2025), their metrics,
+the trainer hook that puts them into the experience, and PPO's policy loss weighted by them. Values by hand."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from llmtune.config import load_recipe
+from llmtune.rl import ops
+from llmtune.rl.trainer import OnlineRLTrainer
+from llmtune.stages.ppo import ops as ppo_ops
+
+LN2 = math.log(2.0)
+# two completions, widths 3 and 2 (+1 padding); engine and trainer disagree by known ratios
+TRAINER = torch.tensor([[math.log(0.5), math.log(0.2), math.log(0.9)],
+                        [math.log(0.3), math.log(0.3), 123.0]])
+ENGINE = torch.tensor([[math.log(0.25), math.log(0.4), math.log(0.9)],
+                       [math.log(0.1), math.log(0.3), -7.0]])  # padding values are garbage on purpose
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+# ratios trainer/engine: 2, 0.5, 1 | 3, 1 | padding
+
+
+def test_truncated_weights_by_hand():
+    trainer = TRAINER.clone().requires_grad_(True)
+    w = ops.truncated_is_weights(trainer, ENGINE, MASK, cap=2.5)
+    expected = torch.tensor([[2.0, 0.5, 1.0], [2.5, 1.0, 0.0]])  # 3 capped at 2.5; padding 0
+    torch.testing.assert_close(w, expected)
+    assert not w.requires_grad and w.dtype == torch.float32
+    torch.testing.assert_close(ops.truncated_is_weights(TRAINER, ENGINE, MASK, cap=1.0),
+                               torch.tensor([[1.0, 0.5, 1.0], [1.0, 1.0, 0.0]]))
+
+
+def test_mismatch_stats_and_metrics_by_hand():
+    stats = ops.engine_mismatch_stats(TRAINER, ENGINE, MASK, cap=2.5)
+    # |delta| = ln2 (0.5 vs 0.25), ln2 (0.2 vs 0.4), 0 | ln3, 0 ; weights 2, .5, 1, 2.5, 1 ; one ratio (3) > 2.5
+    torch.testing.assert_close(stats, torch.tensor([2 * LN2 + math.log(3.0), math.log(3.0), 5.0, 7.0, 1.0]))
+    m = ops.engine_mismatch_metrics(stats[None])
+    assert m["rollout/logprob_diff_mean"] == pytest.approx((2 * LN2 + math.log(3.0)) / 5)
+    assert m["rollout/logprob_diff_max"] == pytest.approx(math.log(3.0))
+    assert m["rollout/is_weight_mean"] == pytest.approx(7.0 / 5)
+    assert m["rollout/is_clipped_fraction"] == pytest.approx(1 / 5)
+    # two ranks: sums add, the max is the max of the ranks' maxima
+    other = torch.tensor([0.5, 0.5, 1.0, 1.0, 0.0])
+    both = ops.engine_mismatch_metrics(torch.stack([stats, other]))
+    assert both["rollout/logprob_diff_mean"] == pytest.approx((2 * LN2 + math.log(3.0) + 0.5) / 6)
+    assert both["rollout/logprob_diff_max"] == pytest.approx(math.log(3.0))
+    empty = ops.engine_mismatch_stats(TRAINER, ENGINE, torch.zeros_like(MASK), cap=2.0)
+    assert empty.tolist() == [0.0] * 5 and ops.engine_mismatch_metrics(empty)["rollout/is_weight_mean"] == 1.0
+
+
+def test_ppo_policy_loss_is_weighted_per_token():
+    old = torch.zeros(1, 3)
+    logps = torch.tensor([[0.0, math.log(1.5), math.log(0.5)]], requires_grad=True)  # ratios 1, 1.5, 0.5
+    adv = torch.tensor([[2.0, 1.0, -1.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0]])
+    w = torch.tensor([[0.5, 2.0, 1.5]])
+    out = ppo_ops.policy_loss(logps, old, adv, mask, cliprange=0.2, is_weights=w)
+    # per token max(-A r, -A clip(r, .8, 1.2)): -2, max(-1.5, -1.2) = -1.2, max(0.5, 0.8) = 0.8 -> x w
+    assert float(out.loss_sum.detach()) == pytest.approx(-2 * 0.5 - 1.2 * 2.0 + 0.8 * 1.5)
+    assert float(out.clipped) == 2.0  # the weights change the loss, not the clip statistics
+    unweighted = ppo_ops.policy_loss(logps, old, adv, mask, cliprange=0.2)
+    assert float(unweighted.loss_sum.detach()) == pytest.approx(-2 - 1.2 + 0.8)
+    out.loss_sum.backward()
+    # d/dlogp: token 0 unclipped: -A r w = -2 x 1 x 0.5; tokens 1 and 2 take the clipped (constant) branch: 0
+    torch.testing.assert_close(logps.grad, torch.tensor([[-1.0, 0.0, 0.0]]))
+
+
+def _fake_trainer(correction: bool, world_size: int = 1):
+    recipe = load_recipe(raw={"stage": "grpo", "reward": {"function": "llmtune.rewards:gsm8k_reward"},
+                              "train": {"global_batch_size": 8, "max_steps": 2},
+                              "rollout": {"temperature": 0.7, "vllm": {"importance_sampling_cap": 2.5,
+                                                                       "importance_sampling_correction": correction}}})
+    logged, forwards = [], []
+
+    def forward_chunks(inputs, responses, with_values, reference, temperature):
+        forwards.append(temperature)
+        return {"logps": TRAINER}
+
+    fake = SimpleNamespace(rollout=recipe.rollout, args=SimpleNamespace(world_size=world_size),
+                           add_metrics=logged.append, forward_chunks=forward_chunks,
+                           accelerator=SimpleNamespace(gather=lambda t: torch.cat([t, t])))
+    return fake, logged, forwards
+
+
+def test_engine_correction_puts_weights_and_metrics():
+    fake, logged, forwards = _fake_trainer(correction=True)
+    experience = {}
+    OnlineRLTrainer.engine_correction(fake, experience, {}, torch.zeros(2, 3, dtype=torch.long), MASK.long(),
+                                      ENGINE * MASK)
+    assert forwards == [0.7]  # trainer log-probs computed at the sampling temperature when not given
+    torch.testing.assert_close(experience["is_weights"], torch.tensor([[2.0, 0.5, 1.0], [2.5, 1.0, 0.0]]))
+    assert logged[0]["rollout/is_clipped_fraction"] == pytest.approx(0.2)
+    assert logged[0]["rollout/logprob_diff_max"] == pytest.approx(math.log(3.0))
+
+    fake, logged, forwards = _fake_trainer(correction=False, world_size=2)
+    experience = {}
+    OnlineRLTrainer.engine_correction(fake, experience, {}, torch.zeros(2, 3, dtype=torch.long), MASK.long(),
+                                      ENGINE * MASK, trainer_logps=TRAINER)
+    assert "is_weights" not in experience and forwards == []  # off: measured only; given logps reused
+    assert logged[0]["rollout/logprob_diff_mean"] == pytest.approx((2 * LN2 + math.log(3.0)) / 5)  # 2 equal ranks
+
+    fake, logged, forwards = _fake_trainer(correction=True)
+    experience = {}
+    OnlineRLTrainer.engine_correction(fake, experience, {}, torch.zeros(2, 3, dtype=torch.long), MASK.long(), None)
+    assert experience == {} and logged == [] and forwards == []  # hf: no engine log-probs, nothing to do
