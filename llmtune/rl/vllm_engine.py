@@ -18,8 +18,11 @@ Design (issue 22):
 - **Rollout base.** The engine's base weights are the frozen model below the trained adapter: for a run from a plain
   base, the base's own safetensors directory (the builtin GGUF model: its converted cache directory); for a run
   from ``model.from_run`` the earlier chain merged once in fp32 (:func:`llmtune.models.load_model_with_chain`, the
-  merge export uses) into ``<run>/rollout_base`` (reused while the chain is unchanged).
-- **Weights always current, by version.** ``sync(version)`` uploads the policy adapter (plain peft files:
+  merge export uses) into ``<run>/rollout_base`` (colocate) or ``<output.dir>.rollout_base`` (``llmtune
+  rollout-server``: beside the run directory, which must stay empty until the run starts); reused while the chain
+  is unchanged.
+- **Weights always current, by version.** The trainer calls ``sync(version)`` before every rollout batch and
+  evaluation (the policy is only sampled there); it uploads the policy adapter (plain peft files:
   ``adapter_config.json`` + ``adapter_model.safetensors``, bytes in the request: no shared file system) as LoRA
   version ``version`` = optimizer steps applied. Every ``generate`` asks for the trainer's current step
   (``trainer.state.global_step``); the client refuses when the engine was not synced to it (a skipped sync), the
@@ -29,10 +32,8 @@ Design (issue 22):
   per prompt (drawn from the torch RNG that the trainer seeds per (seed, iteration, rank)). The engine returns the
   log-prob of each sampled token under its processed (temperature-scaled) distribution: ``engine_logps`` of the
   rollout protocol.
-- **Refused** (with the reason, before anything starts): full fine-tuning (``adapter.type: none``: every weight
-  would have to be sent each step; use ``rollout.engine: hf``), QLoRA/8-bit (the engine's base would be the
-  dequantized weights, not the 4-bit ones the trainer computes with: its samples would come from another policy),
-  DoRA and ``modules_to_save`` (vLLM's LoRA has neither), DeepSpeed ZeRO-3 (the adapter is partitioned).
+- **Refused** by ``llmtune validate`` (:func:`llmtune.config.validate.rollout_problems`, with the reason and the
+  alternative): full fine-tuning, a 4/8-bit base, DoRA, ``modules_to_save``, ZeRO-3.
 - **Faults** raise :class:`RolloutEngineError` (exit code 69, ``EXIT_ENGINE``) with the cause and the fix: vLLM not
   installed; the engine fails to start (its log's last error line: e.g. memory too small for ``max_model_len``);
   the server is unreachable, dies mid-run or times out; the adapter's rank is above the engine's ``max_lora_rank``
@@ -114,30 +115,6 @@ def settings_from_recipe(recipe) -> VLLMSettings:
         seed=r.seed if r.seed is not None else recipe.train.seed)
 
 
-def recipe_problems(recipe) -> list[tuple[str, str]]:
-    """What ``rollout.engine: vllm`` cannot do with this recipe, as ``(dotted key, message)`` (for validate)."""
-    a, m = recipe.adapter, recipe.model
-    out = []
-    if a.type == "none":
-        out.append(("adapter.type", "rollout.engine: vllm syncs the policy as a LoRA adapter each step; full "
-                    "fine-tuning (adapter.type: none) would resend every weight: use adapter.type: lora, or "
-                    "rollout.engine: hf"))
-    if m.load_in_4bit or m.load_in_8bit:
-        out.append(("model.load_in_4bit" if m.load_in_4bit else "model.load_in_8bit",
-                    "rollout.engine: vllm samples from an unquantized base, which is not the quantized policy the "
-                    "trainer computes with (its samples would come from another policy): train LoRA on the "
-                    "unquantized base, or use rollout.engine: hf"))
-    if a.use_dora:
-        out.append(("adapter.use_dora", "vLLM's LoRA has no DoRA: use plain LoRA, or rollout.engine: hf"))
-    if a.modules_to_save:
-        out.append(("adapter.modules_to_save", "vLLM's LoRA cannot load fully trained modules: leave "
-                    "adapter.modules_to_save empty, or use rollout.engine: hf"))
-    if getattr(recipe.distributed, "zero_stage", 0) == 3:
-        out.append(("distributed.zero_stage", "rollout.engine: vllm reads the whole adapter each step; ZeRO-3 "
-                    "partitions it: use zero_stage 2, or rollout.engine: hf"))
-    return out
-
-
 def vllm_python() -> str | None:
     """The python that runs the rollout server (see the module docstring), or None when vLLM is not installed."""
     explicit = os.environ.get("LLMTUNE_VLLM_PYTHON")
@@ -159,8 +136,9 @@ def not_installed_error() -> RolloutEngineError:
 # ---------------------------------------------------------------------------------------------------------------
 # rollout base
 # ---------------------------------------------------------------------------------------------------------------
-def rollout_base(recipe, run_dir: str | Path) -> Path:
-    """Directory of the engine's base weights: the model below the trained adapter (see the module docstring).
+def rollout_base(recipe, out: str | Path) -> Path:
+    """Directory of the engine's base weights: the model below the trained adapter (see the module docstring);
+    ``out`` is where a merged chain is written (kept while the chain is unchanged).
 
     Raises:
         ModelLoadError: the base or an adapter of the chain cannot be loaded.
@@ -171,14 +149,13 @@ def rollout_base(recipe, run_dir: str | Path) -> Path:
     recipe, chain = inherit_from_run(recipe, ".")
     if not chain:
         return resolve_model_source(recipe.model).path
-    out = Path(run_dir) / ROLLOUT_BASE
+    out = Path(out)
     key = json.dumps([[e["path"], *(_stat(Path(e["path"]) / f) for f in ("adapter_model.safetensors",
                                                                             "adapter_config.json"))]
                       for e in chain] + [recipe.model.name_or_path])
     if (out / "chain.json").is_file() and (out / "chain.json").read_text() == key:
         return out
     model = load_model_with_chain(recipe.model, PrecisionConfig(), chain, dtype=torch.float32)
-    model.generation_config = None  # vLLM's sampling settings come from the trainer
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
@@ -224,7 +201,9 @@ class VLLMClient:
                 message = ""
             raise _HTTPStatus(err.code, message or str(err)) from None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
-            raise self.unavailable(f"{method} {path}: {getattr(err, 'reason', err)}") from None
+            error = self.unavailable(f"{method} {path}: {getattr(err, 'reason', err)}")
+            error.cause = f"{method} {path}: {getattr(err, 'reason', err)}"
+            raise error from None
 
     def unavailable(self, what: str) -> RolloutEngineError:
         """The error for a server that does not answer (colocate: with its exit status and log)."""
@@ -256,7 +235,7 @@ class VLLMClient:
             except _HTTPStatus as err:
                 last = f"HTTP {err.code} {err.message}"
             except RolloutEngineError as err:
-                last = str(err).split(" (", 1)[-1][:200]
+                last = getattr(err, "cause", str(err))
             time.sleep(0.5)
         where = (f"; {_log_hint(self.log_path)}" if self.log_path else "")
         raise RolloutEngineError(
@@ -507,7 +486,9 @@ def build_vllm_engine(trainer, recipe) -> VLLMEngine:
     Raises:
         RolloutEngineError: see the module docstring.
     """
-    problems = recipe_problems(recipe)
+    from llmtune.rl.generation import vllm_recipe_problems
+
+    problems = vllm_recipe_problems(recipe)  # llmtune validate refuses these first
     if problems:
         raise RolloutEngineError("; ".join(f"{k}: {m}" for k, m in problems))
     s = settings_from_recipe(recipe)
@@ -522,7 +503,7 @@ def build_vllm_engine(trainer, recipe) -> VLLMEngine:
     else:
         if vllm_python() is None:
             raise not_installed_error()
-        base = rollout_base(recipe, trainer.run_dir)
+        base = rollout_base(recipe, Path(trainer.run_dir) / ROLLOUT_BASE)
         device = trainer.args.device
         index = device.index if device.type == "cuda" and device.index is not None else None
         client = start_colocated(base, s, Path(trainer.run_dir) / f"rollout_rank{trainer.args.process_index}"
@@ -531,7 +512,7 @@ def build_vllm_engine(trainer, recipe) -> VLLMEngine:
     policy = trainer.accelerator.unwrap_model(trainer.model).policy
     engine = VLLMEngine(client, policy, lambda: trainer.state.global_step, trainer.eos_ids, trainer.pad_id, s, owns)
     try:
-        engine.sync(trainer.state.global_step)
+        engine.check_adapter()  # before training: the trainer syncs before every rollout batch and evaluation
     except BaseException:
         engine.close()
         raise

@@ -25,7 +25,7 @@ def rollout_server_command(recipe_path: str, overrides: list[str], host: str, po
     python = vllm_python()
     if python is None and not print_only:
         raise not_installed_error()
-    base = rollout_base(recipe, Path(recipe.output.dir))
+    base = rollout_base(recipe, Path(recipe.output.dir + ".rollout_base"))  # the run directory stays empty
     cmd = server_command(python or "VLLM_PYTHON", base, settings_from_recipe(recipe), host=host, port=port)
     print("rollout server (the trainer's rollout.vllm.url: http://%s:%d):\n  %s" % (host, port, shlex.join(cmd)),
           file=sys.stderr, flush=True)
