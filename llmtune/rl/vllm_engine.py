@@ -285,7 +285,7 @@ def _start_failure(log_path: Path | None) -> str:
     errors = [ln.strip() for ln in tail if "Error" in ln and ":" in ln]
     cause = errors[-1] if errors else (tail[-1].strip() if tail else "no output")
     if "KV cache" in text and ("max seq len" in text or "max_model_len" in text or "model length" in text):
-        fix = ("the engine's memory for the KV cache is too small for rollout.vllm.max_model_len: lower "
+        fix = ("the engine's KV cache memory too small for rollout.vllm.max_model_len: lower "
                "rollout.vllm.max_model_len (or data.max_prompt_length / rollout.max_new_tokens), or give vLLM more "
                "memory (rollout.vllm.gpu_memory_utilization on GPUs, VLLM_CPU_KVCACHE_SPACE in GiB on CPUs)")
     elif "max_lora_rank" in text:
@@ -398,6 +398,9 @@ class VLLMEngine:
         self.eos_ids, self.pad_id, self.s = list(eos_ids), pad_id, settings
         self.owns_process = owns_process
         self.version: int | None = None
+        # colocated on a GPU: the engine sleeps (KV cache freed, weights off the device) between rollout batches
+        self.sleeps = owns_process and settings.enable_sleep_mode and torch.cuda.is_available()
+        self.asleep = False
         health = client.health()
         self.max_lora_rank = int(health["max_lora_rank"])
 
@@ -415,9 +418,15 @@ class VLLMEngine:
                 f"{self.max_lora_rank}: restart the engine with rollout.vllm.max_lora_rank: {rank} (or null = "
                 "adapter.lora_r; the server's --max-lora-rank), then rerun the same command")
 
+    def _wake(self) -> None:
+        if self.asleep:
+            self.client._request("POST", "/wake_up", {})
+            self.asleep = False
+
     def sync(self, version: int) -> None:
         """Upload the policy adapter as version ``version`` (the trainer's optimizer steps applied)."""
         self.check_adapter()
+        self._wake()
         with tempfile.TemporaryDirectory(prefix="llmtune-adapter-") as tmp:
             self.policy.save_pretrained(tmp, selected_adapters=["default"], safe_serialization=True)
             self.client.push_adapter(version, Path(tmp))
@@ -452,7 +461,11 @@ class VLLMEngine:
         sampling = {"temperature": 0.0 if greedy else self.s.temperature, "top_p": 1.0 if greedy else self.s.top_p,
                     "top_k": 0 if greedy else self.s.top_k, "max_tokens": max_new_tokens,
                     "stop_token_ids": self.eos_ids, "seeds": seeds}
+        self._wake()
         answer = self.client.generate(prompts, want, sampling)
+        if self.sleeps:  # the trainer trains next: give the device back
+            self.client._request("POST", "/sleep", {})
+            self.asleep = True
         if answer.get("version") != want:
             raise RolloutEngineError(f"stale rollout weights: asked the engine for policy version {want}, it answered "
                                      f"with version {answer.get('version')}")

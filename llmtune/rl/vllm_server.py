@@ -164,10 +164,15 @@ class RolloutCore:
         return result
 
     def sleep(self) -> None:
+        """Free the KV cache and move the weights off the GPU (vLLM sleep level 1) while the trainer trains."""
         self.llm.sleep(level=1)
 
     def wake_up(self) -> None:
+        """Undo :meth:`sleep`; the current adapter is loaded again from its files (its GPU copy may be gone)."""
         self.llm.wake_up()
+        if self.lora is not None:
+            self.llm.llm_engine.remove_lora(self.lora.lora_int_id)
+            self.llm.llm_engine.add_lora(self.lora)
 
 
 def _on_cpu() -> bool:

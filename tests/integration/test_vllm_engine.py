@@ -216,3 +216,14 @@ def test_server_killed_mid_run(server, model_dir):  # last: it stops the module'
                        r"rollout_server.log says why.*newest checkpoint is intact") as err:
         engine.generate(ids, mask, max_new_tokens=4, greedy=False)
     assert err.value.exit_code == 69
+
+
+@pytest.mark.slow
+def test_kv_cache_too_small_for_max_model_len(monkeypatch, tmp_path, model_dir):
+    """A real engine start that fails: 32 KiB of KV cache hold 32 tokens of the tiny model, max_model_len 2048."""
+    monkeypatch.setenv("LLMTUNE_VLLM_ENGINE_ARGS", json.dumps({"kv_cache_memory_bytes": 32 << 10}))
+    settings = VLLMSettings(max_model_len=2048, max_lora_rank=4, dtype="float32", startup_timeout_s=300)
+    with pytest.raises(RolloutEngineError, match=r"failed to start .*KV cache memory too small for "
+                       r"rollout.vllm.max_model_len: lower rollout.vllm.max_model_len") as err:
+        start_colocated(model_dir, settings, tmp_path)
+    assert err.value.exit_code == 69 and "rollout_server.log" in str(err.value)

@@ -134,7 +134,7 @@ def test_two_iterations_train_checkpoint_and_resume(workspace, server, stage):
     assert client.health()["version"] == 6
 
 
-def test_server_killed_mid_run_then_the_same_command_resumes(workspace, server, capsys):
+def test_server_killed_mid_run_then_the_same_command_resumes(workspace, server, capfd):
     url, process, _ = server
     recipe = rl_recipe(workspace, "killed", "grpo", url, max_steps=6)
     # the reward function kills the server while scoring iteration 2: iteration 3 cannot sample
@@ -154,7 +154,7 @@ def reward(prompts, completions):
     doc["reward"] = {"functions": [{"function": str(workspace / "killer.py") + ":reward"}]}
     recipe.write_text(yaml.safe_dump(doc))
     code = main(["grpo", str(recipe)])
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert code == 69
     lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and f"the rollout server {url} is unreachable or died" in lines[0]
