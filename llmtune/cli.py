@@ -183,10 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
         "rollout-server",
         help="serve a recipe's rollout base with vLLM for online RL (rollout.vllm.mode: server)",
         description="Build the recipe's rollout base (the model below the trained adapter: the base model, or the "
-        "model.from_run chain merged in fp32 into OUTPUT_DIR/rollout_base), print the plain command line that serves "
-        "it (run that line with the vLLM venv's python on another GPU/node: it needs vLLM only, not llmtune) and run "
-        "it here. The trainer (rollout.vllm.url: http://HOST:PORT) waits for it, pushes its LoRA adapter after every "
-        "optimizer step and samples through it. Stop it with Ctrl-C or SIGTERM.",
+        "model.from_run chain merged in fp32 into OUTPUT_DIR.rollout_base), print the plain command line that serves "
+        "it (run that line with the vLLM venv's python on another GPU/node: it needs vLLM and "
+        "llmtune/rl/vllm_server.py only) and run it here. The trainer (rollout.vllm.mode: server, rollout.vllm.url: "
+        "http://HOST:PORT) waits for it, pushes its LoRA adapter before every rollout batch and samples through it. "
+        "Stop it with Ctrl-C or SIGTERM.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _recipe_args(rs)

@@ -10,6 +10,7 @@ Skipped only when no vLLM venv exists (see ``tests/integration/test_vllm_engine.
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -156,8 +157,8 @@ def reward(prompts, completions):
     code = main(["grpo", str(recipe)])
     err = capfd.readouterr().err
     assert code == 69
-    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1 and f"the rollout server {url} is unreachable or died" in lines[0]
+    lines = re.findall(r"error: [^\r\n]*", err)  # (progress bars share stderr: not always at a line start)
+    assert len(lines) == 1 and f"the rollout server {url} is unreachable or died" in lines[0], err[-3000:]
     assert "llmtune rollout-server" in lines[0] and "rerun the same command" in lines[0]
     run = workspace / "killed"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["checkpoint-2", "checkpoint-4"]
