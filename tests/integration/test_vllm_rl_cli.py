@@ -138,7 +138,8 @@ def test_two_iterations_train_checkpoint_and_resume(workspace, server, stage):
 def test_server_killed_mid_run_then_the_same_command_resumes(workspace, server, capfd):
     url, process, _ = server
     recipe = rl_recipe(workspace, "killed", "grpo", url, max_steps=6)
-    # the reward function kills the server while scoring iteration 2: iteration 3 cannot sample
+    # the reward function kills the server at its second call (the first: the evaluation before training), while
+    # scoring iteration 1: iteration 1 trains and is checkpointed, iteration 2 cannot sample
     marker = workspace / "kill_at_call_2"
     marker.write_text(str(process.pid))
     (workspace / "killer.py").write_text(f"""import os, pathlib, signal
@@ -161,8 +162,8 @@ def reward(prompts, completions):
     assert len(lines) == 1 and f"the rollout server {url} is unreachable or died" in lines[0], err[-3000:]
     assert "llmtune rollout-server" in lines[0] and "rerun the same command" in lines[0]
     run = workspace / "killed"
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["checkpoint-2", "checkpoint-4"]
-    # the server comes back (same port) and the same command resumes from step 4
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["checkpoint-2"]
+    # the server comes back (same port) and the same command resumes from step 2
     process.wait()
     port = int(url.rsplit(":", 1)[1])
     new, _ = start_server(workspace, workspace / "server.yaml", port)
@@ -171,4 +172,4 @@ def reward(prompts, completions):
     finally:
         stop(new)
     logs = list(read_jsonl(run / "metrics.jsonl"))
-    assert [r["step"] for r in logs if "loss" in r][-2:] == [5, 6]
+    assert [r["step"] for r in logs if "loss" in r] == [1, 2, 3, 4, 5, 6]  # steps 1-2, then resumed 3-6
