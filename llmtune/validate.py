@@ -50,6 +50,11 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
     late += STAGES[stage_name](recipe).preflight(".")
     source = resolve_model_source(recipe.model, convert=False)
     console.print(f"model: {recipe.model.name_or_path} ({source.kind})")
+    if stage_name in ("ppo", "grpo"):
+        from llmtune.rl.generation import select_engine
+
+        engine, reason = select_engine(recipe)
+        console.print(f"rollout engine: {engine} ({reason})")
     from llmtune.models.checks import check_weight_files
 
     check_weight_files(source.path, source.original)  # headers only: truncated / corrupt safetensors are named

@@ -202,11 +202,12 @@ def check_online(root, model, data, args, stage: str) -> dict:
         "data": {"datasets": [{"path": str(data["prompts"])}], "max_length": 64, "val_size": 4},
         "reward": {"function": "acceptance_rewards:vowel_reward"},
         "train": {"max_steps": 2, "learning_rate": 1e-3, "eval_batch_size": 4},
+        "rollout": {"max_new_tokens": 8},
     }
     if stage == "ppo":
-        sections["ppo"] = {"rollout_batch_size": 4, "ppo_epochs": 2, "max_new_tokens": 8}
+        sections["ppo"] = {"rollout_batch_size": 4, "ppo_epochs": 2}
     else:
-        sections["grpo"] = {"num_generations": 4, "rollout_batch_size": 8, "num_iterations": 1, "max_new_tokens": 8}
+        sections["grpo"] = {"num_generations": 4, "rollout_batch_size": 8, "num_iterations": 1}
     path = recipe(root, stage, stage, args.tiny, **sections)
     rc, log, wall = cli(root, stage, stage, str(path), timeout=args.timeout)
     result = summarise(root / stage, rc, log, wall, 2)

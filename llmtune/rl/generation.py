@@ -107,7 +107,9 @@ def vllm_installed() -> bool:
     """Whether a python with vLLM is available to run the engine (``llmtune.rl.vllm_engine.vllm_python``)."""
     try:
         from llmtune.rl.vllm_engine import vllm_python
-    except ImportError:
+    except ModuleNotFoundError as exc:  # a build without the vLLM engine module; any other import error is a bug
+        if exc.name != "llmtune.rl.vllm_engine":
+            raise
         return False
     return vllm_python() is not None
 

@@ -35,6 +35,9 @@ from llmtune.rl import ops
 from llmtune.rl.generation import build_engine
 from llmtune.rl.rollout import decode_responses, join, response_token_logps, split_generation
 from llmtune.rl.scoring import build_reward_sources
+from llmtune.utils import get_logger
+
+log = get_logger("rl")
 
 
 
@@ -178,8 +181,12 @@ class OnlineRLTrainer(CoreTrainer):
     def close(self) -> None:
         """Free the rollout engine (the runner calls this when the stage ends, also on errors)."""
         engine = getattr(self, "generation", None)
-        if engine is not None:
+        if engine is None:
+            return
+        try:
             engine.close()
+        except Exception as exc:  # noqa: BLE001 - never hide the error that ended the run behind a failed close
+            log.warning("closing the rollout engine failed: %s", exc)
 
     def sample(self, batch: dict[str, torch.Tensor]
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -178,3 +178,63 @@ def test_resume_with_more_steps_follows_the_longer_schedule_from_the_first_resum
     # schedule's 5.0e-3 instead of 7.5e-3
     expected = {k: 1e-2 * (1 + math.cos(math.pi * (k - 1) / 6)) / 2 for k in range(3, 7)}
     assert logged == pytest.approx(expected, rel=1e-6)
+
+
+class ReportingEngine:
+    """A rollout engine that reports log-probs (as vLLM does): transformers' generate for the tokens, and as its
+    log-probs the trainer's own plus ``shift`` nats (a known, constant engine/trainer mismatch). Records its syncs
+    and closes."""
+
+    def __init__(self, trainer, recipe, shift: float, calls: list):
+        from llmtune.rl.generation import HFGenerationBackend
+
+        r = recipe.rollout
+        self.hf = HFGenerationBackend(trainer, trainer.eos_ids, trainer.pad_id, r.temperature, r.top_p, r.top_k)
+        self.trainer, self.temperature, self.shift, self.calls = trainer, r.temperature, shift, calls
+
+    def generate(self, input_ids, attention_mask, *, max_new_tokens, greedy):
+        from llmtune.rl.rollout import join, split_generation
+
+        sequences, _ = self.hf.generate(input_ids, attention_mask, max_new_tokens=max_new_tokens, greedy=greedy)
+        t = self.trainer
+        responses, mask, _ = split_generation(sequences, input_ids.shape[1], t.eos_ids, t.pad_id)
+        logps = t.forward_chunks(join(input_ids, attention_mask, responses, mask), responses, with_values=False,
+                                 reference=False, temperature=self.temperature)["logps"]
+        return sequences, (logps + self.shift) * mask
+
+    def sync(self, version):
+        self.calls.append(("sync", version))
+
+    def close(self):
+        self.calls.append(("close", None))
+
+
+def test_engine_log_probs_weight_the_policy_loss(workspace, ppo_rm_run, monkeypatch):
+    """An engine whose log-probs are the trainer's + ln 2 (ratio 1/2 on every token, below the cap): the rollout
+    metrics show the mismatch, every truncated IS weight is 1/2, so the optimizer steps' policy loss is half
+    the hf run's (same samples: the engine samples with transformers' generate and the same seeds) while the value
+    loss is unchanged; the engine is synced to the step before every rollout batch and eval, and closed once."""
+    import llmtune.rl.trainer as rl_trainer
+
+    calls = []
+    monkeypatch.setattr(rl_trainer, "build_engine",
+                        lambda trainer, recipe: ReportingEngine(trainer, recipe, math.log(2.0), calls))
+    recipe = ppo_recipe(workspace, "ppo_engine", {"from_run": str(workspace / "rm")})
+    assert main(["ppo", str(recipe)]) == 0
+    assert calls == [("sync", 0), ("sync", 0), ("sync", 2), ("sync", 4), ("close", None)]  # eval, 2 rollouts, eval
+    logs = [r for r in read_jsonl(workspace / "ppo_engine" / "metrics.jsonl") if "policy_loss" in r]
+    base = [r for r in read_jsonl(ppo_rm_run / "metrics.jsonl") if "policy_loss" in r]
+    rollouts = [r for r in logs if "rollout/logprob_diff_mean" in r]
+    assert len(rollouts) == 2
+    for r in rollouts:
+        assert r["rollout/logprob_diff_mean"] == pytest.approx(math.log(2.0), abs=1e-5)
+        assert r["rollout/logprob_diff_max"] == pytest.approx(math.log(2.0), abs=1e-5)
+        assert r["rollout/is_weight_mean"] == pytest.approx(0.5, abs=1e-5)
+        assert r["rollout/is_clipped_fraction"] == 0.0
+    # step 1 (same weights; its whitened advantages average ~0) and step 2 of the first rollout batch: Adam's update
+    # does not depend on the scale of the gradient, so the weights after step 1 agree too (hf: -0.0305 at step 2)
+    for step in (0, 1):
+        assert logs[step]["policy_loss"] == pytest.approx(0.5 * base[step]["policy_loss"], rel=1e-3, abs=1e-9)
+        assert logs[step]["value_loss"] == pytest.approx(base[step]["value_loss"], rel=1e-4)
+    assert abs(base[1]["policy_loss"]) > 1e-3
+    assert "rollout/logprob_diff_mean" not in next(r for r in base if "score_mean" in r)  # hf reports nothing

@@ -130,3 +130,18 @@ def test_help_lists_the_rollout_keys():
                     "rollout.vllm.importance_sampling_cap"):
             assert key in text, (stage, key)
     assert "rollout." not in options_help("sft")
+
+
+@pytest.mark.parametrize("stage", ["grpo", "ppo"])
+def test_prompt_plus_completion_must_fit_the_positions(stage):
+    """Prompts of up to 100 tokens + rollout.max_new_tokens 30 = 130 > 120 positions (GRPO was not checked)."""
+    from transformers import LlamaConfig
+
+    from llmtune.models.checks import model_fit_problems
+
+    config = LlamaConfig(max_position_embeddings=120, vocab_size=64)
+    raw = {**(GRPO if stage == "grpo" else PPO), "data": {"max_length": 100}, "rollout": {"max_new_tokens": 30}}
+    [(key, message)] = model_fit_problems(load_recipe(raw=raw), None, stage=stage, config=config)
+    assert key == "rollout.max_new_tokens" and "= 130 exceed" in message
+    raw["rollout"]["max_new_tokens"] = 20
+    assert model_fit_problems(load_recipe(raw=raw), None, stage=stage, config=config) == []
