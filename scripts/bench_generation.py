@@ -73,6 +73,8 @@ def generation_rates(tiny: bool = False, n_prompts: int = 16, max_new_tokens: in
     work = Path(tempfile.mkdtemp(prefix="llmtune-bench-gen-"))
     model_dir, policy, ids, mask, eos_ids, pad = _setup(tiny, work, n_prompts)
     out = {}
+    with torch.no_grad():  # warm-up, as for vLLM below
+        policy.generate(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=4, do_sample=True, pad_token_id=pad)
     torch.manual_seed(0)
     start = time.perf_counter()
     with torch.no_grad():
