@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Side-by-side benchmark: llmtune vs plain TRL (``SFTTrainer`` / ``DPOTrainer`` + peft) doing the same work.
 
-    python scripts/bench.py --cpu     # SmolLM2-135M (builtin), GSM8K SFT + HH DPO pairs, fp32, <= 15 min on 2 cores
+    python scripts/bench.py --cpu     # SmolLM2-135M (builtin), GSM8K SFT + HH DPO pairs + GRPO, fp32, 2 cores
+    python scripts/bench.py --cpu --cases grpo --threads 1   # GRPO only: llmtune vs TRL's GRPOTrainer
     python scripts/bench.py --gpu     # Llama-3-8B shape (random init), 2,048-token rows, LoRA / QLoRA nf4 / DPO, bf16
     python scripts/bench.py --tiny    # tiny random Llama, a few steps: the same code path in well under a minute
 
@@ -11,6 +12,16 @@ gets those ids pre-tokenized: ``input_ids`` + ``completion_mask`` for SFT, ``pro
 precision, LoRA config (llmtune's ``build_lora_config``: r16 all-linear, dropout 0), optimizer, schedule and seed.
 Each run is its own subprocess (peak RSS per run); runs alternate A B A B ... The benchmark FAILS (exit 1) unless
 both did the same work: identical trained tokens (and pairs) in every step, and step-1 losses within tolerance.
+
+GRPO (``--cases grpo``): llmtune's ``llmtune grpo`` vs TRL's ``GRPOTrainer``, both sampling with transformers'
+``generate`` on the training model: the same weights, the prompts llmtune draws in its order and as its token ids
+(TRL's ``_tokenize_prompts`` looks them up; ``shuffle_dataset=False``), group size, completion length (every
+completion is forced to exactly ``max_new_tokens`` tokens on both sides, so both sample and train the same tokens),
+sampling settings and stop ids, LoRA, optimizer, clip range, token-mean loss, reward function (GSM8K correctness) and
+seed. The check: identical prompt ids (hashed), prompt tokens and completion tokens in every iteration (completions
+are sampled, so losses are not compared). Printed: ``GRPO | s per iteration | <llmtune> | <TRL> | <TRL / llmtune>x``,
+sampling and the rest of the iteration apart, generation tokens/s, peak RSS, and the load average (the CPU may be
+shared: read the ratios of alternated runs, not the absolute seconds).
 
 Reported per run: trained tokens/s and processed (non-pad) tokens/s over the steady steps (after ``warmup``),
 median step time, peak memory (CPU: peak RSS of the process; CUDA: ``max_memory_allocated``), MFU where the peak
