@@ -30,8 +30,10 @@ def mergeable_lora_layers(model: torch.nn.Module, adapter: str) -> list | None:
     """The LoRA layers of ``adapter`` when all of them can be merged exactly for sampling, else None.
 
     Mergeable: plain ``peft.tuners.lora.Linear`` layers (no DoRA or other variant, no LoRA bias; quantized
-    layers such as QLoRA's ``Linear4bit`` are other classes) whose base weight is not shared with another module
-    (a tied LM head would change the input embeddings too).
+    layers such as QLoRA's ``Linear4bit`` are other classes) with fp32 base weights (a bf16/fp16 weight has 8/11
+    mantissa bits: a LoRA delta below half its ulp, as early in training, would vanish in the merged copy and the
+    engine would sample from the base) that are not shared with another module (a tied LM head would change the
+    input embeddings too).
     """
     from peft.tuners.lora.layer import Linear, LoraLayer
 
@@ -44,7 +46,8 @@ def mergeable_lora_layers(model: torch.nn.Module, adapter: str) -> list | None:
             owners[id(param)] = owners.get(id(param), 0) + 1
     shared = any(owners.get(id(layer.get_base_layer().weight), 0) > 1 for layer in layers)
     plain = all(type(layer) is Linear and adapter not in getattr(layer, "lora_variant", {})
-                and not layer.lora_bias.get(adapter, False) and not layer.merged for layer in layers)
+                and not layer.lora_bias.get(adapter, False) and not layer.merged
+                and layer.get_base_layer().weight.dtype == torch.float32 for layer in layers)
     return layers if plain and not shared else None
 
 
@@ -99,7 +102,8 @@ class HFGenerationBackend:
     template's end-of-turn ids; under DeepSpeed ZeRO-3 the weights are gathered for generation by
     ``trl.models.utils.unwrap_model_for_generation``. A plain LoRA policy is merged for the duration of each
     ``generate`` call (:func:`merged_lora`: 1.16-1.38x the tokens/s of the unmerged adapter on a CPU, the original
-    weights restored exactly afterwards); not under ZeRO-3/FSDP, nor for DoRA/QLoRA adapters or tied weights.
+    weights restored exactly afterwards); only fp32 weights, not under ZeRO-3/FSDP, nor for DoRA/QLoRA adapters or
+    tied weights.
 
     Args:
         trainer: the online-RL trainer (its ``model_wrapped``, ``accelerator``, autocast context).

@@ -125,6 +125,7 @@ def test_no_merge_where_it_is_unsafe(tok):
                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"]))
     assert mergeable_lora_layers(tied, POLICY) is None  # the LM head's weight is the input embedding's
     assert mergeable_lora_layers(trained_policy(tok), "other") is None
+    assert mergeable_lora_layers(trained_policy(tok).to(torch.bfloat16), POLICY) is None  # the delta would round away
 
     def trainer(stage=None, fsdp=False):
         plugin = None if stage is None else SimpleNamespace(zero_stage=stage)
