@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Side-by-side benchmark: llmtune vs plain TRL (``SFTTrainer`` / ``DPOTrainer`` + peft) doing the same work.
 
-    python scripts/bench.py --cpu     # SmolLM2-135M (builtin), GSM8K SFT + HH DPO pairs, fp32, <= 15 min on 2 cores
+    python scripts/bench.py --cpu     # SmolLM2-135M (builtin), GSM8K SFT + HH DPO pairs + GRPO, fp32, 2 cores
+    python scripts/bench.py --cpu --cases grpo --threads 1   # GRPO only: llmtune vs TRL's GRPOTrainer
     python scripts/bench.py --gpu     # Llama-3-8B shape (random init), 2,048-token rows, LoRA / QLoRA nf4 / DPO, bf16
     python scripts/bench.py --tiny    # tiny random Llama, a few steps: the same code path in well under a minute
 
@@ -11,6 +12,16 @@ gets those ids pre-tokenized: ``input_ids`` + ``completion_mask`` for SFT, ``pro
 precision, LoRA config (llmtune's ``build_lora_config``: r16 all-linear, dropout 0), optimizer, schedule and seed.
 Each run is its own subprocess (peak RSS per run); runs alternate A B A B ... The benchmark FAILS (exit 1) unless
 both did the same work: identical trained tokens (and pairs) in every step, and step-1 losses within tolerance.
+
+GRPO (``--cases grpo``): llmtune's ``llmtune grpo`` vs TRL's ``GRPOTrainer``, both sampling with transformers'
+``generate`` on the training model: the same weights, the prompts llmtune draws in its order and as its token ids
+(TRL's ``_tokenize_prompts`` looks them up; ``shuffle_dataset=False``), group size, completion length (every
+completion is forced to exactly ``max_new_tokens`` tokens on both sides, so both sample and train the same tokens),
+sampling settings and stop ids, LoRA, optimizer, clip range, token-mean loss, reward function (GSM8K correctness) and
+seed. The check: identical prompt ids (hashed), prompt tokens and completion tokens in every iteration (completions
+are sampled, so losses are not compared). Printed: ``GRPO | s per iteration | <llmtune> | <TRL> | <TRL / llmtune>x``,
+sampling and the rest of the iteration apart, generation tokens/s, peak RSS, and the load average (the CPU may be
+shared: read the ratios of alternated runs, not the absolute seconds).
 
 Reported per run: trained tokens/s and processed (non-pad) tokens/s over the steady steps (after ``warmup``),
 median step time, peak memory (CPU: peak RSS of the process; CUDA: ``max_memory_allocated``), MFU where the peak
@@ -57,6 +68,7 @@ class Case:
     load_in_4bit: bool = False
     bf16: bool = False
     loss_rtol: float = 2e-3  # step-1 loss tolerance (relative)
+    grpo: dict | None = None  # grpo: section (stage grpo)
 
     def recipe(self, out_dir: str, overrides: list[str] = ()) -> dict:
         """The llmtune recipe of this case (TRL's arguments are derived from the same recipe), with ``overrides``
@@ -76,11 +88,30 @@ class Case:
                       "logging_steps": 1, "seed": 42},
             "precision": {"bf16": self.bf16},
             "dpo": {"beta": 0.1},
+            **({"grpo": self.grpo, "reward": {"functions": [{"function": GRPO_REWARD}]}} if self.stage == "grpo"
+               else {}),
             "output": {"dir": out_dir, "overwrite": True, "plot": False},
         }
         for text in overrides:
             apply_override(doc, *parse_override(text))
         return doc
+
+
+GRPO_REWARD = "llmtune.rewards:gsm8k_reward"  # both sides (TRL through :func:`trl_gsm8k_reward`)
+
+
+def grpo_case(model: str, steps: int, max_new_tokens: int, prompts: int = 4, num_generations: int = 4,
+              max_samples: int = 64) -> Case:
+    """GRPO on GSM8K questions: ``prompts`` x ``num_generations`` completions of exactly ``max_new_tokens`` tokens
+    per iteration (:class:`RolloutProbe` forces the length on both sides), one optimizer step per iteration, the
+    first iteration left out."""
+    n = prompts * num_generations
+    return Case("grpo", "grpo", model, {"datasets": [{"path": "builtin:gsm8k", "max_samples": max_samples}],
+                                        "max_length": 512, "max_prompt_length": 256},
+                micro_batch_size=min(4, n), global_batch_size=n, steps=steps, warmup=1,
+                grpo={"num_generations": num_generations, "rollout_batch_size": n, "max_new_tokens": max_new_tokens,
+                      "temperature": 0.8, "top_p": 1.0, "top_k": 0, "beta": 0.0, "epsilon_low": 0.2,
+                      "epsilon_high": 0.28, "loss_aggregation": "token_mean", "scale_rewards": "group"})
 
 
 # ---- cases of each mode ----------------------------------------------------------------------------------------
@@ -106,7 +137,8 @@ def gsm8k_rows(n: int) -> list[dict]:
 
 
 def cpu_cases(work: Path, quick: bool) -> list[Case]:
-    """SFT: 2 GSM8K rows per step, DPO: 1 HH pair per step, 4 steps (``--quick``: 3), the first left out."""
+    """SFT: 2 GSM8K rows per step, DPO: 1 HH pair per step, 4 steps (``--quick``: 3), the first left out;
+    GRPO: 4 GSM8K questions x 4 completions x 48 tokens per iteration, 3 iterations (``--quick``: 32 tokens)."""
     steps, rows = (3, 2) if quick else (4, 2)
     return [
         Case("sft", "sft", "builtin:smollm2-135m-instruct",
@@ -114,6 +146,7 @@ def cpu_cases(work: Path, quick: bool) -> list[Case]:
         Case("dpo", "dpo", "builtin:smollm2-135m-instruct",
              {"datasets": [{**pairs_source(work), "max_samples": 64}], "max_length": 384, "max_prompt_length": 256,
               "bad_rows": "skip"}, rows // 2, rows // 2, steps, 1),
+        grpo_case("builtin:smollm2-135m-instruct", 3, 32 if quick else 48),
     ]
 
 
@@ -124,7 +157,8 @@ def tiny_cases(work: Path) -> list[Case]:
     sft = {"datasets": [{"path": "builtin:gsm8k", "max_samples": 24}], "max_length": 256}
     dpo = {"datasets": [{**pairs_source(work), "max_samples": 16}], "max_length": 256, "max_prompt_length": 128,
            "bad_rows": "skip"}
-    return [Case("sft", "sft", str(model), sft, 2, 4, 3, 1), Case("dpo", "dpo", str(model), dpo, 2, 2, 3, 1)]
+    return [Case("sft", "sft", str(model), sft, 2, 4, 3, 1), Case("dpo", "dpo", str(model), dpo, 2, 2, 3, 1),
+            grpo_case(str(model), 3, 8, prompts=2, max_samples=16)]
 
 
 def gpu_cases(work: Path) -> list[Case]:
@@ -205,6 +239,76 @@ class Probe:
         cls._get_num_items_in_batch = wrapped
 
 
+class RolloutProbe:
+    """Per-iteration measurements of GRPO, taken the same way in both trainers (one optimizer step per iteration):
+    wraps transformers' ``GenerationMixin.generate`` (what both sample with) to time it, count prompts, prompt
+    tokens and completion tokens (up to and including the first of ``eos_ids``) and hash the prompt ids, and forces
+    every completion to ``max_new_tokens`` tokens (``min_new_tokens``: EOS suppressed until then), so that both sides
+    sample and train the same number of tokens whatever they draw. Iteration time = from the end of the previous
+    optimizer step (``on_step_end``; the first from ``on_train_begin``) to the end of this one: sampling, scoring,
+    forward/backward and the optimizer step."""
+
+    def __init__(self, max_new_tokens: int, eos_ids: list[int]):
+        self.max_new_tokens, self.eos_ids = max_new_tokens, eos_ids
+        self.trainer = None
+        self.last = None
+        self.current = self._empty()
+        self.steps: list[dict] = []
+
+    @staticmethod
+    def _empty() -> dict:
+        return {"generation_s": 0.0, "prompts": 0, "prompt_tokens": 0, "completion_tokens": 0, "prompt_hash": ""}
+
+    def wrap(self, cls) -> None:
+        import hashlib
+
+        import torch
+        from transformers import GenerationMixin, TrainerCallback
+
+        probe = self
+
+        class _Steps(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                probe.last = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                now = time.perf_counter()
+                probe.steps.append({**probe.current, "time_s": now - probe.last})
+                probe.current, probe.last = probe._empty(), now
+
+        original_init = cls.__init__
+
+        def init(trainer, *args, **kwargs):
+            original_init(trainer, *args, **kwargs)
+            if probe.trainer is None:
+                probe.trainer = trainer
+                trainer.add_callback(_Steps())
+
+        cls.__init__ = init
+        original_generate = GenerationMixin.generate
+
+        def generate(model, *args, **kwargs):
+            kwargs["min_new_tokens"] = probe.max_new_tokens
+            start = time.perf_counter()
+            out = original_generate(model, *args, **kwargs)
+            seconds = time.perf_counter() - start
+            ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+            sequences = out if isinstance(out, torch.Tensor) else out.sequences
+            completions = sequences[:, ids.shape[1]:]
+            is_eos = torch.isin(completions, torch.tensor(probe.eos_ids, device=completions.device))
+            real = ((is_eos.long().cumsum(1) - is_eos.long()) == 0).sum()  # up to and including the first EOS
+            prompts = sorted(tuple(row[m.bool()].tolist()) for row, m in zip(ids, mask))
+            c = probe.current
+            c["generation_s"] += seconds
+            c["prompts"] += ids.shape[0]
+            c["prompt_tokens"] += int(mask.sum())
+            c["completion_tokens"] += int(real)
+            c["prompt_hash"] = hashlib.sha1((c["prompt_hash"] + repr(prompts)).encode()).hexdigest()[:16]
+            return out
+
+        GenerationMixin.generate = generate
+
+
 def work_of(batch_samples: list[dict]) -> dict:
     """Trained tokens (next-token targets; DPO: completion tokens), processed non-pad tokens and rows of a step."""
     trained = seen = rows = 0
@@ -250,6 +354,8 @@ def run_trl(case: Case, out: Path, probe: Probe) -> None:
     tokenizer = prepare_tokenizer(recipe)
     rows = STAGES[case.stage](recipe).build_data(tokenizer, str(ROOT)).train  # llmtune's ids, TRL's trainer
     model = load_model(recipe.model, recipe.precision)
+    if case.stage == "grpo":
+        return run_trl_grpo(recipe, tokenizer, rows, model, out, probe)
     t = recipe.train
     common = dict(
         output_dir=str(out / "trl"), per_device_train_batch_size=t.micro_batch_size,
@@ -289,6 +395,65 @@ def run_trl(case: Case, out: Path, probe: Probe) -> None:
     trainer.train()
 
 
+def trl_gsm8k_reward(prompts, completions, reference, **kwargs) -> list[float]:
+    """llmtune's GSM8K reward (:data:`GRPO_REWARD`) in TRL's signature (dataset columns as keyword arguments)."""
+    from llmtune.rewards import gsm8k_reward
+
+    return gsm8k_reward(prompts, completions, reference)
+
+
+def llmtune_prompt_order(trainer_cls, n_rows: int, seed: int, iterations: int, per_iteration: int) -> list[int]:
+    """The prompt rows llmtune's online-RL trainer draws in iterations 0 .. iterations-1 (one process), in order."""
+    from types import SimpleNamespace
+
+    me = SimpleNamespace(prompts=range(n_rows), args=SimpleNamespace(seed=seed, process_index=0, world_size=1))
+    return [i for it in range(iterations) for i in trainer_cls.prompt_indices(me, it, per_iteration)]
+
+
+def run_trl_grpo(recipe, tokenizer, rows, model, out: Path, probe: RolloutProbe) -> None:
+    """TRL's ``GRPOTrainer`` on llmtune's work: the prompts llmtune draws, in its order (``shuffle_dataset=False``),
+    as llmtune's token ids (``_tokenize_prompts`` looks them up), the same stop ids, sampling settings, group size,
+    LoRA, optimizer, clip range, token-mean loss ("dapo") and reward function; transformers' ``generate``."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from llmtune.core.trainer import accumulation_steps
+    from llmtune.models import build_lora_config
+    from llmtune.rl.trainer import OnlineRLTrainer
+
+    t, g = recipe.train, recipe.grpo
+    order = llmtune_prompt_order(OnlineRLTrainer, len(rows), t.seed, t.max_steps, g.rollout_batch_size // g.num_generations)
+    ids_of: dict[str, list[int]] = {}
+    for i in order:
+        ids = list(rows[i]["input_ids"])
+        if ids_of.setdefault(rows[i]["prompt"], ids) != ids:
+            raise SystemExit(f"error: two prompt rows with the text {rows[i]['prompt'][:60]!r} differ in token ids")
+    ds = Dataset.from_dict({"prompt": [rows[i]["prompt"] for i in order],
+                           "reference": [rows[i]["reference"] for i in order]})
+
+    class PretokenizedGRPOTrainer(GRPOTrainer):
+        def _tokenize_prompts(self, prompts):  # llmtune's prompt ids (chat template, one BOS, truncation)
+            return [ids_of[p] for p in prompts], None, {}
+
+    model.generation_config.eos_token_id = probe.eos_ids  # stop where llmtune stops (the template's end of turn)
+    args = GRPOConfig(
+        output_dir=str(out / "trl"), per_device_train_batch_size=t.micro_batch_size,
+        gradient_accumulation_steps=accumulation_steps(recipe, 1), max_steps=t.max_steps,
+        learning_rate=t.learning_rate, lr_scheduler_type="constant", warmup_steps=0, weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm, optim="adamw_torch", seed=t.seed, data_seed=t.seed, logging_steps=1,
+        save_strategy="no", report_to="none", bf16=False, fp16=False, gradient_checkpointing=False,
+        dataloader_num_workers=0, disable_tqdm=True, shuffle_dataset=False,
+        num_generations=g.num_generations, generation_batch_size=g.rollout_batch_size, num_iterations=g.num_iterations,
+        max_completion_length=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+        beta=g.beta, epsilon=g.epsilon_low, epsilon_high=g.epsilon_high, loss_type="dapo", scale_rewards="group",
+        mask_truncated_completions=g.mask_truncated_completions,
+    )
+    probe.wrap(PretokenizedGRPOTrainer)
+    trainer = PretokenizedGRPOTrainer(model=model, reward_funcs=[trl_gsm8k_reward], args=args, train_dataset=ds,
+                                      processing_class=tokenizer, peft_config=build_lora_config(recipe.adapter))
+    trainer.train()
+
+
 def worker(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     case, side, out = Case(**spec["case"]), spec["side"], Path(spec["out"])
@@ -297,7 +462,7 @@ def worker(spec_path: str) -> None:
 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    probe = Probe()
+    probe = rollout_probe(case) if case.stage == "grpo" else Probe()
     t0 = time.perf_counter()
     if side == "trl":
         run_trl(case, out, probe)
@@ -305,11 +470,13 @@ def worker(spec_path: str) -> None:
         run_llmtune(case, out, probe, spec.get("overrides", []) if side == "alt" else [])
     history = probe.trainer.state.log_history
     losses = [r["loss"] for r in history if "loss" in r]
-    from llmtune.core.flops import train_flops_per_token
+    flops = None
+    if case.stage != "grpo":
+        from llmtune.core.flops import train_flops_per_token
 
-    steps = probe.steps
-    seq_len = sum(x["seen_tokens"] for x in steps) / max(sum(x["rows"] for x in steps), 1)
-    flops = train_flops_per_token(probe.trainer.model, seq_len, reference_forward=case.stage == "dpo")
+        steps = probe.steps
+        seq_len = sum(x["seen_tokens"] for x in steps) / max(sum(x["rows"] for x in steps), 1)
+        flops = train_flops_per_token(probe.trainer.model, seq_len, reference_forward=case.stage == "dpo")
     result = {
         "side": side, "case": case.name, "steps": probe.steps, "losses": losses, "peak_mem_gb": peak_memory_gb(),
         "wall_s": time.perf_counter() - t0, "flops_per_token": flops,
@@ -318,9 +485,28 @@ def worker(spec_path: str) -> None:
     Path(spec["result"]).write_text(json.dumps(result))
 
 
+def rollout_probe(case: Case) -> RolloutProbe:
+    """The :class:`RolloutProbe` of a GRPO case: its max_new_tokens and the template's end-of-turn ids (where
+    llmtune stops a completion; TRL is given the same ids)."""
+    from llmtune.config import load_recipe
+    from llmtune.core.runner import prepare_tokenizer
+    from llmtune.data.templates import template_eos_ids
+
+    recipe = load_recipe(raw=case.recipe(tempfile.mkdtemp()))
+    return RolloutProbe(recipe.grpo.max_new_tokens, template_eos_ids(prepare_tokenizer(recipe)))
+
+
 # ---- driver ----------------------------------------------------------------------------------------------------------
 def summarize(r: dict, case: Case, peak_tflops: float | None) -> dict:
     steady = [s for s in r["steps"][case.warmup:] if "time_s" in s]
+    if case.stage == "grpo":  # one optimizer step per iteration
+        med = statistics.median
+        return {"s_per_iteration": med(s["time_s"] for s in steady),
+                "generation_s": med(s["generation_s"] for s in steady),
+                "rest_s": med(s["time_s"] - s["generation_s"] for s in steady),
+                "generation_tokens_per_s": (sum(s["completion_tokens"] for s in steady)
+                                            / sum(s["generation_s"] for s in steady)),
+                "peak_mem_gb": r["peak_mem_gb"], "wall_s": r["wall_s"]}
     time_s = sum(s["time_s"] for s in steady)
     trained = sum(s["trained_tokens"] for s in steady)
     seen = sum(s["seen_tokens"] for s in steady)
@@ -336,8 +522,15 @@ def summarize(r: dict, case: Case, peak_tflops: float | None) -> dict:
 
 
 def check_same_work(a: dict, b: dict, case: Case) -> list[str]:
-    """Problems if llmtune (a) and TRL (b) did not do the same work."""
+    """Problems if llmtune (a) and TRL (b) did not do the same work. GRPO: the same prompt ids (hashed), prompt and
+    completion tokens in every iteration (completions are sampled, so losses are not compared)."""
     problems = []
+    if case.stage == "grpo":
+        keys = ("prompt_hash", "prompts", "prompt_tokens", "completion_tokens")
+        ka, kb = ([tuple(s[k] for k in keys) for s in r["steps"]] for r in (a, b))
+        if ka != kb or not ka:
+            problems.append(f"{case.name}: {keys} per iteration differ: llmtune {ka} vs TRL {kb}")
+        return problems
     ka = [(s["trained_tokens"], s["rows"]) for s in a["steps"]]
     kb = [(s["trained_tokens"], s["rows"]) for s in b["steps"]]
     if ka != kb:
@@ -454,19 +647,25 @@ def main(argv: list[str] | None = None) -> int:
         sums = {side: [summarize(r, case, peak) for r in rs] for side, rs in runs.items()}
         sums["trl"] = sums.pop(other)  # the baseline column (TRL, or llmtune with --against)
         runs["trl"] = runs.pop(other)
-        speed = "pairs_per_s" if case.stage == "dpo" else "trained_tokens_per_s"
-        ratios = {
-            "speed": [x[speed] / y[speed] for x, y in zip(sums["llmtune"], sums["trl"])],
-            "step_time": [x["median_step_s"] / y["median_step_s"] for x, y in zip(sums["llmtune"], sums["trl"])],
-            "peak_mem": [x["peak_mem_gb"] / y["peak_mem_gb"] for x, y in zip(sums["llmtune"], sums["trl"])],
-        }
+        pairs = list(zip(sums["llmtune"], sums["trl"]))
         first = runs["llmtune"][0]
-        report["cases"][case.name] = {
-            "case": dataclasses.asdict(case), "runs": sums, "ratios": ratios,
-            "work": {"trained_tokens_per_step": [s["trained_tokens"] for s in first["steps"]],
-                     "rows_per_step": [s["rows"] for s in first["steps"]],
-                     "step1_loss": {"llmtune": first["losses"][:1], "trl": runs["trl"][0]["losses"][:1]}},
-        }
+        if case.stage == "grpo":  # speed = TRL's seconds / llmtune's (> 1: llmtune faster)
+            ratios = {"speed": [y["s_per_iteration"] / x["s_per_iteration"] for x, y in pairs],
+                      "generation": [y["generation_s"] / x["generation_s"] for x, y in pairs],
+                      "rest": [y["rest_s"] / x["rest_s"] for x, y in pairs],
+                      "peak_mem": [x["peak_mem_gb"] / y["peak_mem_gb"] for x, y in pairs]}
+            work = {key + "_per_step": [s[key] for s in first["steps"]]
+                    for key in ("prompts", "prompt_tokens", "completion_tokens")}
+        else:
+            speed = "pairs_per_s" if case.stage == "dpo" else "trained_tokens_per_s"
+            ratios = {"speed": [x[speed] / y[speed] for x, y in pairs],
+                      "step_time": [x["median_step_s"] / y["median_step_s"] for x, y in pairs],
+                      "peak_mem": [x["peak_mem_gb"] / y["peak_mem_gb"] for x, y in pairs]}
+            work = {"trained_tokens_per_step": [s["trained_tokens"] for s in first["steps"]],
+                    "rows_per_step": [s["rows"] for s in first["steps"]],
+                    "step1_loss": {"llmtune": first["losses"][:1], "trl": runs["trl"][0]["losses"][:1]}}
+        report["cases"][case.name] = {"case": dataclasses.asdict(case), "runs": sums, "ratios": ratios, "work": work,
+                                      "load_average": os.getloadavg()}
     print_table(report, peak)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -474,7 +673,9 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print(f"FAILED: llmtune and {env['baseline']} did not do the same work:\n  " + "\n  ".join(problems))
         return 1
-    print("same work: identical trained tokens and rows in every step; step-1 losses within tolerance")
+    print("same work: identical trained tokens and rows in every step; step-1 losses within tolerance"
+          + ("; GRPO: identical prompt ids, prompt and completion tokens in every iteration"
+             if any(c["case"]["stage"] == "grpo" for c in report["cases"].values()) else ""))
     return 0
 
 
@@ -485,6 +686,9 @@ def print_table(report: dict, peak: float | None) -> None:
              "|---|---|---:|---:|---:|"]
     for name, c in report["cases"].items():
         L, T, R = c["runs"]["llmtune"], c["runs"]["trl"], c["ratios"]
+        if c["case"]["stage"] == "grpo":
+            lines += grpo_rows(name.upper(), c)
+            continue
         speed = "pairs_per_s" if c["case"]["stage"] == "dpo" else "trained_tokens_per_s"
         rows = [(speed.replace("_", " "), speed, "speed", "{:.1f}"),
                 ("processed tokens/s", "tokens_per_s", None, "{:.1f}"),
@@ -501,6 +705,31 @@ def print_table(report: dict, peak: float | None) -> None:
         lines.append(f"| {name} | trained tokens per step (both) | {w['trained_tokens_per_step']} | | |")
         lines.append(f"| {name} | step-1 loss | {w['step1_loss']['llmtune']} | {w['step1_loss']['trl']} | |")
     print("\n".join(lines), flush=True)
+
+
+def grpo_rows(name: str, c: dict) -> list[str]:
+    """Table rows of a GRPO case; time ratios are TRL / llmtune (speed-up), the memory ratio llmtune / TRL."""
+    med = statistics.median
+    L, T, R = c["runs"]["llmtune"], c["runs"]["trl"], c["ratios"]
+    rows = [("s per iteration", "s_per_iteration", "speed", "{:.2f}", "x"),
+            ("sampling s per iteration", "generation_s", "generation", "{:.2f}", "x"),
+            ("rest s per iteration", "rest_s", "rest", "{:.2f}", "x"),
+            ("generation tokens/s", "generation_tokens_per_s", None, "{:.1f}", ""),
+            ("peak memory GiB (CPU: RSS)", "peak_mem_gb", "peak_mem",
+             "{:.2f}", "")]
+    lines = []
+    for label, key, ratio, fmt, unit in rows:
+        r = ""
+        if ratio:
+            values = R[ratio]
+            r = f"{med(values):.2f}{unit} ({min(values):.2f}-{max(values):.2f})"
+        lines.append(f"| {name} | {label} | {fmt.format(med(x[key] for x in L))} | {fmt.format(med(x[key] for x in T))}"
+                     f" | {r} |")
+    w = c["work"]
+    lines.append(f"| {name} | completion tokens per iteration (both) | {w['completion_tokens_per_step']} | | |")
+    lines.append(f"| {name} | prompt tokens per iteration (both) | {w['prompt_tokens_per_step']} | | |")
+    lines.append(f"| {name} | load average (1, 5, 15 min) at the end | {', '.join(f'{x:.1f}' for x in c['load_average'])} | | |")
+    return lines
 
 
 if __name__ == "__main__":

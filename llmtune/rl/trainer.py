@@ -39,6 +39,19 @@ from llmtune.utils import get_logger
 
 log = get_logger("rl")
 
+LOGITS_CHUNK_BYTES = 256 * 2**20  # fp32 logits per forward of forward_chunks (rows cut to fit; at least one row)
+
+
+def _per_row(fn, *tensors: torch.Tensor) -> torch.Tensor:
+    """``fn`` applied to each row (a (1, ...) slice) of the tensors, concatenated: (B, N) statistics of (B, N, V)
+    logits with (1, N, V) temporaries instead of (B, N, V) ones."""
+    return torch.cat([fn(*(t[i:i + 1] for t in tensors)) for i in range(tensors[0].shape[0])])
+
+
+def _exact_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+    """(b, N, V) policy and reference logits -> (b, N) KL(policy || reference) per position, fp32."""
+    logp = torch.log_softmax(logits.float(), -1)
+    return (logp.exp() * (logp - torch.log_softmax(ref_logits.float(), -1))).sum(-1)
 
 
 class _StepSlots(torch.utils.data.Dataset):
@@ -261,33 +274,46 @@ class OnlineRLTrainer(CoreTrainer):
                        policy: bool = True) -> dict[str, torch.Tensor]:
         """Response log-probs of the policy (``logps``, ``entropy``; ``values`` when asked) and of the reference
         (``ref_logps``; ``kl_exact`` = the exact per-position KL(policy || reference) summed over the vocabulary),
-        each (B, N), in eval mode and chunks of the eval batch size."""
+        each (B, N), in eval mode.
+
+        Memory: the forwards run in chunks of at most the eval batch size and of at most ``LOGITS_CHUNK_BYTES`` of
+        fp32 logits per model (a (16, 161, 49152) fp32 logits tensor of the quickstart's greedy eval is 0.5 GiB), and
+        the per-token statistics are taken one row at a time (:func:`_per_row`), so the (rows, N, V) fp32
+        temporaries of softmax/logsumexp/KL never exist for a whole chunk; without ``exact_kl`` the policy's logits
+        are freed before the reference forward. Same values as whole-chunk arithmetic (row-wise reductions)."""
         model = self.model
         was_training = model.training
         model.eval()
-        size = self.args.per_device_eval_batch_size
         width = responses.shape[1]
+        vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
+        size = max(1, min(self.args.per_device_eval_batch_size,
+                          LOGITS_CHUNK_BYTES // max(1, (width + 1) * vocab * 4) if vocab else responses.shape[0]))
         out: dict[str, list[torch.Tensor]] = {}
         for start in range(0, responses.shape[0], size):
             part = {k: v[start:start + size] for k, v in inputs.items()}
             resp = responses[start:start + size]
-            logits = values = ref_logits = None
+            logits = values = None
             with self.compute_loss_context_manager():
                 if policy or exact_kl:
                     logits, values = model(**part, response_width=width, with_values=with_values)
-                if reference:
-                    ref_logits = model.reference_logits(**part, response_width=width)
             if logits is not None:
-                out.setdefault("logps", []).append(response_token_logps(logits, resp, temperature))
-                out.setdefault("entropy", []).append(ops.entropy_from_logits(logits.float() / temperature))
+                out.setdefault("logps", []).append(_per_row(
+                    lambda lg, r: response_token_logps(lg, r, temperature), logits, resp))
+                out.setdefault("entropy", []).append(_per_row(
+                    lambda lg: ops.entropy_from_logits(lg.float() / temperature), logits))
+                if not exact_kl:
+                    logits = None
             if values is not None:
                 out.setdefault("values", []).append(values)
-            if ref_logits is not None:
-                out.setdefault("ref_logps", []).append(response_token_logps(ref_logits, resp, temperature))
+            if reference:
+                with self.compute_loss_context_manager():
+                    ref_logits = model.reference_logits(**part, response_width=width)
+                out.setdefault("ref_logps", []).append(_per_row(
+                    lambda lg, r: response_token_logps(lg, r, temperature), ref_logits, resp))
                 if exact_kl:  # sum over the vocabulary: KL(policy || reference) at each position
-                    logp = torch.log_softmax(logits.float(), -1)
-                    out.setdefault("kl_exact", []).append(
-                        (logp.exp() * (logp - torch.log_softmax(ref_logits.float(), -1))).sum(-1))
+                    out.setdefault("kl_exact", []).append(_per_row(_exact_kl, logits, ref_logits))
+                del ref_logits
+            del logits
         model.train(was_training)
         return {k: torch.cat(v) for k, v in out.items()}
 

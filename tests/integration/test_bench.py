@@ -17,7 +17,16 @@ def test_bench_tiny_runs_both_trainers_on_the_same_work(tmp_path):
                            "--out", str(out)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert set(report["cases"]) == {"sft", "dpo"}
+    assert set(report["cases"]) == {"sft", "dpo", "grpo"}
+    grpo = report["cases"].pop("grpo")
+    g = grpo["case"]["grpo"]
+    # every iteration: the same prompts on both sides, each completion exactly max_new_tokens long
+    assert grpo["work"]["prompts_per_step"] == [g["rollout_batch_size"]] * grpo["case"]["steps"]
+    assert grpo["work"]["completion_tokens_per_step"] == [g["rollout_batch_size"] * g["max_new_tokens"]] * 3
+    for side in ("llmtune", "trl"):
+        run = grpo["runs"][side][0]
+        assert run["s_per_iteration"] > run["generation_s"] > 0 and run["peak_mem_gb"] > 0
+    assert "| GRPO | s per iteration |" in proc.stdout
     for name, case in report["cases"].items():
         work = case["work"]
         assert work["trained_tokens_per_step"] and all(n > 0 for n in work["trained_tokens_per_step"])
@@ -42,3 +51,21 @@ def test_bench_fails_when_the_work_differs():
     assert "differ" in bench.check_same_work(a, b, case)[0]
     c = {"steps": [{"trained_tokens": 10, "rows": 1}], "losses": [1.1]}
     assert "step-1 loss" in bench.check_same_work(a, c, case)[0]
+
+
+def test_bench_grpo_fails_when_the_prompts_or_tokens_differ():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench
+
+    case = bench.grpo_case("m", 2, 8)
+    step = {"prompt_hash": "ab", "prompts": 16, "prompt_tokens": 900, "completion_tokens": 128, "time_s": 1.0,
+            "generation_s": 0.5}
+    a = {"steps": [step, step], "losses": [0.1]}
+    assert bench.check_same_work(a, {"steps": [step, step], "losses": [-0.3]}, case) == []  # losses not compared
+    for key, value in (("prompt_hash", "cd"), ("prompt_tokens", 901), ("completion_tokens", 127)):
+        b = {"steps": [step, {**step, key: value}], "losses": [0.1]}
+        assert "differ" in bench.check_same_work(a, b, case)[0]
+    summary = bench.summarize({"steps": [step, {**step, "time_s": 3.0}, {**step, "time_s": 5.0}],
+                               "peak_mem_gb": 1.0, "wall_s": 9.0}, case, None)
+    assert summary["s_per_iteration"] == 4.0 and summary["rest_s"] == 3.5  # steady iterations (after the first)
+    assert summary["generation_tokens_per_s"] == 128 / 0.5
