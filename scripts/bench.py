@@ -654,18 +654,18 @@ def main(argv: list[str] | None = None) -> int:
                       "generation": [y["generation_s"] / x["generation_s"] for x, y in pairs],
                       "rest": [y["rest_s"] / x["rest_s"] for x, y in pairs],
                       "peak_mem": [x["peak_mem_gb"] / y["peak_mem_gb"] for x, y in pairs]}
-            work = {key + "_per_step": [s[key] for s in first["steps"]]
+            same_work = {key + "_per_step": [s[key] for s in first["steps"]]
                     for key in ("prompts", "prompt_tokens", "completion_tokens")}
         else:
             speed = "pairs_per_s" if case.stage == "dpo" else "trained_tokens_per_s"
             ratios = {"speed": [x[speed] / y[speed] for x, y in pairs],
                       "step_time": [x["median_step_s"] / y["median_step_s"] for x, y in pairs],
                       "peak_mem": [x["peak_mem_gb"] / y["peak_mem_gb"] for x, y in pairs]}
-            work = {"trained_tokens_per_step": [s["trained_tokens"] for s in first["steps"]],
-                    "rows_per_step": [s["rows"] for s in first["steps"]],
-                    "step1_loss": {"llmtune": first["losses"][:1], "trl": runs["trl"][0]["losses"][:1]}}
-        report["cases"][case.name] = {"case": dataclasses.asdict(case), "runs": sums, "ratios": ratios, "work": work,
-                                      "load_average": os.getloadavg()}
+            same_work = {"trained_tokens_per_step": [s["trained_tokens"] for s in first["steps"]],
+                         "rows_per_step": [s["rows"] for s in first["steps"]],
+                         "step1_loss": {"llmtune": first["losses"][:1], "trl": runs["trl"][0]["losses"][:1]}}
+        report["cases"][case.name] = {"case": dataclasses.asdict(case), "runs": sums, "ratios": ratios,
+                                      "work": same_work, "load_average": os.getloadavg()}
     print_table(report, peak)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
