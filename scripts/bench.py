@@ -655,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
                       "rest": [y["rest_s"] / x["rest_s"] for x, y in pairs],
                       "peak_mem": [x["peak_mem_gb"] / y["peak_mem_gb"] for x, y in pairs]}
             same_work = {key + "_per_step": [s[key] for s in first["steps"]]
-                    for key in ("prompts", "prompt_tokens", "completion_tokens")}
+                         for key in ("prompts", "prompt_tokens", "completion_tokens")}
         else:
             speed = "pairs_per_s" if case.stage == "dpo" else "trained_tokens_per_s"
             ratios = {"speed": [x[speed] / y[speed] for x, y in pairs],
