@@ -69,6 +69,7 @@ class Case:
     bf16: bool = False
     loss_rtol: float = 2e-3  # step-1 loss tolerance (relative)
     grpo: dict | None = None  # grpo: section (stage grpo)
+    rollout: dict | None = None  # rollout: section (stage grpo: the sampling settings)
 
     def recipe(self, out_dir: str, overrides: list[str] = ()) -> dict:
         """The llmtune recipe of this case (TRL's arguments are derived from the same recipe), with ``overrides``
@@ -88,7 +89,7 @@ class Case:
                       "logging_steps": 1, "seed": 42},
             "precision": {"bf16": self.bf16},
             "dpo": {"beta": 0.1},
-            **({"grpo": self.grpo, "reward": {"functions": [{"function": GRPO_REWARD}]}} if self.stage == "grpo"
+            **({"grpo": self.grpo, "rollout": self.rollout, "reward": {"functions": [{"function": GRPO_REWARD}]}} if self.stage == "grpo"
                else {}),
             "output": {"dir": out_dir, "overwrite": True, "plot": False},
         }
@@ -109,9 +110,10 @@ def grpo_case(model: str, steps: int, max_new_tokens: int, prompts: int = 4, num
     return Case("grpo", "grpo", model, {"datasets": [{"path": "builtin:gsm8k", "max_samples": max_samples}],
                                         "max_length": 512, "max_prompt_length": 256},
                 micro_batch_size=min(4, n), global_batch_size=n, steps=steps, warmup=1,
-                grpo={"num_generations": num_generations, "rollout_batch_size": n, "max_new_tokens": max_new_tokens,
-                      "temperature": 0.8, "top_p": 1.0, "top_k": 0, "beta": 0.0, "epsilon_low": 0.2,
-                      "epsilon_high": 0.28, "loss_aggregation": "token_mean", "scale_rewards": "group"})
+                grpo={"num_generations": num_generations, "rollout_batch_size": n, "beta": 0.0, "epsilon_low": 0.2,
+                      "epsilon_high": 0.28, "loss_aggregation": "token_mean", "scale_rewards": "group"},
+                rollout={"engine": "hf", "max_new_tokens": max_new_tokens, "temperature": 0.8, "top_p": 1.0,
+                         "top_k": 0})
 
 
 # ---- cases of each mode ----------------------------------------------------------------------------------------
@@ -421,7 +423,7 @@ def run_trl_grpo(recipe, tokenizer, rows, model, out: Path, probe: RolloutProbe)
     from llmtune.models import build_lora_config
     from llmtune.rl.trainer import OnlineRLTrainer
 
-    t, g = recipe.train, recipe.grpo
+    t, g, r = recipe.train, recipe.grpo, recipe.rollout
     order = llmtune_prompt_order(OnlineRLTrainer, len(rows), t.seed, t.max_steps, g.rollout_batch_size // g.num_generations)
     ids_of: dict[str, list[int]] = {}
     for i in order:
@@ -444,7 +446,7 @@ def run_trl_grpo(recipe, tokenizer, rows, model, out: Path, probe: RolloutProbe)
         save_strategy="no", report_to="none", bf16=False, fp16=False, gradient_checkpointing=False,
         dataloader_num_workers=0, disable_tqdm=True, shuffle_dataset=False,
         num_generations=g.num_generations, generation_batch_size=g.rollout_batch_size, num_iterations=g.num_iterations,
-        max_completion_length=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+        max_completion_length=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
         beta=g.beta, epsilon=g.epsilon_low, epsilon_high=g.epsilon_high, loss_type="dapo", scale_rewards="group",
         mask_truncated_completions=g.mask_truncated_completions,
     )
@@ -493,7 +495,7 @@ def rollout_probe(case: Case) -> RolloutProbe:
     from llmtune.data.templates import template_eos_ids
 
     recipe = load_recipe(raw=case.recipe(tempfile.mkdtemp()))
-    return RolloutProbe(recipe.grpo.max_new_tokens, template_eos_ids(prepare_tokenizer(recipe)))
+    return RolloutProbe(recipe.rollout.max_new_tokens, template_eos_ids(prepare_tokenizer(recipe)))
 
 
 # ---- driver ----------------------------------------------------------------------------------------------------------

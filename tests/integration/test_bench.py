@@ -22,7 +22,8 @@ def test_bench_tiny_runs_both_trainers_on_the_same_work(tmp_path):
     g = grpo["case"]["grpo"]
     # every iteration: the same prompts on both sides, each completion exactly max_new_tokens long
     assert grpo["work"]["prompts_per_step"] == [g["rollout_batch_size"]] * grpo["case"]["steps"]
-    assert grpo["work"]["completion_tokens_per_step"] == [g["rollout_batch_size"] * g["max_new_tokens"]] * 3
+    tokens = g["rollout_batch_size"] * grpo["case"]["rollout"]["max_new_tokens"]
+    assert grpo["work"]["completion_tokens_per_step"] == [tokens] * 3
     for side in ("llmtune", "trl"):
         run = grpo["runs"][side][0]
         assert run["s_per_iteration"] > run["generation_s"] > 0 and run["peak_mem_gb"] > 0
