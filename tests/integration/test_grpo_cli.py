@@ -14,29 +14,10 @@ import yaml
 from safetensors.torch import load_file
 
 from llmtune.cli import main
-from llmtune.models.tiny import save_tiny_model
 from llmtune.utils import read_jsonl
 from tests.integration.flops_expect import PEAK, check_mfu
+from tests.integration.rl_workspace import COMMON, rl_workspace, write_recipe
 
-COMMON = {"adapter": {"lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0}}
-# a reward that varies between completions of a random model (so groups carry signal) + the shipped format reward
-REWARD_FILE = """def length_reward(prompts, completions):
-    return [float(len(c) % 7) for c in completions]
-
-
-def only_ones(prompts, completions):  # signal for prompts 'What is 1 + b?' only: the other groups are all-equal
-    return [float(len(c) % 7) if p.startswith("What is 1 ") else 0.0 for p, c in zip(prompts, completions)]
-
-
-def sometimes(prompts, completions):  # abstains (None) on completions of even length
-    return [None if len(c) % 2 == 0 else float(len(c) % 7) for c in completions]
-"""
-
-
-def write_recipe(root, name, stage, **sections):
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({"stage": stage, **sections}))
-    return path
 
 
 def grpo_recipe(root, name, **extra):
@@ -56,20 +37,7 @@ def grpo_recipe(root, name, **extra):
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("grpo")
-    model_dir = save_tiny_model(root / "model")
-    (root / "my_rewards.py").write_text(REWARD_FILE)
-    chats = [{"messages": [{"role": "user", "content": f"What is {a} + 1?"},
-                           {"role": "assistant", "content": f"{a} + 1 = {a + 1}. #### {a + 1}"}]} for a in range(8)]
-    (root / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in chats) + "\n")
-    prompts = [{"prompt": f"What is {a} + {b}?", "completion": f"#### {a + b}"} for a in range(4) for b in range(4)]
-    (root / "prompts.jsonl").write_text("\n".join(json.dumps(p) for p in prompts) + "\n")
-    sft = write_recipe(root, "sft", "sft", model={"name_or_path": str(model_dir)},
-                       data={"datasets": [{"path": str(root / "sft.jsonl")}], "max_length": 64},
-                       train={"micro_batch_size": 2, "global_batch_size": 4, "max_steps": 2, "learning_rate": 1e-2},
-                       output={"dir": str(root / "sft")}, **COMMON)
-    assert main(["sft", str(sft)]) == 0
-    return root
+    return rl_workspace(tmp_path_factory.mktemp("grpo"))
 
 
 @pytest.fixture(scope="module")

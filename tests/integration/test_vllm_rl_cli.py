@@ -21,24 +21,14 @@ import pytest
 import yaml
 
 from llmtune.cli import main
-from llmtune.models.tiny import save_tiny_model
 from llmtune.rl.vllm_engine import VLLMClient, vllm_python
 from llmtune.utils import read_jsonl
+from tests.integration.rl_workspace import COMMON, rl_workspace, write_recipe
 
 pytestmark = pytest.mark.skipif(vllm_python() is None, reason="vLLM is not installed (bash scripts/setup.sh sets up "
                                 ".venv-vllm; LLMTUNE_VLLM_PYTHON names its python)")
 
-COMMON = {"adapter": {"lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0}}
 ENGINE_ARGS = json.dumps({"kv_cache_memory_bytes": 64 << 20})
-REWARD_FILE = """def length_reward(prompts, completions):
-    return [float(len(c) % 7) for c in completions]
-"""
-
-
-def write_recipe(root, name, stage, **sections):
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({"stage": stage, **sections}))
-    return path
 
 
 def _free_port() -> int:
@@ -82,20 +72,8 @@ def stop(process):
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm_rl")
-    model_dir = save_tiny_model(root / "model", hidden_size=128)  # head size 32: the smallest vLLM's CPU takes
-    (root / "my_rewards.py").write_text(REWARD_FILE)
-    chats = [{"messages": [{"role": "user", "content": f"What is {a} + 1?"},
-                           {"role": "assistant", "content": f"{a} + 1 = {a + 1}. #### {a + 1}"}]} for a in range(8)]
-    (root / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in chats) + "\n")
-    prompts = [{"prompt": f"What is {a} + {b}?", "completion": f"#### {a + b}"} for a in range(4) for b in range(4)]
-    (root / "prompts.jsonl").write_text("\n".join(json.dumps(p) for p in prompts) + "\n")
-    sft = write_recipe(root, "sft", "sft", model={"name_or_path": str(model_dir)},
-                       data={"datasets": [{"path": str(root / "sft.jsonl")}], "max_length": 64},
-                       train={"micro_batch_size": 2, "global_batch_size": 4, "max_steps": 2, "learning_rate": 1e-2},
-                       output={"dir": str(root / "sft")}, **COMMON)
-    assert main(["sft", str(sft)]) == 0
-    return root
+    # hidden 128 = head size 32: the smallest vLLM's CPU attention takes
+    return rl_workspace(tmp_path_factory.mktemp("vllm_rl"), hidden_size=128)
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +109,7 @@ def test_two_iterations_train_checkpoint_and_resume(workspace, server, stage):
     assert client.health()["version"] == 4  # the last sync: the policy after 4 optimizer steps (final eval)
     # resume: the same run trained further picks up at step 4 and samples from the resumed policy
     assert main([stage, str(recipe), "train.max_steps=6", "train.resume_from=latest"]) == 0
-    logs = _check_run(run, 6)
+    _check_run(run, 6)
     assert client.health()["version"] == 6
 
 
