@@ -384,12 +384,18 @@ def run_trl(case: Case, out: Path, probe: Probe) -> None:
             def _prepare_dataset(self, dataset, *args, **kwargs):  # the ids are llmtune's, already tokenized
                 return dataset
 
+        def trained_span(row: dict, side: str) -> list[int]:
+            """The completion up to its last trained token: TRL trains every completion id, llmtune not the
+            template's text after the end-of-turn (label -100; a causal model's earlier logits do not see it)."""
+            labels = row[f"{side}_labels"]
+            end = max(i for i, x in enumerate(labels) if x != -100) + 1
+            return row[f"{side}_input_ids"][row["prompt_length"]:end]
+
         cols = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": []}
         for row in rows:
-            p = row["prompt_length"]
-            cols["prompt_ids"].append(row["chosen_input_ids"][:p])
-            cols["chosen_ids"].append(row["chosen_input_ids"][p:])
-            cols["rejected_ids"].append(row["rejected_input_ids"][p:])
+            cols["prompt_ids"].append(row["chosen_input_ids"][:row["prompt_length"]])
+            cols["chosen_ids"].append(trained_span(row, "chosen"))
+            cols["rejected_ids"].append(trained_span(row, "rejected"))
         probe.wrap(PretokenizedDPOTrainer)
         trainer = PretokenizedDPOTrainer(model=model, args=DPOConfig(**common, beta=recipe.dpo.beta),
                                          train_dataset=Dataset.from_dict(cols), processing_class=tokenizer,
