@@ -11,93 +11,32 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import typing
 import warnings
 from pathlib import Path
 
-from pydantic import BaseModel
+from llmtune.config.options import recipe_options, stage_names, type_name  # noqa: F401 (type_name: re-exported)
 
 EXIT_USAGE = 2
 
 
-# recipe sections a stage reads (llmtune <stage> --help lists these); validate lists them all
-# a stage reads the common sections, its own (named like the stage, when the schema has one) and these:
-STAGE_SECTIONS = {"ppo": ("rollout", "reward"), "grpo": ("rollout", "reward")}
-COMMON_SECTIONS = ("model", "data", "adapter", "train", "precision", "distributed", "output")
-
-
-def stage_names() -> list[str]:
-    """Stage commands, from the schema's ``stage:`` values (no stage module is imported: ``--help`` stays fast)."""
-    from llmtune.config.schema import Recipe
-
-    literal = next(a for a in typing.get_args(Recipe.model_fields["stage"].annotation)
-                   if typing.get_origin(a) is typing.Literal)
-    return list(typing.get_args(literal))
-
-
 def options_help(stage: str | None = None) -> str:
     """Recipe options as ``section.key  (type; default)  help`` lines, from the schema: the common sections plus
-    ``stage``'s own (every section when ``stage`` is None)."""
-    from llmtune.config.schema import SECTIONS, DatasetConfig
-
-    if stage is None:
-        sections = list(SECTIONS)
-    else:
-        sections = [s for s in SECTIONS if s in COMMON_SECTIONS or s == stage or s in STAGE_SECTIONS.get(stage, ())]
+    ``stage``'s own (every section when ``stage`` is None). The walk is :func:`llmtune.config.options.recipe_options`
+    (shared with the documentation's recipe reference)."""
     lines = ["recipe options (set in the YAML or as section.key=value overrides; list items by index, "
              "e.g. data.datasets.0.path):"]
-    for section in sections:
-        cls = SECTIONS[section]
-        lines.append(f"\n  {section}:  {(cls.__doc__ or '').strip().splitlines()[0]}")
-        for name, field in cls.model_fields.items():
-            nested = field.annotation if isinstance(field.annotation, type) and issubclass(field.annotation,
-                                                                                           BaseModel) else None
-            if nested is not None:  # a sub-section (rollout.vllm): its doc line, then its keys
-                lines.append(f"    {section}.{name}:  {(nested.__doc__ or '').strip().splitlines()[0]}")
-                for sub, sub_field in nested.model_fields.items():
-                    lines.append(_field_line(f"{section}.{name}.{sub}", sub_field, indent=6))
-                continue
-            lines.append(_field_line(f"{section}.{name}", field))
-            if section == "data" and name == "datasets":
-                for sub, sub_field in DatasetConfig.model_fields.items():
-                    lines.append(_field_line(f"data.datasets.N.{sub}", sub_field, indent=6))
-    names = stage_names()
-    lines.append(f"\n  stage: {' | '.join(names)} (optional; must match the command)")
+    for section in recipe_options(stage):
+        lines.append(f"\n  {section.name}:  {section.summary}")
+        for opt in section.options:
+            indent = " " * (4 + 2 * opt.depth)
+            if opt.subsection:
+                lines.append(f"{indent}{opt.key}:  {opt.description}")
+            else:
+                given = "required" if opt.required else f"default {opt.default!r}"
+                lines.append(f"{indent}{opt.key}  ({opt.type}; {given})\n{indent}    {opt.description}")
+    lines.append(f"\n  stage: {' | '.join(stage_names())} (optional; must match the command)")
     lines.append("  base: path of a recipe to inherit from (relative to this recipe)")
     return "\n".join(lines)
-
-
-def type_name(ann) -> str:
-    """Readable type of a schema annotation: ``int or null``, ``list of str``, ``a | b`` for choices."""
-    origin, args = typing.get_origin(ann), typing.get_args(ann)
-    if origin is typing.Literal:
-        return " | ".join(str(a) for a in args)
-    if origin is typing.Annotated:
-        return type_name(args[0])
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        names = [type_name(a) for a in args if a is not type(None)]
-        return " or ".join(names) + (" or null" if type(None) in args else "")
-    if origin is list:
-        return f"list of {type_name(args[0])}" if args else "list"
-    if origin is dict:
-        return "mapping" + (f" of {type_name(args[1])}" if len(args) == 2 and args[1] is not object else "")
-    if ann is object:
-        return "any"
-    if isinstance(ann, type) and issubclass(ann, BaseModel):
-        return "mapping"
-    return getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
-
-
-def _field_line(path: str, field, indent: int = 4) -> str:
-    kind = type_name(field.annotation)
-    if field.is_required():
-        return f"{' ' * indent}{path}  ({kind}; required)\n{' ' * (indent + 4)}{field.description}"
-    default = field.get_default(call_default_factory=True)
-    if isinstance(default, BaseModel):
-        default = default.model_dump(exclude_defaults=True)
-    elif isinstance(default, list) and default and isinstance(default[0], BaseModel):
-        default = [d.model_dump(exclude_defaults=True) for d in default]
-    return f"{' ' * indent}{path}  ({kind}; default {default!r})\n{' ' * (indent + 4)}{field.description}"
 
 
 def build_parser() -> argparse.ArgumentParser:
