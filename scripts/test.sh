@@ -9,5 +9,7 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 VVENV="${LLMTUNE_VLLM_VENV:-$(dirname "${LLMTUNE_VENV:-$PWD/.venv}")/.venv-vllm}"
 if [ -x "$VVENV/bin/python" ]; then export LLMTUNE_VLLM_PYTHON="${LLMTUNE_VLLM_PYTHON:-$VVENV/bin/python}"; fi
 # the documentation site (mkdocs.yml): a broken link, anchor, nav entry or snippet fails here (warnings are errors)
-NO_MKDOCS_2_WARNING=1 python -m mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
+site="$(mktemp -d)"
+NO_MKDOCS_2_WARNING=1 python -m mkdocs build --strict --quiet --site-dir "$site"
+rm -rf "$site"
 exec python -m pytest -q -m "not gpu" "$@"
