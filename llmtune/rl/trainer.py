@@ -48,6 +48,12 @@ def _per_row(fn, *tensors: torch.Tensor) -> torch.Tensor:
     return torch.cat([fn(*(t[i:i + 1] for t in tensors)) for i in range(tensors[0].shape[0])])
 
 
+def _number(x: torch.Tensor) -> float | None:
+    """A score for the sample logs: None where every reward function abstained (JSON has no NaN)."""
+    value = float(x)
+    return None if value != value else value
+
+
 def _exact_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
     """(b, N, V) policy and reference logits -> (b, N) KL(policy || reference) per position, fp32."""
     logp = torch.log_softmax(logits.float(), -1)
@@ -378,8 +384,8 @@ class OnlineRLTrainer(CoreTrainer):
             if len(samples) < 8:
                 texts = decode_responses(self.tokenizer, responses, mask)
                 for b, (row, text) in enumerate(zip(rows, texts)):
-                    samples.append({"prompt": row["prompt"], "response": text, "score": float(total[b]),
-                                    **({"rewards": {n: float(per_source[n][b]) for n in names}}
+                    samples.append({"prompt": row["prompt"], "response": text, "score": _number(total[b]),
+                                    **({"rewards": {n: _number(per_source[n][b]) for n in names}}
                                        if self.per_source_eval else {})})
         progress.close()
         stats = torch.cat(per_row) if per_row else torch.zeros(0, 4 + len(names), device=self.args.device)
@@ -388,16 +394,26 @@ class OnlineRLTrainer(CoreTrainer):
         score, kl, length, truncated = stats[:, :4].T
         p, s = metric_key_prefix, self.score_name
         scored = score[~torch.isnan(score)]  # rows on which every reward function abstained have no score
-        metrics = {
-            f"{p}_{s}": float(scored.mean()) if len(scored) else float("nan"),
-            f"{p}_{s}_std": float(scored.std()) if len(scored) > 1 else 0.0,
-            **({f"{p}_rewards/{n}": float(stats[:, 4 + i].nanmean()) for i, n in enumerate(names)}
-               if self.per_source_eval else {}),
+        # a mean over no rows is left out (and said), never logged as NaN: metrics.jsonl stays valid JSON and a
+        # missing number cannot be read as a measured one
+        metrics = {}
+        if len(scored):
+            metrics[f"{p}_{s}"] = float(scored.mean())
+            metrics[f"{p}_{s}_std"] = float(scored.std()) if len(scored) > 1 else 0.0
+        else:
+            log.warning("every reward function abstained on all %d eval prompts: no %s_%s at step %d",
+                        len(score), p, s, self.state.global_step)
+        if self.per_source_eval:
+            for i, n in enumerate(names):
+                column = stats[:, 4 + i]
+                if (~torch.isnan(column)).any():
+                    metrics[f"{p}_rewards/{n}"] = float(column.nanmean())
+        metrics.update({
             f"{p}_kl": float(kl.mean()),
             f"{p}_{self.length_name}": float(length.mean()),
             f"{p}_truncated_fraction": float(truncated.mean()),
             f"{p}_prompts": float(len(score)),
-        }
+        })
         if len(scored) < len(score):
             metrics[f"{p}_rewards/abstained"] = 1.0 - len(scored) / len(score)
         if self.is_world_process_zero():

@@ -48,6 +48,7 @@ Design (issue 22):
 from __future__ import annotations
 
 import base64
+import hashlib
 import importlib.util
 import json
 import os
@@ -66,6 +67,9 @@ import torch
 
 from llmtune.errors import EXIT_ENGINE, LlmtuneError
 from llmtune.rl.vllm_server import engine_lora_rank
+from llmtune.utils import get_logger
+
+log = get_logger("rollout")
 
 SERVER_SCRIPT = Path(__file__).with_name("vllm_server.py")
 SERVER_LOG = "rollout_server.log"
@@ -167,6 +171,50 @@ def rollout_base(recipe, out: str | Path) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+def base_identity(recipe) -> str:
+    """Identity of the weights a recipe's policy adapter sits on (16 hex digits), the same on every machine that holds
+    the same files: the base model's content identity (a GGUF file's sha256, a hub revision; a local directory:
+    ``config.json``'s bytes and the names and sizes of its weight files) and the sha256 of every adapter of the
+    ``model.from_run`` chain. The rollout server states it (``base_id`` in ``/health``), the trainer compares it
+    before the first rollout: a server started for another model or another SFT run is refused, not sampled from.
+
+    Raises:
+        ModelLoadError: the base or the earlier run cannot be found.
+    """
+    from llmtune.models import inherit_from_run, resolve_model_source
+    from llmtune.utils import file_sha256
+
+    recipe, chain = inherit_from_run(recipe, ".")
+    source = resolve_model_source(recipe.model, convert=False)
+    if source.kind == "local":
+        directory = Path(source.path)
+        config = directory / "config.json"
+        weights = sorted((p.name, p.stat().st_size) for p in directory.iterdir()
+                         if p.is_file() and p.suffix in (".safetensors", ".bin", ".pt", ".gguf"))
+        base = [file_sha256(config) if config.is_file() else None, weights]
+    else:
+        base = [source.kind, source.fingerprint or source.revision or source.original]
+    adapters = [file_sha256(Path(e["path"]) / "adapter_model.safetensors") for e in chain]
+    return hashlib.sha256(json.dumps([base, adapters]).encode()).hexdigest()[:16]
+
+
+def check_base(health: dict, expected: str, url: str) -> None:
+    """Refuse a rollout server that serves another base than this run's (``health`` = its ``/health`` answer).
+
+    Raises:
+        RolloutEngineError: the server states another ``base_id``.
+    """
+    served = health.get("base_id")
+    if served is None:
+        log.warning("the rollout server %s does not state its base (started without --base-id): it cannot be checked "
+                    "to serve this run's model; rollout/logprob_diff shows a mismatch", url)
+    elif served != expected:
+        raise RolloutEngineError(
+            f"the rollout server {url} serves another base model (base id {served}; this run trains on {expected}: "
+            "another model.name_or_path or model.from_run chain); start it with this run's recipe (llmtune "
+            "rollout-server RECIPE) or set rollout.vllm.url to the server of this run's model")
 
 
 def _stat(path: Path) -> str:
@@ -305,11 +353,14 @@ def _start_failure(log_path: Path | None) -> str:
 # starting a server process
 # ---------------------------------------------------------------------------------------------------------------
 def server_command(python: str, base: Path | str, s: VLLMSettings, *, host: str = "127.0.0.1", port: int = 8000,
-                   port_file: Path | None = None) -> list[str]:
-    """The plain command line of a rollout server (runs in the vLLM venv, no llmtune needed there)."""
+                   port_file: Path | None = None, base_id: str | None = None) -> list[str]:
+    """The plain command line of a rollout server (runs in the vLLM venv, no llmtune needed there); ``base_id``:
+    :func:`base_identity` of the recipe, stated by the server so that trainers can check it."""
     cmd = [python, str(SERVER_SCRIPT), "--model", str(base), "--host", host, "--port", str(port),
            "--max-lora-rank", str(engine_lora_rank(s.max_lora_rank)), "--max-model-len", str(s.max_model_len),
            "--dtype", s.dtype, "--seed", str(s.seed)]
+    if base_id:
+        cmd += ["--base-id", base_id]
     if torch.cuda.is_available():
         cmd += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
         if s.enable_sleep_mode:
@@ -515,7 +566,7 @@ def build_vllm_engine(trainer, recipe) -> VLLMEngine:
             raise RolloutEngineError("rollout.vllm.mode: server needs rollout.vllm.url (http://host:port of a running "
                                      "`llmtune rollout-server RECIPE`)")
         client = VLLMClient(s.url, s.request_timeout_s)
-        client.wait_healthy(s.startup_timeout_s)
+        check_base(client.wait_healthy(s.startup_timeout_s), base_identity(recipe), s.url)
         owns = False
     else:
         if vllm_python() is None:

@@ -18,15 +18,16 @@ def rollout_server_command(recipe_path: str, overrides: list[str], host: str, po
         RolloutEngineError: vLLM is not installed.
     """
     from llmtune.config import load_recipe
-    from llmtune.rl.vllm_engine import not_installed_error, rollout_base, server_command, server_env, \
-        settings_from_recipe, vllm_python
+    from llmtune.rl.vllm_engine import base_identity, not_installed_error, rollout_base, server_command, \
+        server_env, settings_from_recipe, vllm_python
 
     recipe = load_recipe(recipe_path, overrides)
     python = vllm_python()
     if python is None and not print_only:
         raise not_installed_error()
     base = rollout_base(recipe, Path(recipe.output.dir + ".rollout_base"))  # the run directory stays empty
-    cmd = server_command(python or "VLLM_PYTHON", base, settings_from_recipe(recipe), host=host, port=port)
+    cmd = server_command(python or "VLLM_PYTHON", base, settings_from_recipe(recipe), host=host, port=port,
+                         base_id=base_identity(recipe))
     print("rollout server (the trainer's rollout.vllm.url: http://%s:%d):\n  %s" % (host, port, shlex.join(cmd)),
           file=sys.stderr, flush=True)
     if print_only:

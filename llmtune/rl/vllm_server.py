@@ -16,7 +16,8 @@ generation_config.json never changes the sampling settings the trainer sends). `
 Protocol (JSON over HTTP; every error answer is ``{"error": message}``):
 
 - ``GET /health`` -> 200 ``{"status": "ok", "version": V | null, "max_lora_rank", "max_model_len", "model",
-  "protocol"}`` once the engine runs; 503 ``{"status": "starting"}`` while it starts.
+  "base_id", "protocol"}`` (``base_id``: the ``--base-id`` it was started with, null without; trainers refuse a
+  server whose base is not theirs) once the engine runs; 503 ``{"status": "starting"}`` while it starts.
 - ``POST /adapter`` ``{"version": V, "adapter_config": {...}, "adapter_model": base64 safetensors}`` (a plain peft
   adapter: ``adapter_config.json`` and ``adapter_model.safetensors``, uploaded: no shared file system) -> 200
   ``{"version": V}``. The adapter becomes LoRA request ``policy-vV`` (id V + 1); the previous one is removed.
@@ -185,6 +186,7 @@ class _State:
     core: RolloutCore | None = None
     lock = threading.Lock()
     args: argparse.Namespace | None = None
+    base_id: str | None = None
 
 
 def _handler(state: _State):
@@ -209,7 +211,8 @@ def _handler(state: _State):
             if core is None:
                 return self._send(503, {"status": "starting"})
             self._send(200, {"status": "ok", "version": core.version, "max_lora_rank": core.max_lora_rank,
-                             "max_model_len": core.max_model_len, "model": core.model, "protocol": PROTOCOL})
+                             "max_model_len": core.max_model_len, "model": core.model, "base_id": state.base_id,
+                             "protocol": PROTOCOL})
 
         def do_POST(self):
             core = state.core
@@ -257,12 +260,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--enable-sleep-mode", action="store_true")
     p.add_argument("--engine-args", default=None, help="JSON object of further vllm.LLM keyword arguments")
+    p.add_argument("--base-id", default=None, help="identity of the base (llmtune's base_identity of the recipe), "
+                   "stated in /health so that a trainer of another model refuses this server")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     state = _State()
+    state.base_id = args.base_id
     server = ThreadingHTTPServer((args.host, args.port), _handler(state))
     server.daemon_threads = True
     port = server.server_address[1]

@@ -245,3 +245,29 @@ def test_grpo_help_lists_its_options(capsys):
                         ("grpo.overlong_buffer_tokens", "Yu et al. 2025"), ("grpo.overlong_penalty_factor", "DAPO"),
                         ("grpo.scale_rewards", "true/false")]:
         assert key in out and source in out.split(key, 1)[1].split("\n  grpo.", 1)[0], key
+
+
+def test_an_eval_where_every_function_abstains_logs_no_nan(workspace):
+    """Every reward function abstains on every eval prompt (here: at the evaluation before training): that eval has no
+    eval_reward (not NaN: metrics.jsonl is strict JSON) and says so; the later eval scores as usual."""
+    (workspace / "abstain_first.py").write_text("""calls = []
+def reward(prompts, completions):
+    calls.append(1)
+    return [None if len(calls) == 1 else float(len(c) % 7) for c in completions]
+""")
+    recipe = grpo_recipe(workspace, "abstain_eval", train={"max_steps": 2})
+    doc = yaml.safe_load(recipe.read_text())
+    doc["reward"] = {"functions": [{"function": str(workspace / "abstain_first.py") + ":reward"}]}
+    recipe.write_text(yaml.safe_dump(doc))
+    assert main(["grpo", str(recipe)]) == 0
+    run = workspace / "abstain_eval"
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in {run}"))
+
+    evals = [strict(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"eval_prompts"' in line]
+    assert [e["step"] for e in evals] == [0, 2]
+    assert "eval_reward" not in evals[0] and evals[0]["eval_rewards/abstained"] == 1.0
+    assert math.isfinite(evals[1]["eval_reward"]) and "eval_rewards/abstained" not in evals[1]
+    samples = [strict(line) for line in (run / "eval_samples_step0.jsonl").read_text().splitlines()]
+    assert samples and all(s["score"] is None for s in samples)

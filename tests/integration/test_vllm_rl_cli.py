@@ -113,6 +113,26 @@ def test_two_iterations_train_checkpoint_and_resume(workspace, server, stage):
     assert client.health()["version"] == 6
 
 
+def test_a_server_of_another_base_is_refused(workspace, server, capfd):
+    from llmtune.config import load_recipe
+    from llmtune.rl.vllm_engine import base_identity
+
+    url, _, client = server
+    # the server states the identity of the base it serves: the SFT chain of its recipe
+    assert client.health()["base_id"] == base_identity(load_recipe(workspace / "server.yaml"))
+    # a run of the plain model (no SFT adapter below its policy) must not sample from the SFT chain's server
+    recipe = rl_recipe(workspace, "other_base", "grpo", url, max_steps=2)
+    doc = yaml.safe_load(recipe.read_text())
+    doc["model"] = {"name_or_path": str(workspace / "model")}
+    recipe.write_text(yaml.safe_dump(doc))
+    code = main(["grpo", str(recipe)])
+    err = capfd.readouterr().err
+    assert code == 69
+    lines = re.findall(r"error: [^\r\n]*", err)
+    assert len(lines) == 1 and f"the rollout server {url} serves another base model" in lines[0], err[-3000:]
+    assert not list((workspace / "other_base").glob("checkpoints/checkpoint-*"))  # refused before training
+
+
 def test_server_killed_mid_run_then_the_same_command_resumes(workspace, server, capfd):
     url, process, _ = server
     recipe = rl_recipe(workspace, "killed", "grpo", url, max_steps=6)
