@@ -44,7 +44,7 @@ def workspace(tmp_path_factory):
 def grpo_run(workspace):
     with pytest.MonkeyPatch.context() as mp:  # a peak, so that metrics.jsonl has an MFU (test_grpo_mfu_is_logged)
         mp.setenv("LLMTUNE_PEAK_TFLOPS", str(PEAK))
-        assert main(["grpo", str(grpo_recipe(workspace, "grpo", plot=True))]) == 0  # loss.png drawn once here
+        assert main(["grpo", str(grpo_recipe(workspace, "grpo", plot=True))]) == 0  # plots/ drawn once here
     return workspace / "grpo"
 
 

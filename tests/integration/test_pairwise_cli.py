@@ -17,7 +17,7 @@ from llmtune.models.tiny import save_tiny_model
 from llmtune.utils import read_jsonl
 from tests.integration.flops_expect import PEAK, check_mfu
 
-RUN_FILES = ["recipe.resolved.yaml", "data_report.json", "metrics.jsonl", "loss.png", "checkpoints", "adapter",
+RUN_FILES = ["recipe.resolved.yaml", "data_report.json", "metrics.jsonl", "plots", "checkpoints", "adapter",
              "lineage.json"]
 QA = [("What is 2 + 3?", "It is 5.", "It is 7."), ("Say hello.", "Hello! How are you today?", "No."),
       ("What is 12 * 7?", "12 * 7 = 84. #### 84", "12 * 7 = 74."), ("Name a color.", "The sea is blue.", "Dog.")]
