@@ -7,7 +7,7 @@
                             ``kl_coef``, are left out; bookkeeping, throughput and timings are not curves)
 
 Selection is pure (:func:`metric_panels`, :func:`varying_panels`, :func:`summary_panels`); drawing
-(:func:`draw_panels`) uses matplotlib's object API on the Agg canvas (no pyplot, no global backend switch) with a
+(:func:`panel_figure`) uses matplotlib's object API on the Agg canvas (no pyplot, no global backend switch) with a
 fixed layout: ``tight_layout`` measured every tick label of every panel and took most of the time (26 panels: 23 of
 46 s under cProfile on a loaded 2-core machine).
 """
@@ -110,13 +110,22 @@ def summary_panels(panels: dict[str, Panel], chosen: tuple[PlotEntry, ...]) -> d
 
 def draw_panels(panels: dict[str, Panel], out_path: str | Path, title: str | None = None, cols: int = 3,
                 dpi: int = 100) -> Path:
-    """Draw panels into one PNG (x: optimizer step), ``cols`` panels per row, each 3.6 x 2.5 inches at ``dpi``.
-
-    A series of one point (an eval run once) is a large marker labelled with its value; a constant panel says so
-    in its title. The layout is fixed (margins in inches), not ``tight_layout``.
+    """Draw panels (:func:`panel_figure`) into one PNG of ``cols`` x 360 px by 250 px per row (+ title) at the
+    default ``dpi`` of 100.
 
     Raises:
         OSError: the PNG cannot be written.
+    """
+    fig = panel_figure(panels, title, cols, dpi)
+    fig.savefig(out_path, dpi=dpi)
+    return Path(out_path)
+
+
+def panel_figure(panels: dict[str, Panel], title: str | None = None, cols: int = 3, dpi: int = 100):
+    """A matplotlib ``Figure`` of the panels (x: optimizer step), ``cols`` per row, each 3.6 x 2.5 inches.
+
+    A series of one point (an eval run once) is a large marker labelled with its value; a constant panel says so
+    in its title. The layout is fixed (margins in inches), not ``tight_layout``; no pyplot (nothing global).
     """
     from matplotlib.figure import Figure
 
@@ -129,6 +138,8 @@ def draw_panels(panels: dict[str, Panel], out_path: str | Path, title: str | Non
                         bottom=bottom / height, hspace=0.5, wspace=0.35)
     axes = list(fig.subplots(rows, cols, squeeze=False).flat)
     for ax, (name, panel) in zip(axes, panels.items()):
+        steps_drawn = [s for points in panel.values() for s, _ in points]
+        middle = (min(steps_drawn) + max(steps_drawn)) / 2
         for label, points in panel.items():
             if not points:
                 continue
@@ -136,10 +147,13 @@ def draw_panels(panels: dict[str, Panel], out_path: str | Path, title: str | Non
             is_eval = label == "eval" or label.startswith("eval_")
             if len(points) == 1:
                 line, = ax.plot(steps, values, "D" if is_eval else "o", ms=7, label=label)
-                ax.annotate(f"{values[0]:.4g}", (steps[0], values[0]), xytext=(6, 4), textcoords="offset points",
-                            fontsize=7, color=line.get_color())
-            else:
-                ax.plot(steps, values, "o-" if is_eval else "-", lw=1.2, ms=4, label=label)
+                left = steps[0] > middle  # the label on the side with room (an eval at the end: to the left)
+                ax.annotate(f"{values[0]:.4g}", (steps[0], values[0]), xytext=(-7 if left else 7, 5),
+                            textcoords="offset points", ha="right" if left else "left", fontsize=7,
+                            color=line.get_color())
+            else:  # the points marked while they are few enough to tell apart
+                ax.plot(steps, values, ("o-" if is_eval else ".-") if len(points) <= 60 else "-", lw=1.2,
+                        ms=4 if is_eval else 3, label=label)
         unit = _UNITS.get(name, "")
         constant = is_constant(panel)
         first = next(v for points in panel.values() for _, v in points)
@@ -148,6 +162,7 @@ def draw_panels(panels: dict[str, Panel], out_path: str | Path, title: str | Non
         ax.set_xlabel("optimizer step", fontsize=8, labelpad=1)
         ax.tick_params(labelsize=7)
         ax.locator_params(nbins=5)
+        ax.locator_params(axis="x", integer=True)  # steps
         ax.grid(alpha=0.3)
         if sum(bool(p) for p in panel.values()) > 1:
             ax.legend(fontsize=6)
@@ -155,8 +170,7 @@ def draw_panels(panels: dict[str, Panel], out_path: str | Path, title: str | Non
         ax.set_visible(False)
     if title:
         fig.suptitle(title, fontsize=10, y=1 - 0.12 / height, va="top")
-    fig.savefig(out_path, dpi=dpi)
-    return Path(out_path)
+    return fig
 
 
 def plot_run(metrics_path: str | Path, plot_dir: str | Path, chosen: tuple[PlotEntry, ...] = ("loss",),

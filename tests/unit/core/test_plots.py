@@ -7,7 +7,7 @@ import math
 import pytest
 from PIL import Image
 
-from llmtune.core.plots import is_constant, metric_panels, plot_run, summary_panels, varying_panels
+from llmtune.core.plots import is_constant, metric_panels, panel_figure, plot_run, summary_panels, varying_panels
 from llmtune.stages.dpo import DPOStage
 from llmtune.stages.grpo import GRPOStage
 from llmtune.stages.kto import KTOStage
@@ -145,3 +145,16 @@ def test_plot_run_writes_a_small_summary_and_the_full_figure(tmp_path):
         assert summary.convert("L").getextrema()[0] < 100  # something dark was drawn
     assert plot_run(tmp_path / "none.jsonl", tmp_path / "none", PPOStage.plot_metrics) == []
     assert not (tmp_path / "none").exists()
+
+
+def test_a_lone_eval_point_is_a_labelled_marker_and_a_flat_panel_says_constant():
+    panels = {"loss": {"train": [(1, 2.0), (2, 1.0), (3, 0.5)], "eval": [(3, 1.234)]},
+              "reward_mean": {"train": [(1, 0.0), (2, 0.0)], "eval": []}}
+    fig = panel_figure(panels, title="llmtune sft: runs/sft", cols=3)
+    loss, flat = fig.axes[:2]
+    (train, lone) = loss.get_lines()
+    assert lone.get_marker() == "D" and lone.get_markersize() >= 6 and list(lone.get_xydata()[0]) == [3, 1.234]
+    assert [t.get_text() for t in loss.texts] == ["1.234"]
+    assert len(train.get_xdata()) == 3 and not flat.texts
+    assert "constant 0" in flat.get_title() and "constant" not in loss.get_title()
+    assert len(fig.axes) == 2  # two panels: one row of two
