@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
             name,
             help=f"train the {name.upper()} stage from a recipe",
             description=f"{_stage_summary(name)}\n\nRuns the {name} stage and writes the run directory "
-            "(recipe.resolved.yaml, data_report.json, metrics.jsonl, loss.png, checkpoints/, adapter/, lineage.json).",
+            "(recipe.resolved.yaml, data_report.json, metrics.jsonl, plots/, checkpoints/, adapter/, lineage.json).",
             epilog=options_help(name),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )

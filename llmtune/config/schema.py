@@ -595,7 +595,7 @@ class OutputConfig(Section):
         default_factory=list, description="Extra loggers, any transformers integration that is installed "
         "(tensorboard, wandb, mlflow, trackio, comet_ml, ...); metrics.jsonl is always written."
     )
-    plot: bool = Field(True, description="Draw loss.png at the end.")
+    plot: bool = Field(True, description="Draw plots/summary.png and plots/all_metrics.png at the end.")
     push_to_hub: bool = Field(False, description="Upload adapter/ (with its model card) to the hub repo "
                               "hub_model_id when the stage finishes (needs network and a hub login).")
     hub_model_id: str | None = Field(None, description="Hub repo (org/name) for push_to_hub; created if missing.")

@@ -4,7 +4,8 @@
       recipe.resolved.yaml   every value, inherited defaults included
       data_report.json       rows read / kept / dropped (reasons, row indices) / truncated, tokens
       metrics.jsonl          one JSON object per logging step and per eval
-      loss.png               train/eval loss curves, drawn at the end
+      plots/                 summary.png (the curves that say whether the stage works), all_metrics.png (every
+                             varying series); drawn at the end
       checkpoints/checkpoint-N/  resumable state (adapter, optimizer, scheduler, RNG, data position)
       adapter/               PEFT adapter + tokenizer (with the training chat template)
       lineage.json           base model, stage, data sources with hashes, final metrics; written last
@@ -29,7 +30,7 @@ RECIPE = "recipe.resolved.yaml"
 DATA_REPORT = "data_report.json"
 METRICS = "metrics.jsonl"
 SAMPLES = "samples.jsonl"  # PPO/GRPO: a few rollout records per iteration, each with the step it was sampled at
-LOSS_PLOT = "loss.png"
+PLOTS = "plots"  # summary.png (the stage's chosen curves), all_metrics.png (llmtune.core.plots)
 CHECKPOINTS = "checkpoints"
 ADAPTER = "adapter"
 LINEAGE = "lineage.json"
@@ -200,12 +201,12 @@ class RunDir:
         if holds_run and not resume and overwrite:
             shutil.rmtree(self.root)
         elif holds_run and not resume:
-            old = [name for name in (RECIPE, DATA_REPORT, METRICS, LOSS_PLOT) if (self.root / name).exists()]
+            old = [name for name in (RECIPE, DATA_REPORT, METRICS, PLOTS) if (self.root / name).exists()]
             log.warning("%s holds an earlier attempt that trained nothing it could keep (no complete checkpoint): "
                         "starting again%s", self.root, f"; replacing its {', '.join(old)}" if old else "")
             ck.newest_complete(self.root / CHECKPOINTS, report=True)
             for name in old:
-                (self.root / name).unlink()
+                shutil.rmtree(self.root / name) if name == PLOTS else (self.root / name).unlink()
         self.root.mkdir(parents=True, exist_ok=True)
         if not resume:
             for name in (METRICS, LINEAGE):

@@ -17,7 +17,8 @@ from llmtune import __version__
 from llmtune.config import Recipe, dump_recipe
 from llmtune.core import rundir as rd
 from llmtune.core import checkpoint as ck
-from llmtune.core.callbacks import MetricsJsonlCallback, plot_losses, truncate_metrics
+from llmtune.core.callbacks import MetricsJsonlCallback, truncate_metrics
+from llmtune.core.plots import plot_run
 from llmtune.core.distributed import batch_layout, no_zero3_init, zero_stage
 from llmtune.config.validate import data_size_problems
 from llmtune.core.guard import check_trainable_weights
@@ -220,7 +221,7 @@ def _run_stage(stage: Stage, base_dir: str | Path, stop: StopRequest, cleanup: c
 
             verify_saved_adapter(adapter_dir, model)
         if recipe.output.plot:
-            plot_losses(run / rd.METRICS, run / rd.LOSS_PLOT, title=f"llmtune {stage.name}: {run.root}")
+            plot_run(run / rd.METRICS, run / rd.PLOTS, stage.plot_metrics, title=f"llmtune {stage.name}: {run.root}")
         record = lineage(recipe, stage, data.sources, summary, chain)
         from llmtune.core.artifacts import finalize_adapter_dir
 

@@ -54,6 +54,9 @@ class Stage:
     trainer_class: ClassVar[Any] = None
     # The eval metric that says how the stage went (summary tables, pipeline): lower is better for losses.
     key_metric: ClassVar[str] = "eval_loss"
+    # The curves of plots/summary.png, those that say whether the stage works (llmtune.core.plots.summary_panels):
+    # training metric names, each drawn with its eval twin; a tuple shares one panel; a name not logged is skipped.
+    plot_metrics: ClassVar[tuple[str | tuple[str, ...], ...]] = ("loss",)
 
     def __init__(self, recipe: Recipe):
         self.recipe = recipe

@@ -84,6 +84,7 @@ class DPOStage(PairwiseStage):
 
     name = "dpo"
     key_metric = "eval_rewards/accuracies"
+    plot_metrics = ("loss", "rewards/accuracies", "rewards/margins", ("rewards/chosen", "rewards/rejected"))
     eval_keys = ("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps")
 
     def __init__(self, recipe: Recipe):

@@ -65,6 +65,7 @@ class RMStage(PairwiseStage):
 
     name = "rm"
     key_metric = "eval_accuracy"
+    plot_metrics = ("loss", "accuracy", "margin")
     model_head = "score"
     eval_keys = ("chosen", "rejected")
 

@@ -197,7 +197,7 @@ def test_torn_metrics_line_and_resumed_steps_give_one_record_per_step(ws, refere
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert all(json.loads(line) for line in lines)  # the torn line is gone and steps 5.. are not doubled
     assert sorted(json.loads(line)["step"] for line in lines if "loss" in json.loads(line)) == [1, 2, 3, 4, 5, 6]
-    assert (out / "loss.png").is_file()
+    assert (out / "plots" / "summary.png").is_file() and (out / "plots" / "all_metrics.png").is_file()
 
 
 def test_a_failed_set_up_does_not_block_its_rerun(ws, capsys):

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from llmtune.cli import main
 from llmtune.utils import read_jsonl
 from tests.integration.flops_expect import PEAK, check_mfu
+from tests.integration.plots_expect import summary_of
 from tests.integration.rl_workspace import COMMON, rl_workspace, write_recipe
 
 
@@ -44,7 +45,7 @@ def workspace(tmp_path_factory):
 def grpo_run(workspace):
     with pytest.MonkeyPatch.context() as mp:  # a peak, so that metrics.jsonl has an MFU (test_grpo_mfu_is_logged)
         mp.setenv("LLMTUNE_PEAK_TFLOPS", str(PEAK))
-        assert main(["grpo", str(grpo_recipe(workspace, "grpo", plot=True))]) == 0  # loss.png drawn once here
+        assert main(["grpo", str(grpo_recipe(workspace, "grpo", plot=True))]) == 0  # plots/ drawn once here
     return workspace / "grpo"
 
 
@@ -56,6 +57,17 @@ def test_grpo_mfu_is_logged(workspace, grpo_run):  # training passes over their 
     for r in rollouts:
         assert r["generation_tflops_per_s"] > 0
         assert r["generation_mfu"] == pytest.approx(r["generation_tflops_per_s"] / PEAK, rel=1e-9)
+
+
+def test_grpo_summary_plot_shows_reward_kl_length_and_clipping(grpo_run):
+    summary = summary_of(grpo_run, "grpo")
+    assert list(summary) == ["reward_mean", "kl", "completion_length", "clip_fraction_low, clip_fraction_high",
+                             "truncated_fraction"]
+    steps = {name: {label: [s for s, _ in points] for label, points in panel.items()}
+             for name, panel in summary.items()}
+    assert steps["reward_mean"] == {"train": [1, 3], "eval": [0, 4]}  # rollouts of 2 steps; greedy eval joins it
+    assert steps["clip_fraction_low, clip_fraction_high"] == {"clip_fraction_low": [1, 2, 3, 4],
+                                                              "clip_fraction_high": [1, 2, 3, 4]}
 
 
 def _losses(run):

@@ -16,8 +16,9 @@ from llmtune.cli import main
 from llmtune.models.tiny import save_tiny_model
 from llmtune.utils import read_jsonl
 from tests.integration.flops_expect import PEAK, check_mfu
+from tests.integration.plots_expect import summary_of
 
-RUN_FILES = ["recipe.resolved.yaml", "data_report.json", "metrics.jsonl", "loss.png", "checkpoints", "adapter",
+RUN_FILES = ["recipe.resolved.yaml", "data_report.json", "metrics.jsonl", "plots", "checkpoints", "adapter",
              "lineage.json"]
 QA = [("What is 2 + 3?", "It is 5.", "It is 7."), ("Say hello.", "Hello! How are you today?", "No."),
       ("What is 12 * 7?", "12 * 7 = 84. #### 84", "12 * 7 = 74."), ("Name a color.", "The sea is blue.", "Dog.")]
@@ -65,6 +66,10 @@ def test_run_dir_contents_and_lineage(workspace, stage):
     run = workspace / stage
     assert sorted(p.name for p in run.iterdir()) == sorted(RUN_FILES)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["checkpoint-1", "checkpoint-2"]
+    summary = summary_of(run, stage)  # each chosen curve with its held-out points (before training, after each step)
+    assert list(summary) == (["loss", "accuracy", "margin"] if stage == "rm" else
+                             ["loss", "rewards/accuracies", "rewards/margins", "rewards/chosen, rewards/rejected"])
+    assert all(len(p["train"]) == 2 and len(p["eval"]) == 3 for n, p in summary.items() if "," not in n)
     lineage = json.loads((run / "lineage.json").read_text())
     assert lineage["stage"] == stage and lineage["summary"]["steps"] == 2
     assert lineage["base_model"]["path"] == str((workspace / "model").resolve())

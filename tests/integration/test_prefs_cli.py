@@ -10,10 +10,11 @@ import yaml
 from llmtune.cli import main
 from llmtune.models.tiny import save_tiny_model
 from llmtune.utils import read_jsonl
+from tests.integration.plots_expect import summary_of
 
 pytestmark = pytest.mark.slow  # four tiny CLI runs (~1 min on 2 cores)
 
-RUN_FILES = ["recipe.resolved.yaml", "data_report.json", "metrics.jsonl", "loss.png", "checkpoints", "adapter",
+RUN_FILES = ["recipe.resolved.yaml", "data_report.json", "metrics.jsonl", "plots", "checkpoints", "adapter",
              "lineage.json"]
 QA = [("What is 2 + 3?", "It is 5.", "It is 7."), ("Say hello.", "Hello! How are you today?", "No."),
       ("What is 12 * 7?", "12 * 7 = 84. #### 84", "12 * 7 = 74."), ("Name a color.", "The sea is blue.", "Dog.")]
@@ -56,6 +57,9 @@ def workspace(tmp_path_factory):
 def test_run_dir_metrics_and_eval(workspace, name):
     run = workspace / name
     assert sorted(p.name for p in run.iterdir()) == sorted(RUN_FILES)
+    summary = summary_of(run, name.split("_")[0])  # KTO logs its reward accuracy at eval only, of pairs only
+    assert list(summary) == ["loss", *(["rewards/accuracies"] if name != "kto_unpaired" else []), "rewards/margins",
+                             "rewards/chosen, rewards/rejected"]
     lineage = json.loads((run / "lineage.json").read_text())
     assert lineage["stage"] == name.split("_")[0] and lineage["summary"]["steps"] == 2
     records = read_jsonl(run / "metrics.jsonl")

@@ -43,7 +43,7 @@ def workspace(tmp_path_factory):
 def test_run_dir_contents(workspace):
     run = workspace / "run"
     assert sorted(p.name for p in run.iterdir()) == sorted([
-        "recipe.resolved.yaml", "data_report.json", "metrics.jsonl", "loss.png", "checkpoints", "adapter", "lineage.json"])
+        "recipe.resolved.yaml", "data_report.json", "metrics.jsonl", "plots", "checkpoints", "adapter", "lineage.json"])
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["checkpoint-1", "checkpoint-2"]
     adapter = {p.name for p in (run / "adapter").iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "chat_template.jinja"} <= adapter

@@ -140,7 +140,7 @@ def test_sft_zero3_two_processes_saves_gathered_adapter(ws):
                  "--nproc-per-node", "2"]) == 0
     assert_same_losses(ws, "sft_1", "sft_z3", "sft zero3")
     assert sorted(p.name for p in run.iterdir()) == sorted([
-        "recipe.resolved.yaml", "data_report.json", "metrics.jsonl", "loss.png", "checkpoints", "adapter",
+        "recipe.resolved.yaml", "data_report.json", "metrics.jsonl", "plots", "checkpoints", "adapter",
         "lineage.json"])
     ckpt = run / "checkpoints" / "checkpoint-3"
     assert sorted(p.name for p in (ckpt / "global_step3").iterdir()) == sorted(
@@ -234,7 +234,7 @@ def test_dpo_zero2_simulated_two_nodes(ws):
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert sorted(p.name for p in run.iterdir()) == sorted([
-        "recipe.resolved.yaml", "data_report.json", "metrics.jsonl", "loss.png", "checkpoints", "adapter",
+        "recipe.resolved.yaml", "data_report.json", "metrics.jsonl", "plots", "checkpoints", "adapter",
         "lineage.json"])
     assert "llmtune dpo: done" in outputs[0] and "llmtune dpo: done" not in outputs[1]  # the summary once
     assert_same_losses(ws, "dpo_1", "dpo_2n", "dpo zero2, 2 nodes")

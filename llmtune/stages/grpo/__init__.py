@@ -31,6 +31,8 @@ class GRPOStage(OnlineRLStage):
     item_unit = "items"
     trainer_class = GRPOTrainer
     key_metric = "eval_reward"
+    plot_metrics = ("reward_mean", "kl", "completion_length", ("clip_fraction_low", "clip_fraction_high"),
+                    "truncated_fraction")
 
     def count_items(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return ops.count_items(batch["loss_mask"], self.recipe.grpo.loss_aggregation)

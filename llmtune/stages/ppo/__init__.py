@@ -26,6 +26,7 @@ class PPOStage(OnlineRLStage):
     item_unit = "tokens"
     trainer_class = PPOTrainer
     key_metric = "eval_score"
+    plot_metrics = ("score_mean", "kl", "response_length", "clipfrac", "value_loss")
 
     def count_items(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return batch["response_mask"].sum()

@@ -96,9 +96,12 @@ def test_fresh_start_after_a_failed_attempt_keeps_partial_checkpoints(tmp_path, 
     root.mkdir()
     for name in ("recipe.resolved.yaml", "data_report.json", "metrics.jsonl"):
         (root / name).write_text("old")
+    (root / "plots").mkdir()
+    (root / "plots" / "summary.png").write_text("old")
     partial = make_checkpoint(root, 1, complete=False)
     RunDir(root).prepare(resume=False, overwrite=False, resume_from="auto")
     assert not (root / "recipe.resolved.yaml").exists() and not (root / "metrics.jsonl").exists()
+    assert not (root / "plots").exists()  # the old attempt's curves are not shown as this run's
     assert partial.is_dir() and "starting again" in logs.text and "checkpoint-1: incomplete" in logs.text
 
 
