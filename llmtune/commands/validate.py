@@ -25,7 +25,7 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
     console = make_console(stderr=False, highlight=False)
     doc = read_yaml(recipe_path)
     if "pipeline" in doc:  # a pipeline recipe: its dry run validates every step
-        from llmtune.pipeline import pipeline_command
+        from llmtune.pipeline.run import pipeline_command
 
         return pipeline_command(recipe_path, overrides, dry_run=True)
     declared = doc.get("stage")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmtune.cli import main
+from llmtune.commands.cli import main
 from llmtune.models.tiny import save_tiny_model
 
 ROWS = [{"messages": [{"role": "user", "content": f"What is {i} + 2?"},
