@@ -57,7 +57,7 @@ def load_for_chat(path: str | Path):
     architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
     if any(a.endswith("ForSequenceClassification") for a in architectures):
         _refuse_score_model(path, f"config.json architectures {architectures}")
-    from llmtune.models.checks import check_weight_files
+    from llmtune.models.weight_files import check_weight_files
 
     check_weight_files(path)  # truncated / corrupt safetensors are named
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)

@@ -56,7 +56,7 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
 
         engine, reason = select_engine(recipe)
         console.print(f"rollout engine: {engine} ({reason})")
-    from llmtune.models.checks import check_weight_files
+    from llmtune.models.weight_files import check_weight_files
 
     check_weight_files(source.path, source.original, model_dir=True)  # no weights; truncated / corrupt safetensors
     tokenizer = prepare_tokenizer(recipe)

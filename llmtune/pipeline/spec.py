@@ -18,7 +18,7 @@ from llmtune.config.load import apply_override, deep_merge, parse_override, read
 from llmtune.core import rundir as rd
 from llmtune.errors import LlmtuneError
 from llmtune.pipeline.pairs import PAIRS_FILE, PAIRS_REPORT, PairsConfig
-from llmtune.utils import get_logger
+from llmtune.utils import dotted_get, get_logger
 
 log = get_logger("pipeline")
 
@@ -163,9 +163,7 @@ _MISSING = object()
 
 
 def _has(doc: dict, dotted: str) -> bool:
-    from llmtune.config.validate import _get
-
-    return _get(doc, dotted, _MISSING) is not _MISSING
+    return dotted_get(doc, dotted, _MISSING) is not _MISSING
 
 
 def _set(doc: dict, dotted: str, value: Any) -> None:
