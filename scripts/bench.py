@@ -347,8 +347,8 @@ def run_trl(case: Case, out: Path, probe: Probe) -> None:
     from datasets import Dataset
 
     from llmtune.config import load_recipe
-    from llmtune.core.runner import prepare_tokenizer
-    from llmtune.core.trainer import accumulation_steps
+    from llmtune.core.stage import prepare_tokenizer
+    from llmtune.core.distributed import batch_layout
     from llmtune.models import build_lora_config, load_model
     from llmtune.stages import STAGES
 
@@ -361,7 +361,7 @@ def run_trl(case: Case, out: Path, probe: Probe) -> None:
     t = recipe.train
     common = dict(
         output_dir=str(out / "trl"), per_device_train_batch_size=t.micro_batch_size,
-        gradient_accumulation_steps=accumulation_steps(recipe, 1), max_steps=t.max_steps,
+        gradient_accumulation_steps=batch_layout(recipe, 1)["accumulation_steps"], max_steps=t.max_steps,
         learning_rate=t.learning_rate, lr_scheduler_type="constant", warmup_steps=0, weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm, optim="adamw_torch", seed=t.seed, data_seed=t.seed, logging_steps=1,
         save_strategy="no", report_to="none", bf16=case.bf16, gradient_checkpointing=case.trl_gradient_checkpointing,
@@ -425,7 +425,7 @@ def run_trl_grpo(recipe, tokenizer, rows, model, out: Path, probe: RolloutProbe)
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from llmtune.core.trainer import accumulation_steps
+    from llmtune.core.distributed import batch_layout
     from llmtune.models import build_lora_config
     from llmtune.rl.trainer import OnlineRLTrainer
 
@@ -446,7 +446,7 @@ def run_trl_grpo(recipe, tokenizer, rows, model, out: Path, probe: RolloutProbe)
     model.generation_config.eos_token_id = probe.eos_ids  # stop where llmtune stops (the template's end of turn)
     args = GRPOConfig(
         output_dir=str(out / "trl"), per_device_train_batch_size=t.micro_batch_size,
-        gradient_accumulation_steps=accumulation_steps(recipe, 1), max_steps=t.max_steps,
+        gradient_accumulation_steps=batch_layout(recipe, 1)["accumulation_steps"], max_steps=t.max_steps,
         learning_rate=t.learning_rate, lr_scheduler_type="constant", warmup_steps=0, weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm, optim="adamw_torch", seed=t.seed, data_seed=t.seed, logging_steps=1,
         save_strategy="no", report_to="none", bf16=False, fp16=False, gradient_checkpointing=False,
@@ -497,7 +497,7 @@ def rollout_probe(case: Case) -> RolloutProbe:
     """The :class:`RolloutProbe` of a GRPO case: its max_new_tokens and the template's end-of-turn ids (where
     llmtune stops a completion; TRL is given the same ids)."""
     from llmtune.config import load_recipe
-    from llmtune.core.runner import prepare_tokenizer
+    from llmtune.core.stage import prepare_tokenizer
     from llmtune.data.templates import template_eos_ids
 
     recipe = load_recipe(raw=case.recipe(tempfile.mkdtemp()))

@@ -130,7 +130,7 @@ def test_dpo_metrics_and_reference_is_the_sft_model(workspace):
 def test_dpo_reference_logps_are_the_sft_merged_models(workspace):
     """eval_logps/chosen at step 0 (policy == reference) equals the SFT-merged model's, not the raw base's."""
     from llmtune.config import PrecisionConfig, load_recipe
-    from llmtune.core.runner import prepare_tokenizer
+    from llmtune.core.stage import prepare_tokenizer
     from llmtune.models import load_model, load_model_with_chain
     from llmtune.stages import DPOStage
 
