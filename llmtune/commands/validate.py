@@ -83,7 +83,8 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
     steps = recipe.train.max_steps or math.ceil(steps_per_epoch * recipe.train.num_epochs)
     console.print(
         f"batch: {recipe.train.global_batch_size} samples/optimizer step = {recipe.train.micro_batch_size} micro x "
-        f"{layout['accumulation_steps']} accumulation x {layout['world_size']} ranks; {n_train} training rows -> {steps} optimizer steps"
+        f"{layout['accumulation_steps']} accumulation x {layout['world_size']} ranks; {n_train} training rows -> "
+        f"{steps} optimizer steps"
         + (f"; {len(data.eval)} eval rows" if data.eval is not None else "")
     )
     if not 0 <= example < n_train:

@@ -63,7 +63,8 @@ def test_a_missing_data_file_is_reported_without_the_trainer(recipe, tmp_path):
 def test_the_registry_imports_a_stage_only_when_it_is_looked_up():
     code = ("import sys\nfrom llmtune.stages import STAGES\n"
             "names = list(STAGES); here = 'dpo' in STAGES and 'nope' not in STAGES and STAGES.get('nope') is None\n"
-            "print(names, here, sorted(m for m in sys.modules if m.startswith('llmtune.stages.')), 'torch' in sys.modules)\n"
+            "print(names, here, sorted(m for m in sys.modules if m.startswith('llmtune.stages.')),\n"
+            "      'torch' in sys.modules)\n"
             "cls = STAGES['kto']\n"
             "print(cls.__name__, sorted(m for m in sys.modules if m.startswith('llmtune.stages.')))")
     out = _run(code)
