@@ -3,7 +3,8 @@
 Shape notation used in docstrings: B = sequences per micro-batch (per device), T = tokens per
 sequence (padded), V = vocabulary size. Labels are -100 at positions that are not trained.
 
-Import direction: cli > stages > core, data, models > config > utils (lower layers never import upper).
+Layers, imports pointing down only (tests/unit/test_layers.py; docs/contributing.md): commands > pipeline, export >
+stages > rl > core > models > data > config > errors, utils.
 """
 
 __version__ = "0.1.0"

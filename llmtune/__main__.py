@@ -1,6 +1,6 @@
 """``python -m llmtune ...`` = the ``llmtune`` command (also what launchers run: ``torchrun -m llmtune sft R.yaml``)."""
 
-from llmtune.cli import main
-from llmtune.launch import exit_process
+from llmtune.commands.cli import main
+from llmtune.core.launch import exit_process
 
 exit_process(main())

@@ -100,6 +100,17 @@ def content_sha256(path: str | Path) -> str | None:
     return _CONTENT_HASHES[key]
 
 
+def dotted_get(doc: dict, dotted: str, default: Any = None) -> Any:
+    """``doc["a"]["b"]`` for ``dotted = "a.b"`` in a raw (unvalidated) nested mapping; ``default`` where a key is
+    missing or a level is not a mapping. Never raises."""
+    node: Any = doc
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
 def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:
     """Append one JSON object as a line (non-finite floats written as null). A torn last line (a write cut by a
     crash or a full disk) is ended first, so that the new record stays a line of its own."""

@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """Side-by-side benchmark: llmtune vs plain TRL (``SFTTrainer`` / ``DPOTrainer`` + peft) doing the same work.
 
-    python scripts/bench.py --cpu     # SmolLM2-135M (builtin), GSM8K SFT + HH DPO pairs + GRPO, fp32, 2 cores
+    python scripts/bench.py --cpu     # SmolLM2-135M (builtin), GSM8K SFT + DPO pairs + GRPO, fp32, 2 cores
     python scripts/bench.py --cpu --cases grpo --threads 1   # GRPO only: llmtune vs TRL's GRPOTrainer
     python scripts/bench.py --gpu     # Llama-3-8B shape (random init), 2,048-token rows, LoRA / QLoRA nf4 / DPO, bf16
     python scripts/bench.py --tiny    # tiny random Llama, a few steps: the same code path in well under a minute
+
+DPO pairs: HH-RLHF from ``--hh-pairs PATH`` (or ``$LLMTUNE_BENCH_HH_PAIRS``), else pairs built from GSM8K.
 
 Same work on both sides: the same model weights (llmtune's loader), the same token ids (llmtune tokenizes once; TRL
 gets those ids pre-tokenized: ``input_ids`` + ``completion_mask`` for SFT, ``prompt_ids``/``chosen_ids``/
@@ -45,10 +47,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-HH = ROOT.parent / "shared" / "data" / "hh-rlhf-harmless-base-1800.jsonl.gz"
-if not HH.exists():
-    HH = Path("/work/shared/data/hh-rlhf-harmless-base-1800.jsonl.gz")
-
+HH_ENV = "LLMTUNE_BENCH_HH_PAIRS"  # default of --hh-pairs: an HH-RLHF file (e.g. hh-rlhf-harmless-base-1800.jsonl.gz)
 
 
 @dataclasses.dataclass
@@ -117,11 +116,11 @@ def grpo_case(model: str, steps: int, max_new_tokens: int, prompts: int = 4, num
 
 
 # ---- cases of each mode ----------------------------------------------------------------------------------------
-def pairs_source(work: Path, n: int = 400) -> dict:
-    """HH-RLHF harmless-base pairs when ../shared/data has them, else pairs built from GSM8K (the right answer vs the
-    answer of the next question), written to ``work``."""
-    if HH.exists():
-        return {"path": str(HH), "format": "hh"}
+def pairs_source(work: Path, hh: Path | None, n: int = 400) -> dict:
+    """The DPO pairs: the HH-RLHF file ``hh`` (``--hh-pairs`` / ``$LLMTUNE_BENCH_HH_PAIRS``) when given, else pairs
+    built from GSM8K (the right answer vs the answer of the next question), written to ``work``."""
+    if hh is not None:
+        return {"path": str(hh), "format": "hh"}
     rows = gsm8k_rows(n + 1)
     path = work / "gsm8k_pairs.jsonl"
     with path.open("w") as f:
@@ -138,7 +137,7 @@ def gsm8k_rows(n: int) -> list[dict]:
     return [r for r in read_source(DatasetConfig(path="builtin:gsm8k", max_samples=n), 0).rows]
 
 
-def cpu_cases(work: Path, quick: bool) -> list[Case]:
+def cpu_cases(work: Path, quick: bool, hh: Path | None = None) -> list[Case]:
     """SFT: 2 GSM8K rows per step, DPO: 1 HH pair per step, 4 steps (``--quick``: 3), the first left out;
     GRPO: 4 GSM8K questions x 4 completions x 48 tokens per iteration, 3 iterations (``--quick``: 32 tokens)."""
     steps, rows = (3, 2) if quick else (4, 2)
@@ -146,27 +145,27 @@ def cpu_cases(work: Path, quick: bool) -> list[Case]:
         Case("sft", "sft", "builtin:smollm2-135m-instruct",
              {"datasets": [{"path": "builtin:gsm8k", "max_samples": 64}], "max_length": 512}, rows, rows, steps, 1),
         Case("dpo", "dpo", "builtin:smollm2-135m-instruct",
-             {"datasets": [{**pairs_source(work), "max_samples": 64}], "max_length": 384, "max_prompt_length": 256,
+             {"datasets": [{**pairs_source(work, hh), "max_samples": 64}], "max_length": 384, "max_prompt_length": 256,
               "bad_rows": "skip"}, rows // 2, rows // 2, steps, 1),
         grpo_case("builtin:smollm2-135m-instruct", 3, 32 if quick else 48),
     ]
 
 
-def tiny_cases(work: Path) -> list[Case]:
+def tiny_cases(work: Path, hh: Path | None = None) -> list[Case]:
     from llmtune.models.tiny import save_tiny_model
 
     model = save_tiny_model(work / "tiny-model", hidden_size=64, num_layers=2)
     sft = {"datasets": [{"path": "builtin:gsm8k", "max_samples": 24}], "max_length": 256}
-    dpo = {"datasets": [{**pairs_source(work), "max_samples": 16}], "max_length": 256, "max_prompt_length": 128,
+    dpo = {"datasets": [{**pairs_source(work, hh), "max_samples": 16}], "max_length": 256, "max_prompt_length": 128,
            "bad_rows": "skip"}
     return [Case("sft", "sft", str(model), sft, 2, 4, 3, 1), Case("dpo", "dpo", str(model), dpo, 2, 2, 3, 1),
             grpo_case(str(model), 3, 8, prompts=2, max_samples=16)]
 
 
-def gpu_cases(work: Path) -> list[Case]:
+def gpu_cases(work: Path, hh: Path | None = None) -> list[Case]:
     model = str(work / "llama3-8b-shape")
     text = {"datasets": [{"path": str(work / "long_rows.jsonl"), "format": "text"}], "max_length": 2048}
-    pairs = {"datasets": [{**pairs_source(work), "max_samples": 128}], "max_length": 1024, "max_prompt_length": 512,
+    pairs = {"datasets": [{**pairs_source(work, hh), "max_samples": 128}], "max_length": 1024, "max_prompt_length": 512,
              "bad_rows": "skip"}
     tol = 5e-2  # bf16
     return [
@@ -347,8 +346,8 @@ def run_trl(case: Case, out: Path, probe: Probe) -> None:
     from datasets import Dataset
 
     from llmtune.config import load_recipe
-    from llmtune.core.runner import prepare_tokenizer
-    from llmtune.core.trainer import accumulation_steps
+    from llmtune.core.stage import prepare_tokenizer
+    from llmtune.core.distributed import batch_layout
     from llmtune.models import build_lora_config, load_model
     from llmtune.stages import STAGES
 
@@ -361,7 +360,7 @@ def run_trl(case: Case, out: Path, probe: Probe) -> None:
     t = recipe.train
     common = dict(
         output_dir=str(out / "trl"), per_device_train_batch_size=t.micro_batch_size,
-        gradient_accumulation_steps=accumulation_steps(recipe, 1), max_steps=t.max_steps,
+        gradient_accumulation_steps=batch_layout(recipe, 1)["accumulation_steps"], max_steps=t.max_steps,
         learning_rate=t.learning_rate, lr_scheduler_type="constant", warmup_steps=0, weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm, optim="adamw_torch", seed=t.seed, data_seed=t.seed, logging_steps=1,
         save_strategy="no", report_to="none", bf16=case.bf16, gradient_checkpointing=case.trl_gradient_checkpointing,
@@ -425,7 +424,7 @@ def run_trl_grpo(recipe, tokenizer, rows, model, out: Path, probe: RolloutProbe)
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from llmtune.core.trainer import accumulation_steps
+    from llmtune.core.distributed import batch_layout
     from llmtune.models import build_lora_config
     from llmtune.rl.trainer import OnlineRLTrainer
 
@@ -446,7 +445,7 @@ def run_trl_grpo(recipe, tokenizer, rows, model, out: Path, probe: RolloutProbe)
     model.generation_config.eos_token_id = probe.eos_ids  # stop where llmtune stops (the template's end of turn)
     args = GRPOConfig(
         output_dir=str(out / "trl"), per_device_train_batch_size=t.micro_batch_size,
-        gradient_accumulation_steps=accumulation_steps(recipe, 1), max_steps=t.max_steps,
+        gradient_accumulation_steps=batch_layout(recipe, 1)["accumulation_steps"], max_steps=t.max_steps,
         learning_rate=t.learning_rate, lr_scheduler_type="constant", warmup_steps=0, weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm, optim="adamw_torch", seed=t.seed, data_seed=t.seed, logging_steps=1,
         save_strategy="no", report_to="none", bf16=False, fp16=False, gradient_checkpointing=False,
@@ -497,7 +496,7 @@ def rollout_probe(case: Case) -> RolloutProbe:
     """The :class:`RolloutProbe` of a GRPO case: its max_new_tokens and the template's end-of-turn ids (where
     llmtune stops a completion; TRL is given the same ids)."""
     from llmtune.config import load_recipe
-    from llmtune.core.runner import prepare_tokenizer
+    from llmtune.core.stage import prepare_tokenizer
     from llmtune.data.templates import template_eos_ids
 
     recipe = load_recipe(raw=case.recipe(tempfile.mkdtemp()))
@@ -587,6 +586,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default=None, help="directory for runs (default a temporary one)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    ap.add_argument("--hh-pairs", type=Path, default=os.environ.get(HH_ENV) or None, metavar="PATH",
+                    help=f"HH-RLHF pairs file for the DPO cases (default ${HH_ENV}; without either: pairs built "
+                    "from GSM8K)")
     ap.add_argument("--against", action="append", default=[], metavar="KEY=VALUE",
                     help="ablation: compare llmtune's defaults with llmtune under this recipe override (repeatable) "
                          "instead of TRL, e.g. --against data.padding_free=false")
@@ -605,16 +607,24 @@ def main(argv: list[str] | None = None) -> int:
 
         return generation_main(["--tiny"] if args.tiny else [])
     sys.path.insert(0, str(ROOT))
+    hh = args.hh_pairs
+    if hh is not None and not Path(hh).is_file():
+        print(f"error: --hh-pairs / ${HH_ENV}: {hh} is not a file; give an HH-RLHF pairs file (e.g. "
+              "hh-rlhf-harmless-base-1800.jsonl.gz) or leave both unset to use pairs built from GSM8K",
+              file=sys.stderr)
+        return 2
+    if hh is None and not args.generation:
+        print(f"DPO pairs: built from GSM8K (no --hh-pairs / ${HH_ENV} given)", flush=True)
     work = Path(args.work or tempfile.mkdtemp(prefix="llmtune-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     name = "gpu" if args.gpu else "tiny" if args.tiny else "cpu"
     if args.gpu:
         make_gpu_model(work)
-        cases = gpu_cases(work)
+        cases = gpu_cases(work, hh)
     elif args.tiny:
-        cases = tiny_cases(work)
+        cases = tiny_cases(work, hh)
     else:
-        cases = cpu_cases(work, args.quick)
+        cases = cpu_cases(work, args.quick, hh)
     if args.cases:
         wanted = set(args.cases.split(","))
         cases = [c for c in cases if c.name in wanted]

@@ -115,7 +115,7 @@ def run_variant(root: Path, model: Path, data: Path, variant: str, args) -> dict
     log = root / f"{variant}.log"
     start = time.perf_counter()
     with open(log, "w") as fh:
-        rc = subprocess.call([sys.executable, "-m", "llmtune.cli", "sft", str(recipe)], stdout=fh,
+        rc = subprocess.call([sys.executable, "-m", "llmtune.commands.cli", "sft", str(recipe)], stdout=fh,
                              stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     result: dict = {"variant": variant, "returncode": rc, "wall_s": round(time.perf_counter() - start, 1),
                     "log": str(log)}

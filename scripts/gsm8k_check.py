@@ -14,7 +14,7 @@ import argparse
 import json
 from importlib import resources
 
-from llmtune.chat import load_for_chat, reply
+from llmtune.commands.chat import load_for_chat, reply
 from llmtune.rewards import extract_final_answer
 
 

@@ -34,7 +34,7 @@ rows = [{"messages": [{"role": "user", "content": f"What is {i} + 3?"}, {"role":
 PY
   PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   for RANK in 0 1; do
-    "$PY" -m llmtune.cli sft "$WORK/recipe.yaml" --nproc-per-node 1 --nnodes 2 --node-rank "$RANK" \
+    "$PY" -m llmtune.commands.cli sft "$WORK/recipe.yaml" --nproc-per-node 1 --nnodes 2 --node-rank "$RANK" \
       --master-addr 127.0.0.1 --master-port "$PORT" > "$WORK/node$RANK.log" 2>&1 &
   done
   wait %1 && wait %2 || { tail -40 "$WORK"/node*.log; exit 1; }
@@ -48,5 +48,5 @@ MASTER_ADDR="${2:?master address (node 0)}"
 RECIPE="${3:?recipe}"
 shift 3
 NPROC="${NPROC:-$("$PY" -c 'import torch; print(max(torch.cuda.device_count(), 1))')}"
-exec "$PY" -m llmtune.cli "${STAGE:-sft}" "$RECIPE" "$@" --nproc-per-node "$NPROC" --nnodes 2 \
+exec "$PY" -m llmtune.commands.cli "${STAGE:-sft}" "$RECIPE" "$@" --nproc-per-node "$NPROC" --nnodes 2 \
   --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-29500}"

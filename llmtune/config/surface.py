@@ -13,7 +13,7 @@ import importlib.util
 import inspect
 from typing import Any
 
-from llmtune.config.validate import _get  # the raw-document lookup (dotted key) shared by the rule checks
+from llmtune.utils import dotted_get  # the raw-document lookup (dotted key) shared by the rule checks
 
 # TrainingArguments fields llmtune sets from the recipe (or must own): extra_args may not set them.
 OWNED: dict[str, str] = {
@@ -149,11 +149,11 @@ def extra_args_problems(extra: Any) -> list[tuple[str, str]]:
 
 def surface_problems(doc: dict) -> list[tuple[str, str]]:
     """All problems of the keys handed to transformers, plus ``output.push_to_hub`` without a repo."""
-    problems = report_to_problems(_get(doc, "output.report_to"))
-    problems += optim_problems(_get(doc, "train.optim"))
-    problems += scheduler_problems(_get(doc, "train.lr_scheduler", "cosine"), _get(doc, "train.lr_scheduler_kwargs"))
-    problems += extra_args_problems(_get(doc, "train.extra_args"))
-    if _get(doc, "output.push_to_hub") is True and not _get(doc, "output.hub_model_id"):
+    problems = report_to_problems(dotted_get(doc, "output.report_to"))
+    problems += optim_problems(dotted_get(doc, "train.optim"))
+    problems += scheduler_problems(dotted_get(doc, "train.lr_scheduler", "cosine"), dotted_get(doc, "train.lr_scheduler_kwargs"))
+    problems += extra_args_problems(dotted_get(doc, "train.extra_args"))
+    if dotted_get(doc, "output.push_to_hub") is True and not dotted_get(doc, "output.hub_model_id"):
         problems.append(("output.hub_model_id", "output.push_to_hub needs the hub repo to upload to, e.g. "
                          "output.hub_model_id: my-org/my-model"))
     return problems

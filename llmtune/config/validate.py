@@ -14,7 +14,9 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from llmtune.config.schema import ROLLOUT_MAX_NEW_TOKENS, Recipe
+from llmtune.config.surface import surface_problems
 from llmtune.errors import LlmtuneError
+from llmtune.utils import dotted_get
 
 
 class RecipeError(LlmtuneError, ValueError):
@@ -132,64 +134,53 @@ def _format_pydantic(err: dict) -> tuple[str, str]:
     return path, msg
 
 
-def _get(doc: dict, dotted: str, default: Any = None) -> Any:
-    node: Any = doc
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return default
-        node = node[part]
-    return node
-
-
 def cross_field_problems(doc: dict) -> list[tuple[str, str]]:
     """Conflicts between fields, checked on the raw mapping so they show up beside field errors."""
     problems: list[tuple[str, str]] = []
-    if _get(doc, "precision.fp16") is True and _get(doc, "precision.bf16") is True:
+    if dotted_get(doc, "precision.fp16") is True and dotted_get(doc, "precision.bf16") is True:
         problems.append(("precision.fp16", "fp16 and bf16 are both on; choose one (precision.bf16 is preferred on Ampere+)"))
-    four, eight = _get(doc, "model.load_in_4bit") is True, _get(doc, "model.load_in_8bit") is True
+    four, eight = dotted_get(doc, "model.load_in_4bit") is True, dotted_get(doc, "model.load_in_8bit") is True
     if four and eight:
         problems.append(("model.load_in_8bit", "load_in_4bit and load_in_8bit are both on; choose one"))
-    if (four or eight) and _get(doc, "adapter.type", "lora") == "none":
+    if (four or eight) and dotted_get(doc, "adapter.type", "lora") == "none":
         problems.append(
             ("adapter.type", "a quantized base (QLoRA / 8-bit) cannot be trained without an adapter; set adapter.type: lora")
         )
-    model_dtype = _get(doc, "model.dtype", "auto")
-    if _get(doc, "precision.fp16") is True and model_dtype == "bf16":
+    model_dtype = dotted_get(doc, "model.dtype", "auto")
+    if dotted_get(doc, "precision.fp16") is True and model_dtype == "bf16":
         problems.append(("model.dtype", "bf16 weights with fp16 mixed precision; use model.dtype: fp16 or auto"))
-    if _get(doc, "precision.bf16") is True and model_dtype == "fp16":
+    if dotted_get(doc, "precision.bf16") is True and model_dtype == "fp16":
         problems.append(("model.dtype", "fp16 weights with bf16 mixed precision; use model.dtype: bf16 or auto"))
-    if model_dtype in ("fp16", "bf16") and _get(doc, "adapter.type", "lora") == "none" and not (
-        _get(doc, "precision.fp16") or _get(doc, "precision.bf16")
+    if model_dtype in ("fp16", "bf16") and dotted_get(doc, "adapter.type", "lora") == "none" and not (
+        dotted_get(doc, "precision.fp16") or dotted_get(doc, "precision.bf16")
     ):
         problems.append(("model.dtype", f"full fine-tuning with {model_dtype} weights needs precision.{model_dtype}: true"))
-    micro, glob = _get(doc, "train.micro_batch_size", 1), _get(doc, "train.global_batch_size", 8)
+    micro, glob = dotted_get(doc, "train.micro_batch_size", 1), dotted_get(doc, "train.global_batch_size", 8)
     if isinstance(micro, int) and isinstance(glob, int) and micro > 0 and glob > 0 and glob % micro:
         problems.append(
             ("train.global_batch_size", f"must be a multiple of micro_batch_size ({micro}); got {glob}")
         )
-    val = _get(doc, "data.val_size", 0)
+    val = dotted_get(doc, "data.val_size", 0)
     if isinstance(val, (int, float)) and val >= 1 and float(val) != int(val):
         problems.append(("data.val_size", f"a fraction must be < 1 and a count an integer; got {val}"))
-    if _get(doc, "distributed.deepspeed") and _get(doc, "distributed.zero_stage") is not None:
+    if dotted_get(doc, "distributed.deepspeed") and dotted_get(doc, "distributed.zero_stage") is not None:
         problems.append(("distributed.zero_stage", "set either distributed.deepspeed (a config file) or zero_stage, not both"))
-    if _get(doc, "train.eval_steps") and not _get(doc, "data.val_size"):
+    if dotted_get(doc, "train.eval_steps") and not dotted_get(doc, "data.val_size"):
         problems.append(("train.eval_steps", "evaluation needs a validation split: set data.val_size (a fraction "
                          "or a row count)"))
-    if _get(doc, "train.early_stopping_patience") and not _get(doc, "data.val_size"):
+    if dotted_get(doc, "train.early_stopping_patience") and not dotted_get(doc, "data.val_size"):
         problems.append(("train.early_stopping_patience", "early stopping needs a validation split (data.val_size > 0)"))
-    if _get(doc, "data.packing") is True and _get(doc, "model.attn_implementation", "sdpa") == "eager":
+    if dotted_get(doc, "data.packing") is True and dotted_get(doc, "model.attn_implementation", "sdpa") == "eager":
         problems.append(("data.packing", "packing needs sdpa/flash/flex attention to isolate rows; eager cannot"))
-    if _get(doc, "stage") == "ppo":
+    if dotted_get(doc, "stage") == "ppo":
         problems += ppo_problems(doc)
-    if _get(doc, "stage") == "grpo":
+    if dotted_get(doc, "stage") == "grpo":
         problems += grpo_problems(doc)
-    if _get(doc, "stage") in ("ppo", "grpo"):
+    if dotted_get(doc, "stage") in ("ppo", "grpo"):
         problems += rollout_problems(doc)
     problems += distributed_problems(doc)
-    from llmtune.config.surface import surface_problems
-
     problems += surface_problems(doc)  # report_to, optim, schedules, extra_args, push_to_hub
-    datasets = _get(doc, "data.datasets")
+    datasets = dotted_get(doc, "data.datasets")
     if isinstance(datasets, list) and not datasets:
         problems.append(("data.datasets", "at least one data source is needed"))
     for i, ds in enumerate(datasets if isinstance(datasets, list) else []):
@@ -224,9 +215,9 @@ def column_key_problems(columns: dict, key: str) -> list[tuple[str, str]]:
 
 def _zero_stage(doc: dict) -> int | None:
     """ZeRO stage of a raw recipe: distributed.zero_stage, or zero_optimization.stage of a readable config file."""
-    path = _get(doc, "distributed.deepspeed")
+    path = dotted_get(doc, "distributed.deepspeed")
     if not isinstance(path, str):
-        stage = _get(doc, "distributed.zero_stage")
+        stage = dotted_get(doc, "distributed.zero_stage")
         return stage if isinstance(stage, int) else None
     import json
     from pathlib import Path
@@ -242,12 +233,12 @@ def distributed_problems(doc: dict) -> list[tuple[str, str]]:
     """Launch keys and what ZeRO-3 cannot do: 8-bit bases, a 4-bit storage dtype that DeepSpeed would cast
     (bitsandbytes #1249; peft's DeepSpeed guide), reference log-probs computed before the engine exists."""
     problems: list[tuple[str, str]] = []
-    nnodes, node_rank = _get(doc, "distributed.nnodes", 1), _get(doc, "distributed.node_rank", 0)
+    nnodes, node_rank = dotted_get(doc, "distributed.nnodes", 1), dotted_get(doc, "distributed.node_rank", 0)
     if isinstance(nnodes, int) and isinstance(node_rank, int) and node_rank >= nnodes >= 1:
         problems.append(("distributed.node_rank", f"{node_rank} is not below nnodes ({nnodes}); node ranks are "
                          f"0..{nnodes - 1}"))
-    nproc, micro = _get(doc, "distributed.nproc_per_node"), _get(doc, "train.micro_batch_size", 1)
-    glob = _get(doc, "train.global_batch_size", 8)
+    nproc, micro = dotted_get(doc, "distributed.nproc_per_node"), dotted_get(doc, "train.micro_batch_size", 1)
+    glob = dotted_get(doc, "train.global_batch_size", 8)
     if all(isinstance(v, int) and v > 0 for v in (nproc or 1, nnodes, micro, glob)):
         per_step = micro * (nproc or 1) * nnodes
         if per_step > micro and glob % per_step:  # one process: the micro_batch_size rule above
@@ -255,19 +246,19 @@ def distributed_problems(doc: dict) -> list[tuple[str, str]]:
                              f"processes ({nproc or 1} per node x {nnodes} nodes) = {per_step}"))
     if _zero_stage(doc) != 3:
         return problems
-    if _get(doc, "model.load_in_8bit") is True:
+    if dotted_get(doc, "model.load_in_8bit") is True:
         problems.append(("model.load_in_8bit", "ZeRO-3 cannot partition bitsandbytes 8-bit weights; use "
                          "model.load_in_4bit (QLoRA) or ZeRO stage 2"))
-    if _get(doc, "model.load_in_4bit") is True:
-        train_dtype = "bf16" if _get(doc, "precision.bf16") is True else "fp16" if _get(doc, "precision.fp16") is True \
+    if dotted_get(doc, "model.load_in_4bit") is True:
+        train_dtype = "bf16" if dotted_get(doc, "precision.bf16") is True else "fp16" if dotted_get(doc, "precision.fp16") is True \
             else "fp32"
-        model_dtype = _get(doc, "model.dtype", "auto")
+        model_dtype = dotted_get(doc, "model.dtype", "auto")
         if model_dtype not in ("auto", train_dtype):
             problems.append(("model.dtype", f"QLoRA + ZeRO-3 stores the 4-bit weights in the model dtype "
                              f"(bnb_4bit_quant_storage), and DeepSpeed casts every parameter to the training dtype "
                              f"{train_dtype}; model.dtype {model_dtype} would be cast and the packed 4-bit data "
                              f"destroyed. Set model.dtype: {train_dtype} (or auto)"))
-    if _get(doc, "dpo.precompute_ref_logps") is True and _get(doc, "stage") in (None, "dpo"):
+    if dotted_get(doc, "dpo.precompute_ref_logps") is True and dotted_get(doc, "stage") in (None, "dpo"):
         problems.append(("dpo.precompute_ref_logps", "with ZeRO-3 the weights are partitioned before training "
                          "starts, so reference log-probs cannot be computed ahead; set it to false (the reference "
                          "is the policy with its adapter disabled) or use ZeRO stage 2"))
@@ -289,35 +280,35 @@ def rollout_problems(doc: dict, engine: str | None = None) -> list[tuple[str, st
         doc: the raw recipe mapping. engine: check as if ``rollout.engine`` were this (``auto`` selection asks with
             ``vllm``); default the recipe's own.
     """
-    engine = engine or _get(doc, "rollout.engine", "auto")
+    engine = engine or dotted_get(doc, "rollout.engine", "auto")
     problems: list[tuple[str, str]] = []
-    if engine != "hf" and _get(doc, "rollout.vllm.mode", "colocate") == "server" and not _get(doc, "rollout.vllm.url"):
+    if engine != "hf" and dotted_get(doc, "rollout.vllm.mode", "colocate") == "server" and not dotted_get(doc, "rollout.vllm.url"):
         problems.append(("rollout.vllm.url", "rollout.vllm.mode: server needs the address of a running rollout "
                          "server, e.g. rollout.vllm.url: http://127.0.0.1:8000 (start one with `llmtune "
                          "rollout-server RECIPE`, which prints it), or use mode: colocate"))
     if engine != "vllm":
         return problems
     alternative = "or use rollout.engine: hf (transformers' generate on the training model)"
-    if _get(doc, "adapter.type", "lora") == "none":
+    if dotted_get(doc, "adapter.type", "lora") == "none":
         problems.append(("rollout.engine", "vllm samples with the trained LoRA adapter, pushed to the engine after "
                          "every optimizer step; full fine-tuning (adapter.type: none) would have to send and reload "
                          f"every weight of the model each step. Use adapter.type: lora, {alternative}"))
     for key, what in (("model.load_in_4bit", "4-bit (QLoRA)"), ("model.load_in_8bit", "8-bit")):
-        if _get(doc, key) is True:
+        if dotted_get(doc, key) is True:
             problems.append(("rollout.engine", f"vllm with a {what} base ({key}: true): the trained policy is the "
                              "quantized base + adapter, but the engine serves other base weights, so it would "
                              "sample from another policy (off-policy by construction, beyond what the importance "
                              f"correction is for). Train LoRA on the unquantized base ({key}: false), {alternative}"))
-    if _get(doc, "adapter.use_dora") is True:
+    if dotted_get(doc, "adapter.use_dora") is True:
         problems.append(("rollout.engine", f"vllm has no DoRA adapters (adapter.use_dora: true): use plain LoRA, "
                          f"{alternative}"))
-    if _get(doc, "adapter.modules_to_save"):
+    if dotted_get(doc, "adapter.modules_to_save"):
         problems.append(("rollout.engine", "vllm's LoRA cannot load fully trained modules (adapter.modules_to_save): "
                          f"leave it empty, {alternative}"))
     if _zero_stage(doc) == 3:
         problems.append(("rollout.engine", "vllm reads the whole policy adapter after every step; ZeRO-3 partitions "
                          f"it over the ranks: use distributed.zero_stage 2, {alternative}"))
-    rank, lora_r = _get(doc, "rollout.vllm.max_lora_rank"), _get(doc, "adapter.lora_r", 16)
+    rank, lora_r = dotted_get(doc, "rollout.vllm.max_lora_rank"), dotted_get(doc, "adapter.lora_r", 16)
     if isinstance(rank, int) and isinstance(lora_r, int) and rank < lora_r:
         problems.append(("rollout.vllm.max_lora_rank", f"{rank} is below the trained adapter's rank adapter.lora_r "
                          f"= {lora_r}: the engine would refuse the adapter; set it >= {lora_r} or null (= lora_r)"))
@@ -327,13 +318,13 @@ def rollout_problems(doc: dict, engine: str | None = None) -> list[tuple[str, st
 def ppo_problems(doc: dict) -> list[tuple[str, str]]:
     """PPO's batch arithmetic and reward source (see ``PPOConfig``)."""
     problems: list[tuple[str, str]] = []
-    has_run = bool(_get(doc, "reward.from_run"))
-    has_fn = bool(_get(doc, "reward.function")) or bool(_get(doc, "reward.functions"))
+    has_run = bool(dotted_get(doc, "reward.from_run"))
+    has_fn = bool(dotted_get(doc, "reward.function")) or bool(dotted_get(doc, "reward.functions"))
     if has_run == has_fn:
         problems.append(("reward", "PPO needs exactly one score source: reward.from_run (an `llmtune rm` run) or "
                          "reward.function (module:function, e.g. llmtune.rewards:gsm8k_reward)"))
-    rollout, glob = _get(doc, "ppo.rollout_batch_size", 16), _get(doc, "train.global_batch_size", 8)
-    epochs = _get(doc, "ppo.ppo_epochs", 2)
+    rollout, glob = dotted_get(doc, "ppo.rollout_batch_size", 16), dotted_get(doc, "train.global_batch_size", 8)
+    epochs = dotted_get(doc, "ppo.ppo_epochs", 2)
     if not all(isinstance(v, int) and v > 0 for v in (rollout, glob, epochs)):
         return problems
     if rollout % glob:
@@ -348,25 +339,25 @@ def grpo_problems(doc: dict) -> list[tuple[str, str]]:
     """GRPO's reward sources and batch arithmetic (see ``GRPOConfig``): whole groups in every rollout batch and
     optimizer step, whole optimizer steps in every rollout batch, steps/saves/evals at iteration ends."""
     problems: list[tuple[str, str]] = []
-    functions = _get(doc, "reward.functions") or []
-    if not (_get(doc, "reward.from_run") or _get(doc, "reward.function") or functions):
+    functions = dotted_get(doc, "reward.functions") or []
+    if not (dotted_get(doc, "reward.from_run") or dotted_get(doc, "reward.function") or functions):
         problems.append(("reward", "GRPO needs at least one reward source: reward.function (module:function, e.g. "
                          "llmtune.rewards:gsm8k_reward), reward.functions ([{function, weight}, ...]) and/or "
                          "reward.from_run (an `llmtune rm` run)"))
-    estimator = _get(doc, "grpo.advantage_estimator", "grpo")
-    scale = _get(doc, "grpo.scale_rewards")
+    estimator = dotted_get(doc, "grpo.advantage_estimator", "grpo")
+    scale = dotted_get(doc, "grpo.scale_rewards")
     if estimator in ("rloo", "reinforce_plus_plus") and scale not in (None, "group", True):
         problems.append(("grpo.scale_rewards", f"{scale!r} applies to advantage_estimator grpo only; {estimator} has "
                          "its own normalisation (rloo: none, reinforce_plus_plus: the rollout batch's std): remove "
                          "the key"))
-    buffer, longest = _get(doc, "grpo.overlong_buffer_tokens"), _get(doc, "rollout.max_new_tokens")
+    buffer, longest = dotted_get(doc, "grpo.overlong_buffer_tokens"), dotted_get(doc, "rollout.max_new_tokens")
     longest = ROLLOUT_MAX_NEW_TOKENS["grpo"] if longest is None else longest
     if isinstance(buffer, int) and isinstance(longest, int) and buffer > longest:
         problems.append(("grpo.overlong_buffer_tokens", f"{buffer} is more than rollout.max_new_tokens ({longest}): the "
                          "penalty window lies inside the completion length; use at most max_new_tokens (DAPO: "
                          "4096 of 20480)"))
-    group, rollout = _get(doc, "grpo.num_generations", 4), _get(doc, "grpo.rollout_batch_size", 16)
-    glob, mu = _get(doc, "train.global_batch_size", 8), _get(doc, "grpo.num_iterations", 1)
+    group, rollout = dotted_get(doc, "grpo.num_generations", 4), dotted_get(doc, "grpo.rollout_batch_size", 16)
+    glob, mu = dotted_get(doc, "train.global_batch_size", 8), dotted_get(doc, "grpo.num_iterations", 1)
     if not all(isinstance(v, int) and v > 0 for v in (group, rollout, glob, mu)):
         return problems
     if glob % group:
@@ -384,11 +375,11 @@ def _iteration_problems(doc: dict, stage: str, per_iter: int, formula: str) -> l
     """Online RL (PPO, GRPO) counts ``train.max_steps``/``save_steps``/``eval_steps`` in optimizer steps that must end
     an iteration (one rollout batch = ``per_iter`` optimizer steps, ``formula`` says why); max_steps is required."""
     problems: list[tuple[str, str]] = []
-    if _get(doc, "train.max_steps") is None:
+    if dotted_get(doc, "train.max_steps") is None:
         problems.append(("train.max_steps", f"{stage} needs max_steps (optimizer steps; one iteration = {per_iter} "
                          f"steps = {formula})"))
     for key in ("train.max_steps", "train.save_steps", "train.eval_steps"):
-        value = _get(doc, key)
+        value = dotted_get(doc, key)
         if isinstance(value, int) and value % per_iter:
             problems.append((key, f"must be a multiple of {per_iter} optimizer steps (one {stage} iteration = "
                              f"{formula}); got {value}, try {max(per_iter, round(value / per_iter) * per_iter)}"))

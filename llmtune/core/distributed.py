@@ -1,7 +1,7 @@
 """Data-parallel and DeepSpeed ZeRO runs: the DeepSpeed config, process-group setup, ZeRO-3 guards.
 
 Everything here leans on the libraries: ``torchrun`` (or accelerate / the deepspeed launcher / srun) starts the
-processes (see :mod:`llmtune.launch`), ``accelerate`` sets up the process group, transformers fills the ``"auto"``
+processes (see :mod:`llmtune.core.launch`), ``accelerate`` sets up the process group, transformers fills the ``"auto"``
 values of the DeepSpeed config from ``TrainingArguments`` and saves/loads ZeRO checkpoints, DeepSpeed shards.
 
 Units: ``micro_batch_size`` samples per rank per forward; ``global_batch_size`` samples per optimizer step over all
@@ -163,7 +163,7 @@ def process_setup_kwargs(recipe: Recipe) -> dict[str, Any]:
       told to reuse it (``accelerator_config.use_configured_state``).
 
     A DeepSpeed run in one process gets the same set-up (it is started through torchrun too, see
-    :func:`llmtune.launch.needs_launch`).
+    :func:`llmtune.core.launch.needs_launch`).
 
     Returns:
         ``{}`` on CUDA, or without a launcher's environment; else the keywords above.

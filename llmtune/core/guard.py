@@ -21,6 +21,7 @@ from typing import Any, Iterator
 
 import torch
 
+from llmtune.config import Recipe, RecipeError
 from llmtune.errors import EXIT_NONFINITE, EXIT_OOM, LlmtuneError
 from llmtune.utils import get_logger
 
@@ -312,3 +313,20 @@ def oom_message(exc: BaseException, recipe=None) -> str:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else "CUDA out of memory"
     return (f"out of GPU memory ({first[:300]}). Memory: {memory_figures()}. To need less memory: "
             f"{oom_advice(recipe)}.")
+
+
+def check_precision(recipe: Recipe) -> None:
+    """Refuse precision settings this machine cannot run, before any weights are loaded.
+
+    Raises:
+        RecipeError: fp16 without a CUDA device (fp16 mixed precision needs GPU loss scaling). tf32 is
+            simply ignored without CUDA.
+    """
+    if torch.cuda.is_available():
+        return
+    problems = []
+    if recipe.precision.fp16:
+        problems.append(("precision.fp16", "fp16 mixed precision needs a CUDA GPU; on CPU use precision.bf16: true "
+                         "or fp32 (both off)"))
+    if problems:
+        raise RecipeError(problems)

@@ -6,6 +6,8 @@ Labels use -100 for positions that are not trained (prompt, padding, packed-row 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -108,3 +110,11 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
     x_near = torch.where(near, x, torch.full_like(x, LOG_HALF))
     x_far = torch.where(near, torch.full_like(x, LOG_HALF), x)
     return torch.where(near, torch.log(-torch.expm1(x_near)), torch.log1p(-torch.exp(x_far)))
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), ``inf`` when it overflows."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return float("inf")

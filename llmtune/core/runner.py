@@ -21,13 +21,12 @@ from llmtune.core.callbacks import MetricsJsonlCallback, truncate_metrics
 from llmtune.core.plots import plot_run
 from llmtune.core.distributed import batch_layout, no_zero3_init, zero_stage
 from llmtune.config.validate import data_size_problems
-from llmtune.core.guard import check_trainable_weights
+from llmtune.core.guard import check_precision, check_trainable_weights
 from llmtune.core.preempt import PreemptedError, StopOnSignalCallback, StopRequest, exit_code, signal_name
-from llmtune.core.stage import Stage
+from llmtune.core.stage import Stage, prepare_tokenizer
 from llmtune.core.trainer import (
     CoreTrainer,
     build_training_args,
-    check_precision,
     early_stopping,
 )
 from llmtune.models import (
@@ -35,23 +34,12 @@ from llmtune.models import (
     count_parameters,
     inherit_from_run,
     load_model_with_chain,
-    load_tokenizer,
     resolve_model_source,
 )
 from llmtune.models.checks import model_fit_problems, position_problems
 from llmtune.utils import get_logger, is_main_process, setup_logging, write_json
 
 log = get_logger("runner")
-
-
-def prepare_tokenizer(recipe: Recipe):
-    """Tokenizer of the recipe's model with the recipe's chat template applied."""
-    from llmtune.data import apply_chat_template_config
-
-    tokenizer = load_tokenizer(recipe.model)
-    if recipe.data.chat_template is not None:  # else the tokenizer's own (build_sft_data checks chat rows need one)
-        apply_chat_template_config(recipe.data, tokenizer)
-    return tokenizer
 
 
 def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:

@@ -182,3 +182,20 @@ def with_pair_length(rows):
         return rows
     lengths = [max(len(c), len(r)) for c, r in zip(rows["chosen_input_ids"], rows["rejected_input_ids"])]
     return rows.add_column("length", lengths)
+
+
+def prepare_tokenizer(recipe: Recipe):
+    """Tokenizer of the recipe's model with the recipe's chat template applied (the data of every stage and
+    ``llmtune validate`` are tokenized with it).
+
+    Raises:
+        ModelLoadError: the tokenizer cannot be found or loaded.
+        RecipeError: a bad ``data.chat_template``.
+    """
+    from llmtune.data import apply_chat_template_config
+    from llmtune.models.load import load_tokenizer
+
+    tokenizer = load_tokenizer(recipe.model)
+    if recipe.data.chat_template is not None:  # else the tokenizer's own (build_sft_data checks chat rows need one)
+        apply_chat_template_config(recipe.data, tokenizer)
+    return tokenizer

@@ -17,7 +17,6 @@ samples per rank per forward; accumulation = global / (micro * world_size).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import resource
 import time
@@ -30,49 +29,12 @@ import torch
 from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
-from llmtune.config import Recipe, RecipeError
+from llmtune.config import Recipe
+from llmtune.core.distributed import batch_layout
 from llmtune.core.guard import NonFiniteGuard
 from llmtune.core.recompute import recompute_cheap_activations
 from llmtune.core.schedule import SCHEDULERS, apply_schedule_lr, build_scheduler
 from llmtune.core.stage import Stage
-
-
-def world_size() -> int:
-    """Number of processes from the launcher's environment (1 when not distributed)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def accumulation_steps(recipe: Recipe, world: int | None = None) -> int:
-    """Micro-batches per optimizer step per rank: global_batch_size / (micro_batch_size * world_size).
-
-    Raises:
-        RecipeError: the global batch is not a multiple of micro batch x world size.
-    """
-    world = world or world_size()
-    per_step = recipe.train.micro_batch_size * world
-    if recipe.train.global_batch_size % per_step:
-        raise RecipeError(
-            [("train.global_batch_size", f"{recipe.train.global_batch_size} is not a multiple of micro_batch_size "
-              f"({recipe.train.micro_batch_size}) x world size ({world}) = {per_step}")]
-        )
-    return recipe.train.global_batch_size // per_step
-
-
-def check_precision(recipe: Recipe) -> None:
-    """Refuse precision settings this machine cannot run, before any weights are loaded.
-
-    Raises:
-        RecipeError: fp16 without a CUDA device (fp16 mixed precision needs GPU loss scaling). tf32 is
-            simply ignored without CUDA.
-    """
-    if torch.cuda.is_available():
-        return
-    problems = []
-    if recipe.precision.fp16:
-        problems.append(("precision.fp16", "fp16 mixed precision needs a CUDA GPU; on CPU use precision.bf16: true "
-                         "or fp32 (both off)"))
-    if problems:
-        raise RecipeError(problems)
 
 
 def build_training_args(recipe: Recipe, run_dir: Path, has_eval: bool,
@@ -101,7 +63,7 @@ def build_training_args(recipe: Recipe, run_dir: Path, has_eval: bool,
         output_dir=str(run_dir / "checkpoints"),
         per_device_train_batch_size=t.micro_batch_size,
         per_device_eval_batch_size=t.eval_batch_size or t.micro_batch_size,
-        gradient_accumulation_steps=accumulation_steps(recipe),
+        gradient_accumulation_steps=batch_layout(recipe)["accumulation_steps"],
         num_train_epochs=t.num_epochs,
         max_steps=t.max_steps or -1,
         learning_rate=t.learning_rate,
@@ -460,11 +422,3 @@ def early_stopping(recipe: Recipe) -> list[Any]:
     """HF's early-stopping callback when the recipe asks for it (monitors eval_loss)."""
     patience = recipe.train.early_stopping_patience
     return [EarlyStoppingCallback(early_stopping_patience=patience)] if patience else []
-
-
-def perplexity(loss: float) -> float:
-    """exp(loss), ``inf`` when it overflows."""
-    try:
-        return math.exp(loss)
-    except OverflowError:
-        return float("inf")

@@ -33,9 +33,7 @@ directory removed at exit).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import contextvars
 import dataclasses
 import hashlib
 import json
@@ -53,6 +51,8 @@ from typing import Any, Callable, TypeVar
 
 from llmtune.config.schema import DataConfig
 from llmtune.data.errors import DataError
+from llmtune.data.spill import spilling
+from llmtune.data.workdir import STALE_STAGING_S, building_into, data_dir, owner_dead
 from llmtune.utils import content_sha256
 
 T = TypeVar("T")
@@ -60,46 +60,16 @@ T = TypeVar("T")
 CACHE_FORMAT = 1
 META = "meta.pkl"
 STAGING_PREFIX = ".staging-"
-TEMP_PREFIX = "llmtune-data-"  # + <host>-<pid>-<random>: this process's temporary data directory (cache off)
-STALE_STAGING_S = 6 * 3600  # a staging directory older than this belongs to a build that died
 ARROW_CHUNK_ROWS = 1000  # rows per Arrow record batch written by to_dataset
 _NOT_IN_KEY = {"num_proc", "cache", "cache_dir"}
-
-_output_dir: contextvars.ContextVar[Path | None] = contextvars.ContextVar("llmtune_data_output_dir", default=None)
-_temp_root: Path | None = None
 
 
 # ---------------------------------------------------------------------------------------------------- Arrow output
 
 
-def data_dir(*, scratch: bool = False) -> Path:
-    """Where a build writes its files: the cache entry being built, or (no entry being built, or ``scratch``: an
-    intermediate file) this process's temporary directory ``$TMPDIR/llmtune-data-<host>-<pid>-*``, removed at exit
-    (and by a later process when this one was killed)."""
-    global _temp_root
-    root = None if scratch else _output_dir.get()
-    if root is None:
-        if _temp_root is None:
-            _remove_dead_temp_dirs()
-            _temp_root = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{socket.gethostname()}-{os.getpid()}-"))
-            atexit.register(shutil.rmtree, _temp_root, True)
-        root = _temp_root
-    return root
-
-
 def arrow_path(stem: str = "split", *, scratch: bool = False) -> Path:
     """A new file path for a dataset written by :func:`write_dataset`, in :func:`data_dir`."""
     return data_dir(scratch=scratch) / f"{stem}-{uuid.uuid4().hex[:8]}.arrow"
-
-
-def _remove_dead_temp_dirs() -> None:
-    """Remove the temporary data directories (``$TMPDIR/llmtune-data-<host>-<pid>-*``: datasets and row files of
-    builds with the cache off) of processes on this host that are gone, e.g. after a ``kill -9``."""
-    now = time.time()
-    with contextlib.suppress(OSError):
-        for path in Path(tempfile.gettempdir()).glob(f"{TEMP_PREFIX}*"):
-            if path.is_dir() and _owner_dead(path.name[len(TEMP_PREFIX):], path, now, stale_s=None):
-                shutil.rmtree(path, ignore_errors=True)
 
 
 def write_dataset(batches: Iterable[dict[str, list]], features):
@@ -300,7 +270,6 @@ def cached_build(kind: str, cfg: DataConfig, tokenizer, base_dir: str | Path, bu
 def _spilled(build: Callable[[], T]) -> Callable[[], T]:
     """``build`` run with its own row-file directory (:func:`~llmtune.data.spill.spilling`; in the staging entry when
     the cache is on), removed when it returns or raises."""
-    from llmtune.data.spill import spilling
 
     def run() -> T:
         with spilling():
@@ -323,12 +292,9 @@ def _build_entry(kind: str, root: Path, key: str, tokenizer, build: Callable[[],
         raise DataError(f"cannot create the data cache directory {root}: {exc.strerror or exc}. Set data.cache_dir or "
                         "$LLMTUNE_DATA_CACHE to a writable directory, or data.cache: false.") from None
     try:
-        token = _output_dir.set(staging)
-        try:
+        with building_into(staging):
             data = build()
             _store(staging, data, tokenizer)
-        finally:
-            _output_dir.reset(token)
         try:
             os.rename(staging, entry)
         except OSError:  # another rank or process stored the same entry first: use that one
@@ -406,21 +372,7 @@ def _dead_build(path: Path, now: float) -> bool:
     """A staging directory whose build is gone: its process (on this host) no longer exists, or it is older than
     ``STALE_STAGING_S`` (a build on another host of a shared file system)."""
     _, _, rest = path.name[len(STAGING_PREFIX):].partition("-")  # <key>-<host>-<pid>-<random, no dash>
-    return _owner_dead(rest, path, now)
-
-
-def _owner_dead(rest: str, path: Path, now: float, stale_s: float | None = STALE_STAGING_S) -> bool:
-    """For a directory named ``...<host>-<pid>-<random, no dash>`` (``rest``): its process, on this host, is gone;
-    or (``stale_s``) it is older than that (another host's)."""
-    host, _, pid = rest.rpartition("-")[0].rpartition("-")
-    if host == socket.gethostname() and pid.isdigit():
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            return True
-        except OSError:  # exists, owned by someone else
-            pass
-    return stale_s is not None and now - path.stat().st_mtime > stale_s
+    return owner_dead(rest, path, now)
 
 
 def _cleanup(root: Path) -> None:

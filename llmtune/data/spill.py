@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from llmtune.data.errors import DataError
+from llmtune.data.workdir import data_dir
 
 READ_CHUNK_ROWS = 1024  # at most this many records decoded per read ...
 READ_CHUNK_BYTES = 1 << 18  # ... and about this many bytes of pickles (token ids unpickle to ~12x their bytes)
@@ -209,8 +210,6 @@ def current_spill_dir() -> Path:
     current = _current.get()
     if current is not None:
         return current[0]
-    from llmtune.data.cache import data_dir
-
     path = data_dir(scratch=True) / ".spill-unscoped"
     path.mkdir(exist_ok=True)
     return path
@@ -238,8 +237,6 @@ def spill_dir() -> Iterator[Path]:
     Inside the cache entry being built when there is one (a killed build's files go with its staging directory),
     else under this process's temporary data directory.
     """
-    from llmtune.data.cache import data_dir
-
     parent = data_dir()
     try:
         path = Path(tempfile.mkdtemp(prefix=".spill-", dir=parent))

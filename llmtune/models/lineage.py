@@ -180,7 +180,7 @@ def merge_adapter(model: PreTrainedModel, adapter_dir: str | Path) -> PreTrained
     """
     from peft import PeftConfig, PeftModel
 
-    from llmtune.models.checks import check_weight_files
+    from llmtune.models.weight_files import check_weight_files
 
     check_weight_files(adapter_dir)  # a truncated/corrupt adapter file is named
     fit_vocab_to_adapter(model, adapter_dir)

@@ -31,7 +31,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
-from llmtune.errors import LlmtuneError
+
+from llmtune.models.errors import ModelLoadError
+from llmtune.models.weight_files import check_weight_files, pickle_checkpoint_message
 
 if TYPE_CHECKING:  # heavy imports stay lazy: the CLI imports this module for --help and validation
     import torch
@@ -51,10 +53,6 @@ CONVERSION_MARKER = "llmtune_conversion.json"
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "tokenizer*"]
 
 _TRUE = {"1", "on", "yes", "true"}
-
-
-class ModelLoadError(LlmtuneError, RuntimeError):
-    """A base model, tokenizer or adapter could not be found, converted or loaded; the message says how to fix it."""
 
 
 @dataclass(frozen=True)
@@ -762,8 +760,6 @@ def load_model(
     auto_class = AutoModelForCausalLM
     if head == "score":
         auto_class, kwargs["num_labels"] = AutoModelForSequenceClassification, 1
-    from llmtune.models.checks import check_weight_files, pickle_checkpoint_message
-
     check_weight_files(source.path, source.original, model_dir=True)  # no weights / corrupt: before transformers
     start = time.perf_counter()
     try:

@@ -12,10 +12,9 @@ import torch
 
 from llmtune.core.fused import fuse_swiglu, recompute_norm_outputs
 from llmtune.core.lm_head import masked_token_logps, rows_of
-from llmtune.core.ops import count_trained_tokens
+from llmtune.core.ops import count_trained_tokens, perplexity
 from llmtune.core.padding_free import PaddingFreeCollator, use_varlen_attention
 from llmtune.core.stage import Stage, StageData
-from llmtune.core.trainer import perplexity
 
 
 class SFTStage(Stage):

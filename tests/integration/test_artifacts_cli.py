@@ -12,8 +12,8 @@ import yaml
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from llmtune.cli import main
-from llmtune.export import load_adapter_model, load_run_recipe, sample_inputs
+from llmtune.commands.cli import main
+from llmtune.export.merge import load_adapter_model, load_run_recipe, sample_inputs
 from llmtune.models.tiny import save_tiny_model
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmtune.cli import main
+from llmtune.commands.cli import main
 from llmtune.core import checkpoint as ck
 from llmtune.core.callbacks import read_metrics
 from llmtune.models.tiny import save_tiny_model

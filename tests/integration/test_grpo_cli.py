@@ -13,7 +13,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from llmtune.cli import main
+from llmtune.commands.cli import main
 from llmtune.utils import read_jsonl
 from tests.integration.flops_expect import PEAK, check_mfu
 from tests.integration.plots_expect import summary_of

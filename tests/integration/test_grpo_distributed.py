@@ -17,7 +17,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from llmtune.cli import main
+from llmtune.commands.cli import main
 from llmtune.models.tiny import save_tiny_model
 from llmtune.utils import read_jsonl
 

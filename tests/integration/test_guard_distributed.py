@@ -40,7 +40,7 @@ def attach(model, *a, **k):
     return model
 
 runner.attach_adapter = attach
-from llmtune.cli import main
+from llmtune.commands.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

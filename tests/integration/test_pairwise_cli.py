@@ -12,7 +12,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from llmtune.cli import main
+from llmtune.commands.cli import main
 from llmtune.models.tiny import save_tiny_model
 from llmtune.utils import read_jsonl
 from tests.integration.flops_expect import PEAK, check_mfu
@@ -135,7 +135,7 @@ def test_dpo_metrics_and_reference_is_the_sft_model(workspace):
 def test_dpo_reference_logps_are_the_sft_merged_models(workspace):
     """eval_logps/chosen at step 0 (policy == reference) equals the SFT-merged model's, not the raw base's."""
     from llmtune.config import PrecisionConfig, load_recipe
-    from llmtune.core.runner import prepare_tokenizer
+    from llmtune.core.stage import prepare_tokenizer
     from llmtune.models import load_model, load_model_with_chain
     from llmtune.stages import DPOStage
 
@@ -207,7 +207,7 @@ def test_exported_rm_scores_like_llmtune_in_plain_transformers_and_in_ppo(worksp
     text and by token ids of a generated reply). All agree, also for ids that end in EOS."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from llmtune.export import padded_batch
+    from llmtune.export.merge import padded_batch
     from llmtune.models import sequence_scores
     from llmtune.models.reward import RewardModel
 

@@ -9,12 +9,12 @@ import shutil
 import pytest
 import yaml
 
-from llmtune.cli import main
+from llmtune.commands.cli import main
 from llmtune.config import DataConfig
 from llmtune.data import build_preference_data
 from llmtune.models.tiny import save_tiny_model
-from llmtune.pairs import RewardModelScorer, build_pairs, read_samples
-from llmtune.pipeline import load_pipeline
+from llmtune.pipeline.pairs import RewardModelScorer, build_pairs, read_samples
+from llmtune.pipeline.spec import load_pipeline
 from llmtune.utils import read_jsonl
 
 pytestmark = pytest.mark.slow

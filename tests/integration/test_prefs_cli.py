@@ -7,7 +7,7 @@ import math
 import pytest
 import yaml
 
-from llmtune.cli import main
+from llmtune.commands.cli import main
 from llmtune.models.tiny import save_tiny_model
 from llmtune.utils import read_jsonl
 from tests.integration.plots_expect import summary_of

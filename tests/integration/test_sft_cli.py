@@ -8,7 +8,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from llmtune.cli import main
+from llmtune.commands.cli import main
 from llmtune.models.tiny import save_tiny_model
 from llmtune.utils import read_jsonl
 from tests.integration.flops_expect import PEAK, check_mfu

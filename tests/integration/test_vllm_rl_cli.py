@@ -20,7 +20,7 @@ import time
 import pytest
 import yaml
 
-from llmtune.cli import main
+from llmtune.commands.cli import main
 from llmtune.rl.vllm_engine import VLLMClient, vllm_python
 from llmtune.utils import read_jsonl
 from tests.integration.rl_workspace import COMMON, rl_workspace, write_recipe

@@ -21,7 +21,7 @@ import pytest
 import torch
 import yaml
 
-from llmtune.cli import main
+from llmtune.commands.cli import main
 from llmtune.models.tiny import save_tiny_model
 from llmtune.utils import read_jsonl
 
@@ -226,7 +226,7 @@ def test_dpo_zero2_simulated_two_nodes(ws):
     run = ws / "dpo_2n"
     port = free_port()
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "llmtune.cli", "dpo", str(ws / "dpo.yaml"), f"output.dir={run}",
+        [sys.executable, "-m", "llmtune.commands.cli", "dpo", str(ws / "dpo.yaml"), f"output.dir={run}",
          "distributed.zero_stage=2", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(rank),
          "--master-addr", "127.0.0.1", "--master-port", str(port)],
         cwd=ws, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

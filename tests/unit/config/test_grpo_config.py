@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from llmtune.config import RecipeError, load_recipe
-from llmtune.pipeline import load_pipeline
+from llmtune.pipeline.spec import load_pipeline
 
 REWARD = {"function": "llmtune.rewards:gsm8k_reward"}
 

@@ -5,13 +5,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmtune.cli import main
+from llmtune.commands.cli import main
 from llmtune.config import load_recipe
 from llmtune.config.load import read_yaml
 from llmtune.models.tiny import save_tiny_model
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
-# Stage recipes; pipeline recipes (a `pipeline:` section) are checked by tests/unit/test_pipeline.py.
+# Stage recipes; pipeline recipes (a `pipeline:` section) are checked by tests/unit/pipeline/test_pipeline.py.
 RECIPES = sorted(p for p in (Path(__file__).resolve().parents[3] / "recipes").rglob("*.yaml")
                  if "pipeline" not in read_yaml(p))
 

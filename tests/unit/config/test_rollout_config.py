@@ -2,7 +2,7 @@
 
 import pytest
 
-from llmtune.cli import options_help
+from llmtune.commands.cli import options_help
 from llmtune.config import RecipeError, load_recipe
 from llmtune.config.schema import Recipe
 from llmtune.rl import generation

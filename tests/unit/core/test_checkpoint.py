@@ -216,7 +216,7 @@ def test_ppo_waits_for_the_end_of_an_iteration_and_setup_signals_raise():
 
 
 def test_relaunch_reports_rank_0s_exit_code_not_torchruns(tmp_path, monkeypatch):
-    from llmtune import launch
+    from llmtune.core import launch
 
     report = tmp_path / "code.txt"
     report.write_text("")

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmtune import launch
-from llmtune.cli import build_parser
+from llmtune.core import launch
+from llmtune.commands.cli import build_parser
 from llmtune.config import RecipeError, load_recipe
 from llmtune.core.distributed import (
     assert_gathered,
@@ -110,7 +110,7 @@ def test_torchrun_command_single_node():
     r = recipe(distributed={"nproc_per_node": 4})
     cmd = launch.torchrun_command("sft", "r.yaml", ["train.max_steps=2"], r.distributed)
     assert cmd == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                   "-m", "llmtune.cli", "sft", "r.yaml", "train.max_steps=2", "distributed.nproc_per_node=4",
+                   "-m", "llmtune.commands.cli", "sft", "r.yaml", "train.max_steps=2", "distributed.nproc_per_node=4",
                    "distributed.nnodes=1"]
 
 
@@ -202,7 +202,7 @@ def fake_partition(model: torch.nn.Module, name: str) -> None:
 
 
 def test_assert_gathered_refuses_partitions_and_export_refuses_to_merge():
-    from llmtune.export import ExportError, refuse_partitioned_merge
+    from llmtune.export.merge import ExportError, refuse_partitioned_merge
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     assert_gathered(model)

@@ -156,7 +156,7 @@ def hooked_attach(monkeypatch, hook):
 
 
 def test_cli_nan_steps_exit_3_without_lineage(cli_workspace, monkeypatch, capsys):
-    from llmtune.cli import main
+    from llmtune.commands.cli import main
 
     count = {"n": 0}
 
@@ -177,7 +177,7 @@ def test_cli_nan_steps_exit_3_without_lineage(cli_workspace, monkeypatch, capsys
 
 
 def test_cli_out_of_memory_exits_4_with_figures_and_advice(cli_workspace, monkeypatch, capsys):
-    from llmtune.cli import main
+    from llmtune.commands.cli import main
 
     def hook(module, args, output):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -216,7 +216,7 @@ def test_fp16_loss_scale_overflows_are_left_to_the_scaler_not_counted(tmp_path):
 def test_cli_ppo_skips_a_nonfinite_optimizer_step(cli_workspace, monkeypatch):
     """PPO's optimizer steps run in the same trainer loop: NaN in one training forward (not in the rollouts, which
     run in eval mode) skips that step; the record lists the step's prompt rows; the run finishes."""
-    from llmtune.cli import main
+    from llmtune.commands.cli import main
 
     prompts = [{"prompt": f"What is {i} + 1?", "completion": f"{i + 1}"} for i in range(12)]
     (cli_workspace / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
@@ -250,7 +250,7 @@ def test_cli_ppo_skips_a_nonfinite_optimizer_step(cli_workspace, monkeypatch):
 def test_export_names_nonfinite_adapter_weights(cli_workspace, capsys):
     from safetensors.torch import load_file, save_file
 
-    from llmtune.cli import main
+    from llmtune.commands.cli import main
 
     run = cli_workspace / "run_export"
     assert main(["sft", str(cli_workspace / "recipe.yaml"), f"output.dir={run}", "train.max_steps=1"]) == 0

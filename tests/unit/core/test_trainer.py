@@ -5,7 +5,8 @@ import torch
 from datasets import Dataset
 
 from llmtune.config import RecipeError, load_recipe
-from llmtune.core.trainer import CoreTrainer, build_training_args, check_precision
+from llmtune.core.guard import check_precision
+from llmtune.core.trainer import CoreTrainer, build_training_args
 from llmtune.data import SFTCollator
 from llmtune.models.tiny import make_tiny_llama, make_tiny_tokenizer
 from llmtune.stages import SFTStage

@@ -291,9 +291,10 @@ def test_temporary_data_dirs_of_killed_processes_are_removed(tmp_path, monkeypat
     import tempfile
 
     import llmtune.data.cache as cache
+    import llmtune.data.workdir as workdir
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setattr(cache, "_temp_root", None)
+    monkeypatch.setattr(workdir, "_temp_root", None)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     host = socket.gethostname()
     gone = tmp_path / f"llmtune-data-{host}-{int(dead.stdout)}-abc_1234"  # a `kill -9`ed build's leftovers

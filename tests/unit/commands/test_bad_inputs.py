@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmtune.cli import main
+from llmtune.commands.cli import main
 from llmtune.models.tiny import save_tiny_model
 
 ROWS = [{"messages": [{"role": "user", "content": f"What is {i} + 2?"},
@@ -305,7 +305,7 @@ def test_each_weight_file_transformers_loads_is_accepted(tmp_path):
     from safetensors.torch import load_file
 
     from llmtune.models import ModelLoadError
-    from llmtune.models.checks import check_weight_files
+    from llmtune.models.weight_files import check_weight_files
 
     model = save_tiny_model(tmp_path / "m")
     check_weight_files(model, model_dir=True)

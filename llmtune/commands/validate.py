@@ -25,17 +25,20 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
     console = make_console(stderr=False, highlight=False)
     doc = read_yaml(recipe_path)
     if "pipeline" in doc:  # a pipeline recipe: its dry run validates every step
-        from llmtune.pipeline import pipeline_command
+        from llmtune.pipeline.run import pipeline_command
 
         return pipeline_command(recipe_path, overrides, dry_run=True)
     declared = doc.get("stage")
     stage_name = stage or declared or "sft"
     # the recipe first, with the config package only: a recipe error costs no torch/transformers/peft import
     recipe = load_recipe(recipe_path, overrides, stage=stage_name)
+    # then only what a dry run needs: the one stage's module (imported by the lazy registry), the tokenizer and the
+    # data layer; never the trainer (transformers.Trainer, peft, bitsandbytes), trl, deepspeed or matplotlib
+    from llmtune.core.distributed import batch_layout
+    from llmtune.core.guard import check_precision
     from llmtune.core.rundir import RunDir
-    from llmtune.core.runner import prepare_tokenizer
-    from llmtune.core.trainer import accumulation_steps, check_precision, world_size
-    from llmtune.models import resolve_model_source
+    from llmtune.core.stage import prepare_tokenizer
+    from llmtune.models.load import resolve_model_source
     from llmtune.stages import STAGES
 
     if stage_name not in STAGES:
@@ -56,7 +59,7 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
 
         engine, reason = select_engine(recipe)
         console.print(f"rollout engine: {engine} ({reason})")
-    from llmtune.models.checks import check_weight_files
+    from llmtune.models.weight_files import check_weight_files
 
     check_weight_files(source.path, source.original, model_dir=True)  # no weights; truncated / corrupt safetensors
     tokenizer = prepare_tokenizer(recipe)
@@ -75,12 +78,13 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
     from llmtune.config.validate import data_size_problems
 
     late += data_size_problems(recipe, n_train)
-    accum = accumulation_steps(recipe)
+    layout = batch_layout(recipe)
     steps_per_epoch = math.ceil(n_train / recipe.train.global_batch_size)
     steps = recipe.train.max_steps or math.ceil(steps_per_epoch * recipe.train.num_epochs)
     console.print(
         f"batch: {recipe.train.global_batch_size} samples/optimizer step = {recipe.train.micro_batch_size} micro x "
-        f"{accum} accumulation x {world_size()} ranks; {n_train} training rows -> {steps} optimizer steps"
+        f"{layout['accumulation_steps']} accumulation x {layout['world_size']} ranks; {n_train} training rows -> "
+        f"{steps} optimizer steps"
         + (f"; {len(data.eval)} eval rows" if data.eval is not None else "")
     )
     if not 0 <= example < n_train:

@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from llmtune.cli import main, options_help, stage_names, type_name
+from llmtune.commands.cli import main, options_help, stage_names, type_name
 
 
 def test_help_imports_neither_transformers_nor_bitsandbytes():
-    code = ("import sys\nfrom llmtune.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+    code = ("import sys\nfrom llmtune.commands.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
             "try:\n    main(['sft', '--help'])\nexcept SystemExit:\n    pass\n"
             "print(sorted(m for m in ('torch', 'transformers', 'bitsandbytes', 'llmtune.stages') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -24,7 +24,7 @@ def test_a_recipe_error_imports_no_torch(tmp_path, command):
     """A recipe error is reported from the config package alone (was ~5 s of torch/transformers/peft imports)."""
     recipe = tmp_path / "r.yaml"
     recipe.write_text("stage: sft\ntrain: {lerning_rate: 0.1}\n")
-    code = (f"import sys\nfrom llmtune.cli import main\nrc = main([{command!r}, {str(recipe)!r}])\n"
+    code = (f"import sys\nfrom llmtune.commands.cli import main\nrc = main([{command!r}, {str(recipe)!r}])\n"
             "print(rc, sorted(m for m in ('torch', 'transformers', 'peft', 'llmtune.stages') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip().splitlines()[-1] == "1 []", out.stderr
@@ -89,8 +89,8 @@ def test_rich_tables_are_not_cut_at_80_columns_in_a_file(tmp_path):
 
 @pytest.mark.parametrize(("command", "promise"), [("validate", False), ("sft", True)])
 def test_ctrl_c_speaks_of_checkpoints_only_for_commands_that_write_them(command, promise, monkeypatch, capsys):
-    import llmtune.cli as cli
-    import llmtune.validate as validate
+    import llmtune.commands.cli as cli
+    import llmtune.commands.validate as validate
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

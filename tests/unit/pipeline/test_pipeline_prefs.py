@@ -7,9 +7,10 @@ from pathlib import Path
 import yaml
 
 from llmtune.config import dump_recipe
-from llmtune.pipeline import load_pipeline, plan_stage
+from llmtune.pipeline.spec import load_pipeline
+from llmtune.pipeline.run import plan_stage
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_preference_stages_as_pipeline_steps(tmp_path):

@@ -265,7 +265,7 @@ def load_adapter_model(run_dir: Path, recipe: Recipe, lineage: dict | None = Non
         lineage = json.loads((run_dir / rd.LINEAGE).read_text())
     head = lineage.get("model_head", "causal_lm")
     adapter_dir = run_dir / rd.ADAPTER
-    from llmtune.models.checks import check_weight_files
+    from llmtune.models.weight_files import check_weight_files
 
     check_weight_files(adapter_dir)  # a truncated/corrupt adapter file is named
     tokenizer = AutoTokenizer.from_pretrained(adapter_dir)

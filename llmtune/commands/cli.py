@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         "train.max_steps=20\n  llmtune export runs/quickstart_sft\n\n`llmtune sft --help` lists every recipe option.",
     )
     parser.add_argument("--version", action="version", version=f"llmtune {__version__}")
-    from llmtune.launch import add_local_rank_arg
+    from llmtune.core.launch import add_local_rank_arg
 
     add_local_rank_arg(parser)  # `deepspeed --module llmtune ...` passes --local_rank=I first
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         _recipe_args(p)
-        from llmtune.launch import add_launch_args
+        from llmtune.core.launch import add_launch_args
 
         add_launch_args(p)
     v = sub.add_parser(
@@ -151,7 +151,7 @@ def _stage_summary(name: str) -> str:
     (``llmtune/stages/<name>.py`` or ``<name>/__init__.py``) without importing the stage (and the trainer)."""
     import ast
 
-    root = Path(__file__).parent / "stages"
+    root = Path(__file__).resolve().parent.parent / "stages"
     for path in (root / f"{name}.py", root / name / "__init__.py"):
         if path.is_file():
             doc = ast.get_docstring(ast.parse(path.read_text())) or ""
@@ -173,31 +173,31 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "validate":
-            from llmtune.validate import validate_command
+            from llmtune.commands.validate import validate_command
 
             return validate_command(args.recipe, args.overrides, stage=args.stage, example=args.example)
         if args.command == "export" and args.adapter:
-            from llmtune.export_adapter import export_adapter
+            from llmtune.export.adapter import export_adapter
 
             return 0 if export_adapter(args.run_dir, out_dir=args.out)["passed"] else 1
         if args.command == "export":
-            from llmtune.export import export_run
+            from llmtune.export.merge import export_run
 
             report = export_run(args.run_dir, dtype=args.dtype, out_dir=args.out, max_shard_size=args.max_shard_size)
             return 0 if report["passed"] else 1
         if args.command == "pipeline":
-            from llmtune.pipeline import pipeline_command
+            from llmtune.pipeline.run import pipeline_command
 
             return pipeline_command(args.recipe, args.overrides, dry_run=args.dry_run)
         if args.command == "chat":
-            from llmtune.chat import chat_command
+            from llmtune.commands.chat import chat_command
 
             return chat_command(args.model, args.prompt, args.max_new_tokens, args.system)
         if args.command == "rollout-server":
             from llmtune.rl.vllm_serve import rollout_server_command
 
             return rollout_server_command(args.recipe, args.overrides, args.host, args.port, args.print_only)
-        from llmtune.launch import launch_overrides
+        from llmtune.core.launch import launch_overrides
 
         return run_stage_command(args.command, args.recipe, args.overrides, launch=launch_overrides(args))
     except KeyboardInterrupt:
@@ -236,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_stage_command(command: str, recipe_path: str, overrides: list[str], launch: list[str] = ()) -> int:
     """Train one stage; ``launch`` = the launch flags as ``distributed.*`` overrides. Re-runs itself through torchrun
-    when more processes or DeepSpeed are asked for and no launcher started it (:mod:`llmtune.launch`)."""
-    from llmtune import launch as launcher
+    when more processes or DeepSpeed are asked for and no launcher started it (:mod:`llmtune.core.launch`)."""
+    from llmtune.core import launch as launcher
     from llmtune.config import load_recipe
     from llmtune.utils import is_main_process
 
@@ -276,6 +276,6 @@ def print_summary(command: str, summary: dict) -> None:
 
 
 if __name__ == "__main__":
-    from llmtune.launch import exit_process
+    from llmtune.core.launch import exit_process
 
     exit_process(main())

@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
-from llmtune.chat import ChatError, generate_reply, load_for_chat
-from llmtune.cli import main
-from llmtune.export import export_run, load_adapter_model, load_run_recipe
+from llmtune.commands.chat import ChatError, generate_reply, load_for_chat
+from llmtune.commands.cli import main
+from llmtune.export.merge import export_run, load_adapter_model, load_run_recipe
 from llmtune.models.tiny import CHATML_TEMPLATE, make_tiny_llama, make_tiny_tokenizer, save_tiny_model
 from test_export import lora, write_run
 

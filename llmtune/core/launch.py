@@ -2,7 +2,7 @@
 
 llmtune starts no worker processes of its own: a stage command that asks for more than one process re-runs itself
 through ``torchrun`` (``python -m torch.distributed.run``), which starts one worker per GPU running
-``python -m llmtune.cli <stage> RECIPE ...`` with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_ADDR``/
+``python -m llmtune.commands.cli <stage> RECIPE ...`` with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_ADDR``/
 ``MASTER_PORT`` set. A command that already runs under a launcher (torchrun, ``accelerate launch``, the ``deepspeed``
 launcher, or ``srun`` with one task per GPU, see :func:`slurm_rank_env`) trains directly.
 
@@ -129,7 +129,7 @@ def torchrun_command(command: str, recipe_path: str, overrides: list[str], dist:
         dist: the resolved ``distributed:`` section (launch flags applied).
 
     Returns:
-        ``[python, -m, torch.distributed.run, <rendezvous>, --nproc-per-node, N, -m, llmtune.cli, command, recipe,
+        ``[python, -m, torch.distributed.run, <rendezvous>, --nproc-per-node, N, -m, llmtune.commands.cli, command, recipe,
         *overrides, distributed.nproc_per_node=N, distributed.nnodes=M]``.
     """
     nproc = dist.nproc_per_node or 1
@@ -140,7 +140,7 @@ def torchrun_command(command: str, recipe_path: str, overrides: list[str], dist:
         rendezvous = ["--standalone"]
     shape = [f"distributed.{key}={value}" for key, value in (("nproc_per_node", nproc), ("nnodes", dist.nnodes))]
     return [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node", str(nproc),
-            "-m", "llmtune.cli", command, recipe_path, *overrides, *shape]
+            "-m", "llmtune.commands.cli", command, recipe_path, *overrides, *shape]
 
 
 def finish(code: int = 0) -> NoReturn:

@@ -10,10 +10,11 @@ import pytest
 import yaml
 
 from llmtune.config import RecipeError, dump_recipe
-from llmtune.pairs import choose_pair
-from llmtune.pipeline import PipelineError, load_pipeline, plan_stage
+from llmtune.pipeline.pairs import choose_pair
+from llmtune.pipeline.spec import PipelineError, load_pipeline
+from llmtune.pipeline.run import plan_stage
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 QUICKSTART = ROOT / "recipes" / "quickstart_pipeline.yaml"
 HH = "shared/data/hh-rlhf-harmless-base-1800.jsonl.gz"
 
@@ -226,7 +227,7 @@ def test_a_rerun_keeps_the_numbers_of_the_runs_that_did_the_work(one_step, monke
 
     from rich.console import Console
 
-    from llmtune import pipeline as pl
+    from llmtune.pipeline import run as pl
 
     _path, pipe = one_step
     pipe.export.enabled = False
@@ -297,7 +298,7 @@ def test_choose_pair_min_gap():
 
 
 def test_cli_help_dry_run_and_errors(tmp_path, capsys):
-    from llmtune.cli import main
+    from llmtune.commands.cli import main
 
     with pytest.raises(SystemExit) as info:
         main(["pipeline", "--help"])

@@ -1,7 +1,7 @@
 """``llmtune chat``: talk to a run's result, formatting prompts with the chat template it was trained with.
 
 Accepts a merged model directory or a run directory (its ``merged/`` model when exported, else base + adapter
-as :func:`llmtune.export.load_adapter_model` builds it), and stops generation at the chat template's end of turn
+as :func:`llmtune.export.merge.load_adapter_model` builds it), and stops generation at the chat template's end of turn
 (:func:`llmtune.data.templates.template_eos_ids`) as well as the tokenizer's EOS. Reward models (``model_head: score``)
 output one score, not text: chatting with them is refused with an explanation.
 """
@@ -48,7 +48,7 @@ def load_for_chat(path: str | Path):
         if (path / "merged" / "config.json").is_file():
             path = path / "merged"
         else:
-            from llmtune.export import load_adapter_model, load_run_recipe
+            from llmtune.export.merge import load_adapter_model, load_run_recipe
 
             model, tokenizer, _ = load_adapter_model(path, load_run_recipe(path))
             return model.eval(), tokenizer
@@ -57,7 +57,7 @@ def load_for_chat(path: str | Path):
     architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
     if any(a.endswith("ForSequenceClassification") for a in architectures):
         _refuse_score_model(path, f"config.json architectures {architectures}")
-    from llmtune.models.checks import check_weight_files
+    from llmtune.models.weight_files import check_weight_files
 
     check_weight_files(path)  # truncated / corrupt safetensors are named
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)

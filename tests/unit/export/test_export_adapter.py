@@ -9,10 +9,10 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from llmtune.cli import main
+from llmtune.commands.cli import main
 from llmtune.config import dump_recipe, load_recipe
-from llmtune.export import ExportError
-from llmtune.export_adapter import concatenate_chain, export_adapter
+from llmtune.export.merge import ExportError
+from llmtune.export.adapter import concatenate_chain, export_adapter
 from llmtune.models.tiny import save_tiny_model
 
 IDS = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 1, 64, 12]])

@@ -11,9 +11,9 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from llmtune.cli import main
+from llmtune.commands.cli import main
 from llmtune.config import dump_recipe, load_recipe
-from llmtune.export import (
+from llmtune.export.merge import (
     ExportError,
     compare_generations,
     dequantize_to_fp32,
@@ -322,7 +322,7 @@ def test_ppo_run_merges_only_the_policy_adapter(bases, tmp_path):
 # ---- verification fails when the merge is wrong --------------------------------------------------------------
 
 def test_wrong_merge_fails_verification_and_the_command_exits_1(chain, tmp_path, monkeypatch):
-    import llmtune.export as export
+    import llmtune.export.merge as export
 
     monkeypatch.setattr(export, "merge_in_fp32", lambda model, adapter_dir: model.unload())  # adapter dropped
     assert main(["export", str(chain["run"]), "--out", str(tmp_path / "bad")]) == 1

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from llmtune.core import rundir as rd
-from llmtune.export import TOLERANCE, ExportError, auto_class, load_adapter_model, load_run_recipe, sample_inputs
+from llmtune.export.merge import TOLERANCE, ExportError, auto_class, load_adapter_model, load_run_recipe, sample_inputs
 from llmtune.utils import get_logger, setup_logging, write_json
 
 log = get_logger("export")
