@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from llmtune.cli import build_parser  # noqa: E402  (the one import of the CLI: fix here when it moves)
+from llmtune.commands.cli import build_parser  # noqa: E402  (the one import of the CLI)
 from llmtune.config.options import recipe_options, stage_names, stage_sections  # noqa: E402
 
 RECIPE_MD = ROOT / "docs" / "reference" / "recipe.md"
@@ -130,7 +130,7 @@ def render_cli_reference() -> str:
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     helps = {c.dest: c.help for c in sub._choices_actions}
     stages = stage_names()
-    lines = [HEADER.format(source="the argparse parser of llmtune/cli.py"), "# Command line reference\n",
+    lines = [HEADER.format(source="the argparse parser of llmtune/commands/cli.py"), "# Command line reference\n",
              md_text(parser.description) + "\n", "```text", _usage(parser), "```\n"]
     lines += _arguments(parser)
     lines += ["| command | what it does |", "| --- | --- |"]

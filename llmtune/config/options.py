@@ -1,6 +1,6 @@
 """The recipe options a command reads, walked once from the schema: every key with its type, default and help.
 
-Two readers format this walk: ``llmtune <stage> --help`` (plain text, :func:`llmtune.cli.options_help`) and the
+Two readers format this walk: ``llmtune <stage> --help`` (plain text, :func:`llmtune.commands.cli.options_help`) and the
 documentation site's generated recipe reference (``scripts/gen_docs.py`` -> ``docs/reference/recipe.md``).
 Nothing here imports a stage module, so ``--help`` stays fast.
 """

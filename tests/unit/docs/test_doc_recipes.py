@@ -78,7 +78,7 @@ def test_doc_yaml_block_is_valid(block, tmp_path):
     recipe.write_text(yaml.safe_dump(doc, sort_keys=False))
     try:
         if "pipeline" in doc:
-            from llmtune.pipeline import load_pipeline
+            from llmtune.pipeline.spec import load_pipeline
 
             load_pipeline(recipe, base_dir=ROOT)
         else:
