@@ -1,0 +1,96 @@
+"""PolicyModel.response_logps (the LM head at the response tokens only, TokenLogps over the vocabulary) gives the
+values and gradients of the full-logits path (policy_logits + response_token_logps), at any temperature, for the
+policy and the reference, with padded responses."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from llmtune.models.tiny import make_tiny_llama, make_tiny_tokenizer
+from llmtune.rl.model import PolicyModel
+from llmtune.rl.ops import entropy_from_logits
+from llmtune.rl.rollout import join, response_token_logps
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tiny_tokenizer(pad_equals_eos=False)
+
+
+def policy_model(tok):
+    policy = get_peft_model(make_tiny_llama(tok, hidden_size=64, seed=0),
+                            LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:  # a fresh adapter would equal the reference
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return PolicyModel(policy)
+
+
+def rollout_batch(vocab: int):
+    """(4, 6) left-padded prompts and (4, 5) responses with 5, 3, 1 and 0 real tokens."""
+    g = torch.Generator().manual_seed(2)
+    query = torch.randint(3, vocab, (4, 6), generator=g)
+    query_mask = torch.ones(4, 6, dtype=torch.long)
+    query_mask[1, :2] = 0
+    query_mask[3, :4] = 0
+    responses = torch.randint(3, vocab, (4, 5), generator=g)
+    mask = (torch.arange(5)[None] < torch.tensor([5, 3, 1, 0])[:, None]).long()
+    return join(query, query_mask, responses, mask), responses, mask
+
+
+def lora_grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("reference", [False, True])
+def test_response_logps_match_the_full_logits_path(tok, temperature, reference):
+    model = policy_model(tok)
+    inputs, responses, mask = rollout_batch(len(tok))
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(3))
+
+    model.zero_grad()
+    logits = (model.reference_logits if reference else model.policy_logits)(**inputs, response_width=5)
+    full = response_token_logps(logits, responses, temperature) * mask
+    full_entropy = entropy_from_logits(logits.detach() / temperature) * mask
+    if not reference:  # the reference is the frozen base: nothing to differentiate
+        (full * weights).sum().backward()
+    full_grads = lora_grads(model)
+
+    model.zero_grad()
+    if reference:
+        logps, entropy = model.response_logps(**inputs, responses=responses, response_mask=mask,
+                                              temperature=temperature, reference=True, with_entropy=True)
+    else:  # through forward, as the GRPO loss calls it
+        logps, entropy = model(**inputs, response_width=5, responses=responses, response_mask=mask,
+                               temperature=temperature, with_entropy=True)
+    if not reference:
+        (logps * weights).sum().backward()
+    grads = lora_grads(model)
+
+    assert logps.shape == entropy.shape == mask.shape
+    assert torch.equal(logps[mask == 0], torch.zeros(int((mask == 0).sum())))  # padding is exactly 0
+    torch.testing.assert_close(logps, full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, full_entropy, rtol=1e-5, atol=1e-5)
+    assert float(full.detach().abs().max()) > 1.0  # real log-probs, not a degenerate batch
+    if reference:
+        assert not logps.requires_grad and not grads
+        policy, _ = model.response_logps(**inputs, responses=responses, response_mask=mask, temperature=temperature)
+        assert float((policy.detach() - logps).abs().max()) > 1e-2  # the adapter was really disabled
+    else:
+        assert full_grads.keys() == grads.keys() and len(grads) > 0
+        for name in grads:
+            torch.testing.assert_close(grads[name], full_grads[name], rtol=1e-4, atol=1e-6)
+        assert max(float(g.abs().max()) for g in grads.values()) > 1e-3  # the gradients are not all ~0
+
+
+def test_temperature_changes_the_log_probs(tok):
+    """The temperature is applied (a path that ignored it would pass the test above at T = 1 only)."""
+    model = policy_model(tok)
+    inputs, responses, mask = rollout_batch(len(tok))
+    with torch.no_grad():
+        cold, _ = model.response_logps(**inputs, responses=responses, response_mask=mask, temperature=0.5)
+        warm, _ = model.response_logps(**inputs, responses=responses, response_mask=mask, temperature=1.0)
+    assert float(((cold - warm) * mask).abs().max()) > 0.1
