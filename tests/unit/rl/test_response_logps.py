@@ -94,3 +94,32 @@ def test_temperature_changes_the_log_probs(tok):
         cold, _ = model.response_logps(**inputs, responses=responses, response_mask=mask, temperature=0.5)
         warm, _ = model.response_logps(**inputs, responses=responses, response_mask=mask, temperature=1.0)
     assert float(((cold - warm) * mask).abs().max()) > 0.1
+
+
+def test_forward_chunks_without_values_use_the_masked_head(tok):
+    """GRPO's old/reference log-probs (forward_chunks without values or exact KL) go through response_logps in
+    chunks of the eval batch size: the full-logits values on real tokens, exactly 0 on padding."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from llmtune.rl.trainer import OnlineRLTrainer
+
+    model = policy_model(tok)
+    inputs, responses, mask = rollout_batch(len(tok))
+    me = SimpleNamespace(model=model, args=SimpleNamespace(per_device_eval_batch_size=3),  # chunks of 3 + 1 rows
+                         compute_loss_context_manager=contextlib.nullcontext)
+    me._response_logps_chunks = OnlineRLTrainer._response_logps_chunks.__get__(me)
+    model.train()
+    out = OnlineRLTrainer.forward_chunks(me, inputs, responses, with_values=False, reference=True, temperature=0.7)
+    assert model.training  # the train/eval mode is restored
+    model.eval()
+    with torch.no_grad():
+        logits = model.policy_logits(**inputs, response_width=5)
+        ref = model.reference_logits(**inputs, response_width=5)
+    want = {"logps": response_token_logps(logits, responses, 0.7) * mask,
+            "entropy": entropy_from_logits(logits / 0.7) * mask,
+            "ref_logps": response_token_logps(ref, responses, 0.7) * mask}
+    assert set(out) == set(want)
+    for key in want:
+        torch.testing.assert_close(out[key], want[key], rtol=1e-5, atol=1e-5)
+    assert float((want["logps"] - want["ref_logps"]).abs().max()) > 1e-2
