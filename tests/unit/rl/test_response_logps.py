@@ -123,3 +123,60 @@ def test_forward_chunks_without_values_use_the_masked_head(tok):
     for key in want:
         torch.testing.assert_close(out[key], want[key], rtol=1e-5, atol=1e-5)
     assert float((want["logps"] - want["ref_logps"]).abs().max()) > 1e-2
+
+
+def group_batch(vocab: int):
+    """2 prompts (5 and 3 real tokens, left-padded to 6) x 3 completions of 5, 2, 0 / 4, 5, 1 real tokens,
+    rows interleaved (the groups need not be adjacent)."""
+    g = torch.Generator().manual_seed(4)
+    prompts = torch.randint(3, vocab, (2, 6), generator=g)
+    pmask = torch.ones(2, 6, dtype=torch.long)
+    pmask[0, :1] = 0
+    pmask[1, :3] = 0
+    order = torch.tensor([0, 1, 0, 1, 0, 1])
+    responses = torch.randint(3, vocab, (6, 5), generator=g)
+    mask = (torch.arange(5)[None] < torch.tensor([5, 4, 2, 5, 0, 1])[:, None]).long()
+    return join(prompts[order], pmask[order], responses, mask), responses, mask
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("reference", [False, True])
+def test_shared_prompts_give_the_values_and_gradients_of_separate_rows(tok, attention, reference):
+    from llmtune.rl.model import shared_prompt_batch
+
+    model = policy_model(tok)
+    model.policy.get_base_model().config._attn_implementation = attention
+    inputs, responses, mask = group_batch(len(tok))
+    shared = shared_prompt_batch(model.policy, inputs["input_ids"], inputs["attention_mask"], responses, mask)
+    assert shared["input_ids"].shape == (2, 3 + 4 + 5 + 1)  # a row per prompt: p + its completions' real tokens
+    assert shared["gather"].numel() == int(mask.sum())
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(5))
+
+    model.zero_grad()
+    logits = (model.reference_logits if reference else model.policy_logits)(**inputs, response_width=5)
+    full = response_token_logps(logits, responses, 0.7) * mask
+    if not reference:
+        (full * weights).sum().backward()
+    full_grads = lora_grads(model)
+    model.zero_grad()
+    logps, entropy = model.response_logps(**inputs, responses=responses, response_mask=mask, temperature=0.7,
+                                          reference=reference, with_entropy=True)
+    if not reference:
+        (logps * weights).sum().backward()
+    grads = lora_grads(model)
+
+    torch.testing.assert_close(logps, full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, entropy_from_logits(logits.detach() / 0.7) * mask, rtol=1e-5, atol=1e-5)
+    assert full_grads.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], full_grads[name], rtol=1e-4, atol=1e-5)  # fp32 sums in another order
+    # a completion that could see another one would change its log-probs: the mask keeps them apart
+    leaky = dict(shared, attention_mask=None)
+    if attention == "sdpa":
+        leaky["attention_mask"] = torch.ones_like(shared["attention_mask"]).tril()
+        with torch.no_grad():
+            from llmtune.core.lm_head import TokenLogps, masked_logits
+
+            wrong = TokenLogps.apply(masked_logits(model.policy, leaky, shared["keep"])[shared["gather"]].float() / 0.7,
+                                     responses[mask.bool()])
+        assert float((wrong - full.detach()[mask.bool()]).abs().max()) > 1e-3
