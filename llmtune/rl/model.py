@@ -114,8 +114,6 @@ def chunked_entropy(logits: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     return torch.cat([entropy_from_logits(logits[i:i + chunk]) for i in range(0, logits.shape[0], chunk)])
 
 
-SHARED_PROMPT_ATTENTION = ("sdpa", "eager")  # kernels that take a custom 4-D mask (flash varlen does not)
-
 
 def shared_prompt_batch(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                         responses: torch.Tensor, response_mask: torch.Tensor) -> dict[str, torch.Tensor] | None:
@@ -137,7 +135,7 @@ def shared_prompt_batch(model: nn.Module, input_ids: torch.Tensor, attention_mas
         logits that predicts each real response token, in the row-major order of ``responses[response_mask]``.
         None when no prompt repeats or the attention kernel takes no 4-D mask (then use the rows as they are).
     """
-    from llmtune.core.lm_head import _causal_lm
+    from llmtune.core.lm_head import SHARED_PROMPT_ATTENTION, _causal_lm
 
     lm = _causal_lm(model)
     attention = getattr(lm.config, "_attn_implementation", None)
