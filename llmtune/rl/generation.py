@@ -100,6 +100,41 @@ def merged_lora(layers: list, adapter: str):
             layer.merged_adapters.remove(adapter)
 
 
+def shared_prompt_cache(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """A KV cache of all prompt tokens but the last, computed once per DISTINCT prompt and copied to its rows.
+
+    GRPO samples ``num_generations`` completions of each prompt: the (B, P) batch holds every prompt G times, and
+    ``generate`` would run the prefill (the costliest forward of sampling: P tokens per row, against one per
+    decoding step) G times over the same tokens. Here the B/G distinct rows run it once (``logits_to_keep=1``: no
+    LM head over the prompt), the cache rows are repeated for their copies, and ``generate`` continues from it: its
+    first step processes the last prompt token of every row and samples from there, with the same position ids
+    (``attention_mask.cumsum - 1``, as ``generate`` computes them) and the same causal attention over the same
+    keys, so the logits are those of the plain prefill up to float rounding (other matmul shapes) and the random
+    draws are the same calls on the same shapes (tests/unit/rl/test_hf_generation.py).
+
+    Args:
+        model: the causal LM ``generate`` runs on (peft model, adapter and merge already set by the caller).
+        input_ids, attention_mask: (B, P) left-padded prompts.
+
+    Returns:
+        The ``transformers`` cache (B rows, P - 1 positions) to pass as ``generate(cache=...)``, or None when no
+        prompt repeats (or P < 2): then the plain prefill is as cheap.
+    """
+    width = input_ids.shape[1]
+    if width < 2 or input_ids.shape[0] < 2:
+        return None
+    rows = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], 1)
+    unique, inverse = torch.unique(rows, dim=0, return_inverse=True)
+    if unique.shape[0] == rows.shape[0]:
+        return None
+    ids, mask = unique[:, :width - 1], unique[:, width:2 * width - 1].to(attention_mask.dtype)
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+    cache = out.cache if hasattr(out, "cache") else out.past_key_values
+    cache.batch_select_indices(inverse)
+    return cache
+
+
 def _can_merge(trainer) -> bool:
     """Merging swaps parameter tensors in place: not under ZeRO-3 (partitioned, gathered only for generation) or
     FSDP (sharded flat parameters); there the adapter stays unmerged."""
@@ -117,7 +152,8 @@ class HFGenerationBackend:
     ``trl.models.utils.unwrap_model_for_generation``. A plain LoRA policy is merged for the duration of each
     ``generate`` call (:func:`merged_lora`: 1.16-1.38x the tokens/s of the unmerged adapter on a CPU, the original
     weights restored exactly afterwards); only fp32 weights, not under ZeRO-3/FSDP, nor for DoRA/QLoRA adapters or
-    tied weights.
+    tied weights. Repeated prompts (GRPO's groups) are prefilled once (:func:`shared_prompt_cache`; not under
+    ZeRO-3/FSDP).
 
     Args:
         trainer: the online-RL trainer (its ``model_wrapped``, ``accelerator``, autocast context).
@@ -129,6 +165,9 @@ class HFGenerationBackend:
         self.trainer, self.eos_ids, self.pad_id = trainer, eos_ids, pad_id
         self.sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k}
         self.merge = _can_merge(trainer)
+        # the shared prompt prefill: not under ZeRO-3/FSDP, where a forward may be collective and ranks whose
+        # prompts do not repeat would run one forward fewer
+        self.share = self.merge
 
     def sync(self, version: int) -> None:
         """Nothing to do: ``generate`` runs on the training model itself."""
@@ -152,9 +191,11 @@ class HFGenerationBackend:
             merged = merged_lora(layers, POLICY) if layers else contextlib.nullcontext()
             with adapter_scope(unwrapped.policy, POLICY), merged, trainer.compute_loss_context_manager():
                 try:
+                    cache = shared_prompt_cache(unwrapped.policy, input_ids, attention_mask) if self.share else None
                     sequences = unwrapped.policy.generate(
                         input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                         **sampling, eos_token_id=self.eos_ids, pad_token_id=self.pad_id, use_cache=True,
+                        **({"cache": cache} if cache is not None else {}),
                     )
                 except RuntimeError as exc:  # torch.multinomial: "probability tensor contains either inf, nan ..."
                     if "nan" not in str(exc) or "inf" not in str(exc):

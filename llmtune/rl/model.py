@@ -1,5 +1,6 @@
 """The policy of online RL as one module: the peft policy's logits at the response positions, and the reference
-(the same base with every adapter disabled: no second model in memory)."""
+(the same base with every adapter disabled: no second model in memory); or, without (B, N, V) logits, the
+log-probs of the response tokens alone (:meth:`PolicyModel.response_logps`)."""
 
 from __future__ import annotations
 
@@ -40,12 +41,156 @@ class PolicyModel(nn.Module):
                                use_cache=False, logits_to_keep=response_width + 1).logits[:, :-1]
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                response_width: int, with_values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(logits, None)``: (B, N, V) policy logits (see :meth:`policy_logits`); no value model here."""
+                response_width: int, with_values: bool = False, responses: torch.Tensor | None = None,
+                response_mask: torch.Tensor | None = None, temperature: float = 1.0, with_entropy: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(logits, None)``: (B, N, V) policy logits (see :meth:`policy_logits`); no value model here. With
+        ``responses`` and ``response_mask``: ``(logps, entropy)`` of :meth:`response_logps` instead (through
+        ``forward``, so that DDP/DeepSpeed see the forward)."""
+        if responses is not None:
+            return self.response_logps(input_ids, attention_mask, position_ids, responses, response_mask,
+                                       temperature, with_entropy=with_entropy)
         return self.policy_logits(input_ids, attention_mask, position_ids, response_width), None
+
+    def response_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                       responses: torch.Tensor, response_mask: torch.Tensor, temperature: float = 1.0,
+                       reference: bool = False, with_entropy: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs of the real response tokens under ``softmax(logits / temperature)`` of the policy (or the
+        reference), with the LM head applied at the positions that predict them only and no (B, N, V) fp32 logits
+        (:mod:`llmtune.core.lm_head`: the masked head and :class:`~llmtune.core.lm_head.TokenLogps`, one (M, V)
+        buffer); rows that share a prompt (GRPO's groups) compute it once (:func:`shared_prompt_batch`). The same
+        values and gradients as :func:`llmtune.rl.rollout.response_token_logps` of
+        :meth:`policy_logits` up to fp32 rounding (tests/unit/rl/test_response_logps.py), without the padding
+        positions and the (B, N, V) temporaries of the upcast, the division, the log-softmax and the entropy.
+
+        Args:
+            input_ids, attention_mask, position_ids: (B, P + N) prompt + response (``rollout.join``).
+            responses: (B, N) sampled ids. response_mask: (B, N), 1 on the real response tokens.
+            temperature: the sampling temperature (the logits are divided by it). reference: adapters disabled.
+            with_entropy: also return the (B, N) entropy of that distribution (detached, nats).
+
+        Returns:
+            ``(logps, entropy)``: (B, N) fp32 (differentiable; exactly 0 where ``response_mask`` is 0) and (B, N)
+            fp32 entropy (0 there too) or None.
+        """
+        from llmtune.core.lm_head import TokenLogps, masked_logits
+
+        width = responses.shape[1]
+        real = response_mask.bool()
+        keep = torch.zeros_like(input_ids, dtype=torch.bool)
+        keep[:, input_ids.shape[1] - width - 1:input_ids.shape[1] - 1] = real  # position P - 1 + t predicts token t
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        shared = shared_prompt_batch(self.policy, input_ids, attention_mask, responses, response_mask)
+        with adapter_scope(self.policy, None if reference else POLICY):
+            if shared is None:
+                logits = masked_logits(self.policy, batch, keep)  # (M, V), row-major = the order of responses[real]
+            else:  # each distinct prompt once, its completions after it: (M', V) -> (M, V) in the same order
+                logits = masked_logits(self.policy, shared, shared["keep"])[shared["gather"]]
+        if temperature != 1.0 or logits.dtype != torch.float32:
+            logits = logits.float() / temperature
+        entropy = None
+        if with_entropy:
+            entropy = torch.zeros(real.shape, dtype=torch.float32, device=real.device)
+            entropy = entropy.masked_scatter(real, chunked_entropy(logits.detach()))
+        flat = TokenLogps.apply(logits, responses[real])  # turns the logits into its softmax in place
+        logps = torch.zeros(real.shape, dtype=torch.float32, device=real.device).masked_scatter(real, flat)
+        return logps, entropy
 
     def reference_logits(self, input_ids, attention_mask, position_ids, response_width: int) -> torch.Tensor:
         """(B, N, V) logits of the reference = the base with every adapter disabled."""
         with adapter_scope(self.policy, None):
             return self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                use_cache=False, logits_to_keep=response_width + 1).logits[:, :-1]
+
+
+@torch.no_grad()
+def chunked_entropy(logits: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """(M, V) logits -> (M,) entropy in nats, fp32, ``chunk`` rows at a time (no (M, V) temporaries)."""
+    from llmtune.rl.ops import entropy_from_logits
+
+    if logits.shape[0] == 0:
+        return logits.new_zeros(0, dtype=torch.float32)
+    return torch.cat([entropy_from_logits(logits[i:i + chunk]) for i in range(0, logits.shape[0], chunk)])
+
+
+
+def shared_prompt_batch(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        responses: torch.Tensor, response_mask: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """Rewrite (B, P + N) rollout rows as one row per DISTINCT prompt: ``prompt + completion_1 + ... + completion_k``
+    (the real tokens of each), in which completion j has the position ids it has in its own row (``p, p + 1, ...``)
+    and a 4-D mask that lets it attend to the prompt and to itself only. Every response token therefore sees exactly
+    the keys, queries and positions of its own row: the same log-probs up to float rounding, for (G - 1) x p fewer
+    tokens per group of G completions of a p-token prompt (the generalisation of DPO's
+    :func:`llmtune.core.lm_head.shared_prompt_rows` to G completions).
+
+    Args:
+        model: the causal LM (its attention implementation decides the mask's form).
+        input_ids, attention_mask: (B, P + N) from ``rollout.join`` (prompts left-padded, responses right-padded).
+        responses, response_mask: (B, N); a response's real tokens are its first ``response_mask.sum()`` ones.
+
+    Returns:
+        ``input_ids``/``position_ids`` (K, S), ``attention_mask`` (K, 1, S, S) (bool for SDPA, True = attend; else
+        additive), ``keep`` (K, S) bool positions whose logits are needed, ``gather`` (M,) the row among the kept
+        logits that predicts each real response token, in the row-major order of ``responses[response_mask]``.
+        None when no prompt repeats or the attention kernel takes no 4-D mask (then use the rows as they are).
+    """
+    from llmtune.core.lm_head import SHARED_PROMPT_ATTENTION, _causal_lm
+
+    lm = _causal_lm(model)
+    attention = getattr(lm.config, "_attn_implementation", None)
+    width, prompt_width = responses.shape[1], input_ids.shape[1] - responses.shape[1]
+    if attention not in SHARED_PROMPT_ATTENTION or input_ids.shape[0] < 2 or prompt_width < 1:
+        return None
+    prompts = torch.cat([input_ids[:, :prompt_width], attention_mask[:, :prompt_width].to(input_ids.dtype)], 1)
+    unique, inverse = torch.unique(prompts, dim=0, return_inverse=True)
+    if unique.shape[0] == input_ids.shape[0]:
+        return None
+    device, lengths = input_ids.device, response_mask.sum(1).tolist()
+    rows, positions, layout = [], [], []
+    for k in range(unique.shape[0]):
+        members = (inverse == k).nonzero().flatten().tolist()
+        prompt = input_ids[members[0], :prompt_width][attention_mask[members[0], :prompt_width].bool()]
+        p = prompt.numel()
+        if p == 0:
+            return None
+        parts, pos, spans, start = [prompt], [torch.arange(p, device=device)], [], p
+        for b in members:
+            n = int(lengths[b])
+            parts.append(responses[b, :n])
+            pos.append(torch.arange(p, p + n, device=device))
+            spans.append((b, start, n))
+            start += n
+        rows.append(torch.cat(parts))
+        positions.append(torch.cat(pos))
+        layout.append((p, spans))
+    K, S = len(rows), max(len(r) for r in rows)
+    ids = input_ids.new_zeros(K, S)
+    pos_ids = torch.zeros(K, S, dtype=torch.long, device=device)
+    allowed = torch.zeros(K, S, S, dtype=torch.bool, device=device)
+    causal = torch.ones(S, S, dtype=torch.bool, device=device).tril()
+    idx = torch.arange(S, device=device)
+    predictor = torch.full((input_ids.shape[0], width), -1, dtype=torch.long, device=device)  # flat (K x S) index
+    for k, (row, pos, (p, spans)) in enumerate(zip(rows, positions, layout)):
+        s = len(row)
+        ids[k, :s], pos_ids[k, :s] = row, pos
+        allowed[k, :s, :s] = causal[:s, :s]
+        allowed[k, idx[s:], idx[s:]] = True  # padding queries see themselves (no all-masked row)
+        for b, start, n in spans:
+            allowed[k, start:start + n, p:start] = False  # never the completions before this one
+            before = torch.arange(start - 1, start + n - 1, device=device)
+            if n:
+                before[0] = p - 1  # the first token is predicted by the end of the prompt
+            predictor[b, :n] = k * S + before
+    real = response_mask.bool()
+    wanted = predictor[real]
+    keep = torch.zeros(K * S, dtype=torch.bool, device=device)
+    keep[wanted] = True
+    flat = keep.long().cumsum(0) - 1  # index of each kept position among the kept ones (row-major)
+    if attention == "sdpa":
+        mask = allowed[:, None]
+    else:
+        mask = torch.zeros(K, 1, S, S, dtype=lm.dtype, device=device).masked_fill_(~allowed[:, None],
+                                                                                 torch.finfo(lm.dtype).min)
+    return {"input_ids": ids, "position_ids": pos_ids, "attention_mask": mask, "keep": keep.view(K, S),
+            "gather": flat[wanted]}

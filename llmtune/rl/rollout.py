@@ -69,7 +69,9 @@ INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 
 def trim(experience: dict[str, torch.Tensor], idx: torch.Tensor, prompt_width: int) -> dict[str, torch.Tensor]:
-    """Rows ``idx`` of the experience, with the response columns cut to the longest real response among them.
+    """Rows ``idx`` of the experience, with the response columns cut to the longest real response among them and
+    the prompt columns to the longest real prompt among them (the leading columns that are left padding in every
+    row go: no token attends to them, and the position ids count real tokens only, so nothing else changes).
 
     Args:
         experience: ``input_ids``/``attention_mask``/``position_ids`` (B, P + N), ``response_mask`` (B, N), any
@@ -77,13 +79,16 @@ def trim(experience: dict[str, torch.Tensor], idx: torch.Tensor, prompt_width: i
         idx: (b,) row indices. prompt_width: P.
 
     Returns:
-        The same keys with b rows; (b, P + n) inputs and (b, n) per-token tensors, n = longest real response.
+        The same keys with b rows; (b, p + n) inputs and (b, n) per-token tensors, n = longest real response,
+        p = longest real prompt.
     """
     rows = {k: v[idx] for k, v in experience.items()}
     n = max(int(rows["response_mask"].sum(1).max()), 1)
+    used = rows["attention_mask"][:, :prompt_width].bool().any(0)  # (P,) columns some row's prompt uses
+    lead = int(used.int().argmax()) if bool(used.any()) else 0
     for key, value in rows.items():
         if key in INPUT_KEYS:
-            rows[key] = value[:, :prompt_width + n]
+            rows[key] = value[:, lead:prompt_width + n]
         elif value.dim() >= 2:
             rows[key] = value[:, :n]
     return rows

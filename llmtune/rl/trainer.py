@@ -286,8 +286,14 @@ class OnlineRLTrainer(CoreTrainer):
         fp32 logits per model (a (16, 161, 49152) fp32 logits tensor of the quickstart's greedy eval is 0.5 GiB), and
         the per-token statistics are taken one row at a time (:func:`_per_row`), so the (rows, N, V) fp32
         temporaries of softmax/logsumexp/KL never exist for a whole chunk; without ``exact_kl`` the policy's logits
-        are freed before the reference forward. Same values as whole-chunk arithmetic (row-wise reductions)."""
+        are freed before the reference forward. Same values as whole-chunk arithmetic (row-wise reductions).
+        Without values and exact KL (GRPO's old and reference log-probs, the engine correction) the LM head runs at
+        the real response tokens only (:meth:`~llmtune.rl.model.PolicyModel.response_logps`: no (rows, N, V) logits
+        at all); the log-probs are then exactly 0 on padding (elsewhere padding holds garbage: multiply by the
+        mask)."""
         model = self.model
+        if not with_values and not exact_kl and hasattr(model, "response_logps"):
+            return self._response_logps_chunks(model, inputs, responses, reference, temperature, policy)
         was_training = model.training
         model.eval()
         width = responses.shape[1]
@@ -320,6 +326,31 @@ class OnlineRLTrainer(CoreTrainer):
                     out.setdefault("kl_exact", []).append(_per_row(_exact_kl, logits, ref_logits))
                 del ref_logits
             del logits
+        model.train(was_training)
+        return {k: torch.cat(v) for k, v in out.items()}
+
+    @torch.no_grad()
+    def _response_logps_chunks(self, model, inputs: dict[str, torch.Tensor], responses: torch.Tensor,
+                               reference: bool, temperature: float, policy: bool) -> dict[str, torch.Tensor]:
+        """:meth:`forward_chunks` through the masked LM head: ``logps``/``entropy`` (policy) and ``ref_logps``,
+        each (B, N), 0 on padding; chunks of the eval batch size."""
+        was_training = model.training
+        model.eval()
+        width = responses.shape[1]
+        size = max(1, self.args.per_device_eval_batch_size)
+        out: dict[str, list[torch.Tensor]] = {}
+        for start in range(0, responses.shape[0], size):
+            part = {k: v[start:start + size] for k, v in inputs.items()}
+            resp = responses[start:start + size]
+            resp_mask = part["attention_mask"][:, -width:]  # rollout.join: prompt mask + response mask
+            for name, ref in ((("logps", False),) if policy else ()) + ((("ref_logps", True),) if reference else ()):
+                with self.compute_loss_context_manager():
+                    logps, entropy = model.response_logps(**part, responses=resp, response_mask=resp_mask,
+                                                          temperature=temperature, reference=ref,
+                                                          with_entropy=not ref)
+                out.setdefault(name, []).append(logps)
+                if entropy is not None:
+                    out.setdefault("entropy", []).append(entropy)
         model.train(was_training)
         return {k: torch.cat(v) for k, v in out.items()}
 

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from llmtune.rl.ops import entropy_from_logits, masked_mean
-from llmtune.rl.rollout import response_token_logps
+from llmtune.rl.ops import masked_mean
 from llmtune.rl.stage import OnlineRLStage
 from llmtune.stages.grpo import ops
 from llmtune.stages.grpo.trainer import GRPOTrainer
@@ -50,9 +49,11 @@ class GRPOStage(OnlineRLStage):
         cfg = self.recipe.grpo
         mask = batch["loss_mask"].float()
         width = batch["responses"].shape[1]
-        logits, _ = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                          position_ids=batch["position_ids"], response_width=width)
-        logps = response_token_logps(logits, batch["responses"], self.recipe.rollout.temperature)
+        # LM head at the response tokens only, no (b, n, V) fp32 logits (PolicyModel.response_logps)
+        logps, entropy = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                               position_ids=batch["position_ids"], response_width=width, responses=batch["responses"],
+                               response_mask=batch["response_mask"], temperature=self.recipe.rollout.temperature,
+                               with_entropy=True)
         sequence = cfg.importance_sampling_level == "sequence"
         low, high = ((cfg.sequence_epsilon_low, cfg.sequence_epsilon_high) if sequence
                      else (cfg.epsilon_low, cfg.epsilon_high))
@@ -60,9 +61,7 @@ class GRPOStage(OnlineRLStage):
                             cfg.loss_aggregation, self.recipe.rollout.max_new_tokens, cfg.beta, batch.get("ref_logps"),
                             cfg.kl_estimator, cfg.importance_sampling_level, batch.get("is_weights"))
         tokens = mask.sum().clamp(min=1)
-        with torch.no_grad():
-            entropy = masked_mean(entropy_from_logits(logits.detach().float() / self.recipe.rollout.temperature),
-                                  batch["response_mask"].float())
+        entropy = masked_mean(entropy, batch["response_mask"].float())
         local = ops.count_items(mask, cfg.loss_aggregation).clamp(min=1)  # this micro-batch's share of num_items
         metrics = {"policy_loss": float(out.loss_sum.detach() / local), "entropy": float(entropy),
                    "clip_fraction_low": float(out.clipped_low / tokens),

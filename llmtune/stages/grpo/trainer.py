@@ -196,10 +196,14 @@ class GRPOTrainer(OnlineRLTrainer):
         gen = torch.Generator().manual_seed(self.args.seed + 1_000_003 * iteration + self.args.process_index)
         micro = self.args.per_device_train_batch_size
         n = responses.shape[0]
+        # within an optimizer step the split into micro-batches changes nothing (sums / the step's item count):
+        # rows of one prompt, then of similar prompt lengths, share a micro-batch (trim drops their common padding)
+        prompt_len = groups["query_mask"].sum(1).cpu()
         for _ in range(g.num_iterations):
             order = torch.randperm(n, generator=gen)
             for start in range(0, n, self.local_minibatch):
                 idx = order[start:start + self.local_minibatch]
+                idx = idx[torch.argsort(prompt_len[idx] * n + group_ids.cpu()[idx], stable=True)]
                 steps.append([trim(experience, idx[m:m + micro].to(responses.device), width)
                               for m in range(0, len(idx), micro)])
         return steps

@@ -163,3 +163,35 @@ def test_forward_chunks_row_wise_equals_whole_batch_arithmetic(tok, monkeypatch)
     for key in want:
         torch.testing.assert_close(out[key], want[key], rtol=0, atol=1e-6)
     assert float(want["kl_exact"].abs().max()) > 1e-3  # the adapter makes policy and reference differ
+
+
+def test_repeated_prompts_are_prefilled_once_with_the_same_completions(tok):
+    """GRPO's groups: every prompt G times. The shared prefill runs the distinct prompts only (all tokens but the
+    last), and sampling from its cache draws the very same completions as the plain prefill, sampled and greedy."""
+    policy = trained_policy(tok)
+    model = PolicyModel(policy).eval()
+    backend = HFGenerationBackend(fake_trainer(model), [tok.eos_token_id], tok.pad_token_id, temperature=0.8,
+                                  top_p=1.0, top_k=0)
+    input_ids, mask = prompts(tok)
+    input_ids, mask = input_ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)  # (12, P): 4 prompts x 3
+    shapes = []
+    hook = policy.get_base_model().model.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        for seed, greedy in ((0, False), (1, False), (0, True)):
+            backend.share = True
+            shared = sample(backend, input_ids, mask, seed, greedy)
+            assert shapes[0] == (4, input_ids.shape[1] - 1) and shapes[1] == (12, 1)  # prefill once, then row by row
+            shapes.clear()
+            backend.share = False
+            plain = sample(backend, input_ids, mask, seed, greedy)
+            assert shapes[0] == tuple(input_ids.shape)
+            shapes.clear()
+            assert torch.equal(shared, plain)
+        # distinct prompts: nothing to share, no extra forward
+        backend.share = True
+        unique_ids, unique_mask = prompts(tok)
+        sample(backend, unique_ids, unique_mask, 0)
+        assert shapes[0] == tuple(unique_ids.shape)
+    finally:
+        hook.remove()

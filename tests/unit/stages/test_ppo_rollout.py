@@ -191,3 +191,19 @@ def test_trim_cuts_responses_to_the_longest_real_one():
     rows = trim(exp, torch.tensor([1, 0]), prompt_width=3)
     assert rows["input_ids"].tolist() == [[7, 8, 9, 10, 11], [0, 1, 2, 3, 4]]
     assert rows["responses"].shape == (2, 2) and rows["response_mask"].tolist() == [[1, 0], [1, 1]]
+
+
+def test_trim_drops_the_left_padding_every_row_has():
+    """Prompts of 2 and 3 real tokens left-padded to 5: the 2 columns that are padding in both rows go, the
+    position ids stay those of the full rows."""
+    ids = torch.arange(18).reshape(2, 9)
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 1, 1, 0]])
+    exp = {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+           "responses": ids[:, 5:], "response_mask": mask[:, 5:]}
+    rows = trim(exp, torch.tensor([0, 1]), prompt_width=5)
+    assert rows["input_ids"].tolist() == [[2, 3, 4, 5, 6, 7], [11, 12, 13, 14, 15, 16]]
+    assert rows["attention_mask"].tolist() == [[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]
+    assert rows["position_ids"].tolist() == [[0, 0, 1, 2, 3, 3], [0, 1, 2, 3, 4, 5]]
+    assert rows["responses"].tolist() == [[5, 6, 7], [14, 15, 16]]
+    only_first = trim(exp, torch.tensor([0]), prompt_width=5)  # alone, row 0 loses a third padding column
+    assert only_first["input_ids"].tolist() == [[3, 4, 5, 6]]
