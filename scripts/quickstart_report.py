@@ -34,6 +34,9 @@ STAGE_METRICS: dict[str, list[tuple[str, str | None]]] = {
     "ppo": [("eval_score", UP), ("eval_kl", INFO), ("eval_truncated_fraction", INFO)],
     "grpo": [("eval_reward", UP), ("eval_kl", INFO), ("eval_truncated_fraction", INFO)],
 }
+# pair accuracies: 0.5 is chance (DPO's step-0 accuracy is 0: every margin is an exact tie), so "learned" also
+# needs the after value above chance
+CHANCE = {"eval_accuracy": 0.5, "eval_rewards/accuracies": 0.5}
 STAGE_ORDER = ["sft", "rm", "dpo", "orpo", "simpo", "kto", "ppo", "grpo"]
 
 
@@ -55,8 +58,9 @@ def before_after(records: list[dict], metric: str) -> tuple[float | None, float 
     return before, after
 
 
-def verdict(before: float | None, after: float | None, direction: str | None) -> str:
-    """``yes`` / ``NO`` / ``-`` (not judged) / why it cannot be judged."""
+def verdict(before: float | None, after: float | None, direction: str | None, chance: float | None = None) -> str:
+    """``yes`` / ``NO`` / ``-`` (not judged) / why it cannot be judged. ``chance``: the after value must also be
+    above it (a pair accuracy)."""
     if direction is None:
         return "-"
     if before is None:
@@ -64,6 +68,8 @@ def verdict(before: float | None, after: float | None, direction: str | None) ->
     if after is None:
         return "no eval after training"
     better = after < before if direction == DOWN else after > before
+    if better and chance is not None and after <= chance:
+        return f"NO (not above chance {chance:g})"
     return "yes" if better else "NO"
 
 
@@ -92,7 +98,7 @@ def report_rows(pipeline_dir: Path) -> list[dict]:
             if before is None and after is None:
                 continue
             rows.append({"step": name, "stage": stage, "metric": metric, "direction": direction,
-                         "before": before, "after": after, "verdict": verdict(before, after, direction)})
+                         "before": before, "after": after, "verdict": verdict(before, after, direction, CHANCE.get(metric))})
     return rows
 
 

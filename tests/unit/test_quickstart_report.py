@@ -77,6 +77,17 @@ def test_lower_is_better_and_interrupted_runs():
     assert report.before_after([{"step": 3, "eval_loss": float("nan")}], "eval_loss") == (None, None)
 
 
+def test_pair_accuracy_must_beat_chance(tmp_path):
+    """DPO's step-0 accuracy is 0 (all ties): a rise to 0.4 is not learning."""
+    fake_step(tmp_path, "dpo", "dpo", [
+        {"step": 0, "eval_rewards/accuracies": 0.0, "eval_rewards/margins": 0.0, "eval_loss": 0.6931},
+        {"step": 8, "eval_rewards/accuracies": 0.40, "eval_rewards/margins": -0.01, "eval_loss": 0.70},
+    ])
+    got = {r["metric"]: r["verdict"] for r in report.report_rows(tmp_path)}
+    assert got == {"eval_rewards/accuracies": "NO (not above chance 0.5)", "eval_rewards/margins": "NO",
+                   "eval_loss": "NO"}
+
+
 def test_cli_prints_the_table_and_fails_on_an_empty_dir(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), str(fake_pipeline(tmp_path / "p"))],
                           capture_output=True, text=True, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin",
