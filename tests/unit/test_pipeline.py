@@ -65,7 +65,7 @@ def test_quickstart_pipeline_time_budget_shape():
     """The quickstart stages stay shorter than the standalone quickstarts (45-minute budget on 2 cores)."""
     pipe = load_pipeline(QUICKSTART, base_dir=ROOT)
     steps = {s.name: s.recipe.train.max_steps for s in pipe.steps if s.recipe is not None}
-    assert steps == {"sft": 32, "rm": 18, "dpo": 12, "ppo": 16}
+    assert steps == {"sft": 32, "rm": 18, "dpo": 8, "ppo": 16}
 
 
 def test_cli_overrides_name_the_step(tmp_path):
