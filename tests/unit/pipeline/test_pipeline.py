@@ -46,7 +46,10 @@ def test_quickstart_pipeline_wiring(tmp_path, with_hh):
     assert rm.recipe.model.from_run == str(d / "sft")  # RM initialised from the SFT model
     assert dpo.recipe.model.from_run == str(d / "sft")  # the file's runs/quickstart_sft is rewired
     assert ppo.recipe.model.from_run == str(d / "dpo")
-    assert ppo.recipe.reward.function == "llmtune.rewards:gsm8k_reward" and ppo.recipe.reward.from_run is None
+    functions = {(f.function, f.weight) for f in ppo.recipe.reward.functions}  # correctness + format: a signal
+    assert functions == {("llmtune.rewards:gsm8k_reward", 1.0), ("llmtune.rewards:format_reward", 0.5)}
+    assert ppo.recipe.reward.from_run is None and ppo.inputs == ["dpo"]
+    assert all(s.recipe.train.eval_at_start for s in (sft, rm, dpo, ppo))  # before -> after for every stage
     assert pipe.export.step == "ppo" and pipe.export.dtype == "fp32"
     source = rm.recipe.data.datasets[0]
     if with_hh:
@@ -63,12 +66,12 @@ def test_quickstart_pipeline_time_budget_shape():
     """The quickstart stages stay shorter than the standalone quickstarts (45-minute budget on 2 cores)."""
     pipe = load_pipeline(QUICKSTART, base_dir=ROOT)
     steps = {s.name: s.recipe.train.max_steps for s in pipe.steps if s.recipe is not None}
-    assert steps == {"sft": 32, "rm": 18, "dpo": 8, "ppo": 8}
+    assert steps == {"sft": 32, "rm": 18, "dpo": 8, "ppo": 16}
 
 
 def test_cli_overrides_name_the_step(tmp_path):
     pipe = quickstart(tmp_path, False, ["sft.train.max_steps=3", "pairs.k=2", "pipeline.export.dtype=bf16",
-                                        "ppo.reward.function=null", "pipeline.dir=runs/other"])
+                                        "ppo.reward.functions=[]", "pipeline.dir=runs/other"])
     sft, pairs, rm, _dpo, ppo = pipe.steps
     assert sft.recipe.train.max_steps == 3 and pairs.pairs.k == 2 and pipe.export.dtype == "bf16"
     other = tmp_path / "main" / "runs" / "other"
