@@ -97,6 +97,7 @@ class OnlineRLTrainer(CoreTrainer):
     steps_per_iteration: int = 1
     flops_tokens_key = "train_tokens_per_s"  # model FLOPs / MFU of the optimizer steps over their own time
     score_name, length_name, per_source_eval = "score", "response_length", False  # eval metric names
+    kl_per_token = False  # eval_kl in the unit of the stage's training `kl`: per response (PPO) or per token (GRPO)
 
     def __init__(self, *positional, stage, model, train_dataset, eval_dataset=None, data_collator=None,
                  processing_class=None, **kwargs):
@@ -381,8 +382,9 @@ class OnlineRLTrainer(CoreTrainer):
 
         Returns (and logs), with ``<score>``/``<length>`` the stage's names (PPO: ``score``/``response_length``,
         GRPO: ``reward``/``completion_length``): ``eval_<score>`` (mean weighted reward), ``eval_<score>_std``,
-        ``eval_rewards/<source>`` (each source's mean, GRPO), ``eval_kl`` (per response: the exact KL(policy ||
-        reference) summed over the response tokens of the greedy path, nats), ``eval_<length>`` (tokens),
+        ``eval_rewards/<source>`` (each source's mean, GRPO), ``eval_kl`` (the exact KL(policy || reference) over
+        the response tokens of the greedy path, nats, in the unit of the stage's training ``kl``: summed per response
+        and averaged over responses for PPO, averaged over all response tokens for GRPO (``kl_per_token``)), ``eval_<length>`` (tokens),
         ``eval_truncated_fraction``, ``eval_prompts``.
         """
         rows_all = eval_dataset if eval_dataset is not None else self.eval_prompts
@@ -440,7 +442,7 @@ class OnlineRLTrainer(CoreTrainer):
                 if (~torch.isnan(column)).any():
                     metrics[f"{p}_rewards/{n}"] = float(column.nanmean())
         metrics.update({
-            f"{p}_kl": float(kl.mean()),
+            f"{p}_kl": float(kl.sum() / length.sum().clamp(min=1)) if self.kl_per_token else float(kl.mean()),
             f"{p}_{self.length_name}": float(length.mean()),
             f"{p}_truncated_fraction": float(truncated.mean()),
             f"{p}_prompts": float(len(score)),

@@ -40,6 +40,7 @@ class GRPOTrainer(OnlineRLTrainer):
     """
 
     score_name, length_name, per_source_eval = "reward", "completion_length", True
+    kl_per_token = True  # eval_kl per token, as the training `kl` (kl_sum / trained tokens)
 
     def __init__(self, *positional, stage, **kwargs):
         recipe = stage.recipe
