@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(or --out), verified with plain PeftModel.from_pretrained against llmtune's chain model")
     pl = sub.add_parser(
         "pipeline",
-        help="run a list of stages (sft, rm, dpo, ppo, on-policy pairs) into one directory, then export",
+        help="run a list of steps (any stage, on-policy pairs) into one directory, then export",
         description="Validate every step of a pipeline recipe, then run the steps in order: a complete step is "
         "skipped, an interrupted one resumes from its latest checkpoint, so the same command continues after "
         "Ctrl-C. Each stage continues the previous policy stage (model.from_run); the last one is exported into "
