@@ -570,7 +570,7 @@ class RewardFunctionConfig(Section):
 
 class RewardConfig(Section):
     """Where the reward of a (prompt, completion) comes from: an RM run and/or Python functions, each weighted
-    (PPO takes exactly one of from_run / function)."""
+    (PPO takes exactly one kind: from_run, or function / functions)."""
 
     from_run: str | None = Field(None, description="A finished `llmtune rm` run directory: its base, adapter chain "
                                  "and score head give the score at the last real token.")
@@ -580,8 +580,9 @@ class RewardConfig(Section):
                                  "the reference answer, else 0), llmtune.rewards:format_reward (+1 when the "
                                  "completion ends with '#### <number>').")
     functions: list[RewardFunctionConfig] = Field(
-        default_factory=list, description="GRPO: several weighted reward functions ({function, weight, name}); "
-        "total = sum of weight x reward over these, function (weight 1) and from_run (from_run_weight).")
+        default_factory=list, description="Several weighted reward functions ({function, weight, name}; PPO and "
+        "GRPO); total = sum of weight x reward over these, function (weight 1) and (GRPO) from_run "
+        "(from_run_weight).")
     from_run_weight: float = Field(1.0, description="Weight of the reward model's score in the total (GRPO).")
     batch_size: int = Field(8, ge=1, description="Sequences per reward-model forward.")
 
