@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--example", type=int, default=0, help="index of the training row to render (default 0)")
     e = sub.add_parser(
         "export",
-        help="merge a run's adapter into its base model and save it",
+        help="merge a run's adapter chain into its base model (or write it as one adapter), save, verify",
         description="Merge the adapter chain of RUN_DIR (earlier stages' adapters, then its own) into the base "
         "model in fp32 (a QLoRA run: into its dequantized 4-bit base) and cast once to --dtype; save sharded "
         "safetensors + config + generation config (stopping at the chat template's EOS) + tokenizer with the "
