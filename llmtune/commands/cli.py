@@ -136,10 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser(
         "chat",
         help="talk to a run's result with its training chat template",
-        description="Greedy chat with a merged model directory or a run directory (its merged/ model if exported, "
-        "else base + adapter). Prompts are formatted with the saved chat template; generation stops at its EOS.",
+        description="Greedy chat with a merged model directory, a run directory (its merged/ model if exported, "
+        "else base + adapter) or a pipeline directory (its merged/ model). Prompts are formatted with the saved "
+        "chat template; generation stops at its EOS.",
     )
-    c.add_argument("model", help="run directory or model directory")
+    c.add_argument("model", help="run, pipeline or model directory")
     c.add_argument("--prompt", default=None, help="ask one question, print the answer and exit")
     c.add_argument("--system", default=None, help="system message")
     c.add_argument("--max-new-tokens", type=int, default=256, help="longest reply in tokens (default 256)")
