@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--example", type=int, default=0, help="index of the training row to render (default 0)")
     e = sub.add_parser(
         "export",
-        help="merge a run's adapter into its base model and save it",
+        help="merge a run's adapter chain into its base model (or write it as one adapter), save, verify",
         description="Merge the adapter chain of RUN_DIR (earlier stages' adapters, then its own) into the base "
         "model in fp32 (a QLoRA run: into its dequantized 4-bit base) and cast once to --dtype; save sharded "
         "safetensors + config + generation config (stopping at the chat template's EOS) + tokenizer with the "
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(or --out), verified with plain PeftModel.from_pretrained against llmtune's chain model")
     pl = sub.add_parser(
         "pipeline",
-        help="run a list of stages (sft, rm, dpo, ppo, on-policy pairs) into one directory, then export",
+        help="run a list of steps (any stage, on-policy pairs) into one directory, then export",
         description="Validate every step of a pipeline recipe, then run the steps in order: a complete step is "
         "skipped, an interrupted one resumes from its latest checkpoint, so the same command continues after "
         "Ctrl-C. Each stage continues the previous policy stage (model.from_run); the last one is exported into "
@@ -136,10 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser(
         "chat",
         help="talk to a run's result with its training chat template",
-        description="Greedy chat with a merged model directory or a run directory (its merged/ model if exported, "
-        "else base + adapter). Prompts are formatted with the saved chat template; generation stops at its EOS.",
+        description="Greedy chat with a merged model directory, a run directory (its merged/ model if exported, "
+        "else base + adapter) or a pipeline directory (its merged/ model). Prompts are formatted with the saved "
+        "chat template; generation stops at its EOS.",
     )
-    c.add_argument("model", help="run directory or model directory")
+    c.add_argument("model", help="run, pipeline or model directory")
     c.add_argument("--prompt", default=None, help="ask one question, print the answer and exit")
     c.add_argument("--system", default=None, help="system message")
     c.add_argument("--max-new-tokens", type=int, default=256, help="longest reply in tokens (default 256)")

@@ -81,8 +81,8 @@ class DatasetConfig(Section):
     ] = Field(
         "auto",
         description="Row format; auto detects it from the columns of the first row. SFT: alpaca, sharegpt, messages, "
-        "text, prompt_completion. Preference pairs (rm, dpo): preference ({prompt, chosen, rejected} strings), "
-        "preference_messages ({chosen, rejected} message lists sharing a prompt prefix, optional prompt), "
+        "text, prompt_completion. Preference pairs (rm, dpo, orpo, simpo): preference ({prompt, chosen, rejected} "
+        "strings), preference_messages ({chosen, rejected} message lists sharing a prompt prefix, optional prompt), "
         "hh (HH-RLHF transcripts; prompt = text before the last Assistant turn). PPO prompts: any of these (a "
         "final assistant turn / completion / chosen response becomes the reference answer) or prompt ({prompt} "
         "string or message list, optional reference). KTO: unpaired ({prompt | messages, completion, label: "
@@ -158,12 +158,12 @@ class DataConfig(Section):
     max_prompt_length: int | None = Field(
         None,
         ge=1,
-        description="SFT rows and preference pairs (rm, dpo) longer than max_length keep at most this many prompt "
-        "tokens (SFT: the context before the last assistant turn: system, earlier turns, last user turn, generation "
-        "prompt), cut as truncation_mode says, then the response/completions are cut at their end; must be < "
-        "max_length. null = max_length - min(response tokens (pairs: the longer completion), max_length // 2): the "
-        "response keeps all its tokens or at least half of max_length, and a prompt that fits in the rest is never "
-        "cut. PPO prompts: the prompt limit (default max_length); the generation prompt is always kept.",
+        description="SFT rows and preference pairs (rm, dpo, orpo, simpo, kto) longer than max_length keep at most "
+        "this many prompt tokens (SFT: the context before the last assistant turn: system, earlier turns, last user "
+        "turn, generation prompt), cut as truncation_mode says, then the response/completions are cut at their end; "
+        "must be < max_length. null = max_length - min(response tokens (pairs: the longer completion), max_length // "
+        "2): the response keeps all its tokens or at least half of max_length, and a prompt that fits in the rest is "
+        "never cut. PPO prompts: the prompt limit (default max_length); the generation prompt is always kept.",
     )
     truncation_mode: Literal["keep_end", "keep_start"] = Field(
         "keep_end",
@@ -570,7 +570,7 @@ class RewardFunctionConfig(Section):
 
 class RewardConfig(Section):
     """Where the reward of a (prompt, completion) comes from: an RM run and/or Python functions, each weighted
-    (PPO takes exactly one of from_run / function)."""
+    (PPO takes exactly one kind: from_run, or function / functions)."""
 
     from_run: str | None = Field(None, description="A finished `llmtune rm` run directory: its base, adapter chain "
                                  "and score head give the score at the last real token.")
@@ -580,8 +580,9 @@ class RewardConfig(Section):
                                  "the reference answer, else 0), llmtune.rewards:format_reward (+1 when the "
                                  "completion ends with '#### <number>').")
     functions: list[RewardFunctionConfig] = Field(
-        default_factory=list, description="GRPO: several weighted reward functions ({function, weight, name}); "
-        "total = sum of weight x reward over these, function (weight 1) and from_run (from_run_weight).")
+        default_factory=list, description="Several weighted reward functions ({function, weight, name}; PPO and "
+        "GRPO); total = sum of weight x reward over these, function (weight 1) and (GRPO) from_run "
+        "(from_run_weight).")
     from_run_weight: float = Field(1.0, description="Weight of the reward model's score in the total (GRPO).")
     batch_size: int = Field(8, ge=1, description="Sequences per reward-model forward.")
 

@@ -322,7 +322,7 @@ def ppo_problems(doc: dict) -> list[tuple[str, str]]:
     has_fn = bool(dotted_get(doc, "reward.function")) or bool(dotted_get(doc, "reward.functions"))
     if has_run == has_fn:
         problems.append(("reward", "PPO needs exactly one score source: reward.from_run (an `llmtune rm` run) or "
-                         "reward.function (module:function, e.g. llmtune.rewards:gsm8k_reward)"))
+                         "reward.function (module:function, e.g. llmtune.rewards:gsm8k_reward) / reward.functions"))
     rollout, glob = dotted_get(doc, "ppo.rollout_batch_size", 16), dotted_get(doc, "train.global_batch_size", 8)
     epochs = dotted_get(doc, "ppo.ppo_epochs", 2)
     if not all(isinstance(v, int) and v > 0 for v in (rollout, glob, epochs)):

@@ -106,7 +106,7 @@ def usage_snippet(base: dict, adapter_ref: str, head: str, kind: str, local_base
                   "`BASE_DIR` below is the directory llmtune loaded the base from on the training machine (a hub "
                   "snapshot in the Hugging Face cache, or llmtune's float32 conversion of a GGUF / builtin model: "
                   "exactly the weights trained against). Elsewhere, use any local copy of the base: a directory "
-                  f"written by `save_pretrained`, or `huggingface-cli download {base.get('name_or_path')} "
+                  f"written by `save_pretrained`, or `hf download {base.get('name_or_path')} "
                   "--local-dir DIR`. Nothing is downloaded: it works with `HF_HUB_OFFLINE=1`.", "", "```python"]
         blank = code.index("")  # after the imports
         lines += [*code[:blank], "", f'BASE_DIR = "{local_base}"', *code[blank + 1:]]
@@ -243,7 +243,7 @@ def push_to_hub(folder: Path, repo_id: str, *, private: bool = True, message: st
     except Exception as err:  # noqa: BLE001 - hub client errors are many kinds; all mean "not uploaded"
         raise HubUploadError(
             f"output.push_to_hub: uploading {folder} to {repo_id} failed: {type(err).__name__}: {err}. Log in with "
-            "`huggingface-cli login` (or set HF_TOKEN), check output.hub_model_id, or set output.push_to_hub: false; "
+            "`hf auth login` (or set HF_TOKEN), check output.hub_model_id, or set output.push_to_hub: false; "
             f"the files are kept in {folder}"
         ) from err
     log.info("uploaded %s to %s", folder, url)

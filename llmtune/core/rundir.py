@@ -1,4 +1,4 @@
-"""The run directory every stage writes (see DESIGN.md):
+"""The run directory every stage writes (see docs/getting-started.md, "The run directory"):
 
     runs/<name>/
       recipe.resolved.yaml   every value, inherited defaults included

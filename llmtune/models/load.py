@@ -246,7 +246,7 @@ def _hub_source(repo_id: str, cfg: ModelConfig, *, download: bool = True) -> Mod
     except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError, HFValidationError) as err:
         raise ModelLoadError(
             f"model.name_or_path: hub model {where} cannot be used: {type(err).__name__}: {str(err).splitlines()[0]}. "
-            "Check the spelling, the revision and your access (huggingface-cli login for gated models), or give a "
+            "Check the spelling, the revision and your access (hf auth login for gated models), or give a "
             "local model directory." + not_local
         ) from err
     except OSError as err:
