@@ -165,11 +165,25 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="recipe overrides, applied in order")
 
 
+def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse ``llmtune ...``; overrides may also come after the flags (``llmtune sft R.yaml --nproc-per-node 8
+    train.max_steps=10``): argparse stops filling a ``nargs="*"`` positional at the first flag, so the overrides left
+    after it are appended in order. Anything else unknown is the usual usage error (exit 2)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if hasattr(args, "overrides") and not any(e.startswith("-") for e in extra):
+            args.overrides = [*args.overrides, *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # transformers 5 renamed gradient checkpointing; peft still calls the old names on every step.
     warnings.filterwarnings("ignore", message=".*is deprecated and will be removed in v6.*", category=FutureWarning)
-    args = build_parser().parse_args(argv)
+    args = parse_command_line(argv)
     from llmtune.errors import EXIT_ERROR, EXIT_INTERRUPTED, LlmtuneError
 
     try:

@@ -100,3 +100,23 @@ def test_ctrl_c_speaks_of_checkpoints_only_for_commands_that_write_them(command,
     assert cli.main([command, "recipe.yaml"]) == 130
     err = capsys.readouterr().err
     assert "interrupted" in err and ("checkpoints" in err) == promise
+
+
+def test_overrides_after_flags_are_overrides_in_order():
+    """`llmtune sft R.yaml --nproc-per-node 8 distributed.zero_stage=2` (argparse alone: 'unrecognized arguments')."""
+    from llmtune.commands.cli import parse_command_line
+
+    args = parse_command_line(["sft", "r.yaml", "train.max_steps=3", "--nproc-per-node", "2",
+                               "distributed.zero_stage=2", "train.max_steps=4"])
+    assert args.recipe == "r.yaml" and args.nproc_per_node == 2
+    assert args.overrides == ["train.max_steps=3", "distributed.zero_stage=2", "train.max_steps=4"]
+    args = parse_command_line(["pipeline", "p.yaml", "--dry-run", "sft.train.max_steps=2"])
+    assert args.dry_run and args.overrides == ["sft.train.max_steps=2"]
+
+
+def test_an_unknown_flag_is_still_a_usage_error(capsys):
+    from llmtune.commands.cli import parse_command_line
+
+    with pytest.raises(SystemExit) as exc:
+        parse_command_line(["sft", "r.yaml", "--workers", "2", "train.max_steps=3"])
+    assert exc.value.code == 2 and "unrecognized arguments: --workers 2" in capsys.readouterr().err
