@@ -18,25 +18,11 @@ from pathlib import Path
 
 import yaml
 
+from llmtune.core.stage import HIGHER, LOWER, HeldOutMetric  # noqa: F401 (HIGHER: the other direction)
+from llmtune.stages import STAGES
 from llmtune.utils import read_jsonl
 
-UP, DOWN, INFO = "higher", "lower", None
 LN2 = math.log(2)  # DPO's loss when the policy equals its reference (every margin 0)
-
-# stage -> the held-out metrics shown, with the direction that means "learned" (INFO: shown, not judged)
-STAGE_METRICS: dict[str, list[tuple[str, str | None]]] = {
-    "sft": [("eval_loss", DOWN)],
-    "rm": [("eval_accuracy", UP), ("eval_margin", UP)],
-    "dpo": [("eval_rewards/accuracies", UP), ("eval_rewards/margins", UP), ("eval_loss", DOWN)],
-    "kto": [("eval_rewards/margins", UP), ("eval_loss", DOWN)],
-    "orpo": [("eval_loss", DOWN)],
-    "simpo": [("eval_loss", DOWN)],
-    "ppo": [("eval_score", UP), ("eval_kl", INFO), ("eval_truncated_fraction", INFO)],
-    "grpo": [("eval_reward", UP), ("eval_kl", INFO), ("eval_truncated_fraction", INFO)],
-}
-# pair accuracies: 0.5 is chance (DPO's step-0 accuracy is 0: every margin is an exact tie), so "learned" also
-# needs the after value above chance
-CHANCE = {"eval_accuracy": 0.5, "eval_rewards/accuracies": 0.5}
 STAGE_ORDER = ["sft", "rm", "dpo", "orpo", "simpo", "kto", "ppo", "grpo"]
 
 
@@ -59,15 +45,16 @@ def before_after(records: list[dict], metric: str) -> tuple[float | None, float 
 
 
 def verdict(before: float | None, after: float | None, direction: str | None, chance: float | None = None) -> str:
-    """``yes`` / ``NO`` / ``-`` (not judged) / why it cannot be judged. ``chance``: the after value must also be
-    above it (a pair accuracy)."""
+    """``yes`` / ``NO`` / ``-`` (not judged) / why it cannot be judged. ``direction``: ``"higher"``/``"lower"`` is
+    better, None = not judged. ``chance``: the after value must also be above it (a pair accuracy; DPO's step-0
+    accuracy is 0, every margin an exact tie)."""
     if direction is None:
         return "-"
     if before is None:
         return "no step-0 eval (train.eval_at_start: false)" if after is not None else "no eval"
     if after is None:
         return "no eval after training"
-    better = after < before if direction == DOWN else after > before
+    better = after < before if direction == LOWER else after > before
     if better and chance is not None and after <= chance:
         return f"NO (not above chance {chance:g})"
     return "yes" if better else "NO"
@@ -93,12 +80,13 @@ def report_rows(pipeline_dir: Path) -> list[dict]:
     for name, stage, run in step_dirs(pipeline_dir):
         records = [r for r in read_jsonl(run / "metrics.jsonl", skip_bad_lines=True)
                    if any(k.startswith("eval_") for k in r)]
-        for metric, direction in STAGE_METRICS.get(stage, [("eval_loss", DOWN)]):
-            before, after = before_after(records, metric)
+        declared = STAGES[stage].held_out_metrics if stage in STAGES else (HeldOutMetric("eval_loss", LOWER),)
+        for m in declared:  # the stage's own declaration (llmtune.core.stage.Stage.held_out_metrics)
+            before, after = before_after(records, m.name)
             if before is None and after is None:
                 continue
-            rows.append({"step": name, "stage": stage, "metric": metric, "direction": direction,
-                         "before": before, "after": after, "verdict": verdict(before, after, direction, CHANCE.get(metric))})
+            rows.append({"step": name, "stage": stage, "metric": m.name, "direction": m.better,
+                         "before": before, "after": after, "verdict": verdict(before, after, m.better, m.chance)})
     return rows
 
 

@@ -16,6 +16,24 @@ import torch
 from llmtune.config import Recipe
 
 
+HIGHER, LOWER = "higher", "lower"
+
+
+@dataclass(frozen=True)
+class HeldOutMetric:
+    """A held-out (eval) metric that says whether a stage learned, with the direction that means "learned".
+
+    Attributes:
+        name: the metric's key in ``metrics.jsonl`` (``eval_loss``, ``eval_accuracy``, ``eval_score`` ...).
+        better: ``"higher"`` / ``"lower"``, or ``None`` for a metric shown but not judged (KL, truncation).
+        chance: for a pair accuracy, the chance level (0.5) the after-training value must also exceed.
+    """
+
+    name: str
+    better: str | None
+    chance: float | None = None
+
+
 @dataclass
 class StageData:
     """Tokenized data of a stage.
@@ -52,11 +70,18 @@ class Stage:
     item_unit: ClassVar[str] = "tokens"
     # Trainer class the runner builds (a CoreTrainer subclass; PPO brings its own rollout loop). None = CoreTrainer.
     trainer_class: ClassVar[Any] = None
-    # The eval metric that says how the stage went (summary tables, pipeline): lower is better for losses.
+    # The held-out metrics that say whether the stage learned, the first one the stage's key metric: read by the
+    # end-of-run table, the pipeline summary, the model card and scripts/quickstart_report.py (before -> after).
+    held_out_metrics: ClassVar[tuple[HeldOutMetric, ...]] = (HeldOutMetric("eval_loss", LOWER),)
+    # held_out_metrics[0].name, set for every subclass (summary tables, pipeline, model card).
     key_metric: ClassVar[str] = "eval_loss"
     # The curves of plots/summary.png, those that say whether the stage works (llmtune.core.plots.summary_panels):
     # training metric names, each drawn with its eval twin; a tuple shares one panel; a name not logged is skipped.
     plot_metrics: ClassVar[tuple[str | tuple[str, ...], ...]] = ("loss",)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.key_metric = cls.held_out_metrics[0].name
 
     def __init__(self, recipe: Recipe):
         self.recipe = recipe

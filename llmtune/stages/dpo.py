@@ -20,7 +20,7 @@ from llmtune.config import Recipe, RecipeError
 from llmtune.core.fused import fuse_swiglu, recompute_norm_outputs
 from llmtune.core.lm_head import pair_logps
 from llmtune.core.ops import IGNORE_INDEX
-from llmtune.core.stage import PairwiseStage, StageData
+from llmtune.core.stage import HIGHER, LOWER, HeldOutMetric, PairwiseStage, StageData
 from llmtune.utils import get_logger
 
 log = get_logger("dpo")
@@ -83,7 +83,8 @@ class DPOStage(PairwiseStage):
     """DPO (sigmoid / IPO / hinge / robust) on preference pairs; batches are (2B, T): chosen rows then rejected."""
 
     name = "dpo"
-    key_metric = "eval_rewards/accuracies"
+    held_out_metrics = (HeldOutMetric("eval_rewards/accuracies", HIGHER, chance=0.5),
+                        HeldOutMetric("eval_rewards/margins", HIGHER), HeldOutMetric("eval_loss", LOWER))
     plot_metrics = ("loss", "rewards/accuracies", "rewards/margins", ("rewards/chosen", "rewards/rejected"))
     eval_keys = ("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps")
 

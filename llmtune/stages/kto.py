@@ -27,7 +27,7 @@ import torch
 from llmtune.config import Recipe, RecipeError
 from llmtune.core.lm_head import sequence_logps
 from llmtune.core.ops import IGNORE_INDEX
-from llmtune.core.stage import StageData
+from llmtune.core.stage import HIGHER, LOWER, HeldOutMetric, StageData
 from llmtune.stages.dpo import DPOStage
 
 
@@ -113,7 +113,7 @@ class KTOStage(DPOStage):
     name = "kto"
     data_kind = "unpaired"
     item_unit = "completions"
-    key_metric = "eval_rewards/margins"
+    held_out_metrics = (HeldOutMetric("eval_rewards/margins", HIGHER), HeldOutMetric("eval_loss", LOWER))
     eval_keys = ("logps", "ref_logps", "kl_logps", "kl_ref_logps", "label", "pair_index", "trained")
 
     def __init__(self, recipe: Recipe):

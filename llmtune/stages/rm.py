@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from llmtune.config import Recipe
-from llmtune.core.stage import PairwiseStage
+from llmtune.core.stage import HIGHER, HeldOutMetric, PairwiseStage
 from llmtune.models import sequence_scores
 from llmtune.models.heads import use_dedicated_pad
 from llmtune.utils import get_logger
@@ -64,7 +64,7 @@ class RMStage(PairwiseStage):
     """Reward model (Bradley-Terry) on preference pairs; batches are (2B, T): chosen rows then rejected rows."""
 
     name = "rm"
-    key_metric = "eval_accuracy"
+    held_out_metrics = (HeldOutMetric("eval_accuracy", HIGHER, chance=0.5), HeldOutMetric("eval_margin", HIGHER))
     plot_metrics = ("loss", "accuracy", "margin")
     model_head = "score"
     eval_keys = ("chosen", "rejected")

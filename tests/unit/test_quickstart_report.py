@@ -69,11 +69,11 @@ def test_rows_before_after_and_direction(tmp_path):
 
 
 def test_lower_is_better_and_interrupted_runs():
-    assert report.verdict(1.0, 1.2, report.DOWN) == "NO"
-    assert report.verdict(1.0, 1.0, report.UP) == "NO"  # no movement is not learning
+    assert report.verdict(1.0, 1.2, report.LOWER) == "NO"
+    assert report.verdict(1.0, 1.0, report.HIGHER) == "NO"  # no movement is not learning
     records = [{"step": 0, "eval_loss": 2.0}]  # stopped before the final eval
     assert report.before_after(records, "eval_loss") == (2.0, None)
-    assert report.verdict(2.0, None, report.DOWN) == "no eval after training"
+    assert report.verdict(2.0, None, report.LOWER) == "no eval after training"
     assert report.before_after([{"step": 3, "eval_loss": float("nan")}], "eval_loss") == (None, None)
 
 
@@ -99,3 +99,13 @@ def test_cli_prints_the_table_and_fails_on_an_empty_dir(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "empty")], capture_output=True, text=True,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 2 and "run the pipeline first" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_report_reads_each_stages_own_declaration():
+    from llmtune.stages import STAGES
+
+    for name in STAGES:
+        stage = STAGES[name]
+        assert stage.key_metric == stage.held_out_metrics[0].name, name  # one declaration, key metric first
+        assert all(m.better in (report.HIGHER, report.LOWER, None) for m in stage.held_out_metrics), name
+    assert STAGES["rm"].held_out_metrics[0].chance == 0.5 and STAGES["dpo"].key_metric == "eval_rewards/accuracies"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from llmtune.rl.ops import masked_mean
+from llmtune.core.stage import HIGHER, HeldOutMetric
 from llmtune.rl.stage import OnlineRLStage
 from llmtune.stages.grpo import ops
 from llmtune.stages.grpo.trainer import GRPOTrainer
@@ -29,7 +30,8 @@ class GRPOStage(OnlineRLStage):
     name = "grpo"
     item_unit = "items"
     trainer_class = GRPOTrainer
-    key_metric = "eval_reward"
+    held_out_metrics = (HeldOutMetric("eval_reward", HIGHER), HeldOutMetric("eval_kl", None),
+                        HeldOutMetric("eval_truncated_fraction", None))
     plot_metrics = ("reward_mean", "kl", "completion_length", ("clip_fraction_low", "clip_fraction_high"),
                     "truncated_fraction")
 

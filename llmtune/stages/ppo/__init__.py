@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from llmtune.core.stage import HIGHER, HeldOutMetric
 from llmtune.rl.stage import OnlineRLStage
 from llmtune.stages.ppo import ops
 from llmtune.stages.ppo.rollout import response_token_logps
@@ -25,7 +26,8 @@ class PPOStage(OnlineRLStage):
     name = "ppo"
     item_unit = "tokens"
     trainer_class = PPOTrainer
-    key_metric = "eval_score"
+    held_out_metrics = (HeldOutMetric("eval_score", HIGHER), HeldOutMetric("eval_kl", None),
+                        HeldOutMetric("eval_truncated_fraction", None))
     plot_metrics = ("score_mean", "kl", "response_length", "clipfrac", "value_loss")
 
     def count_items(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
