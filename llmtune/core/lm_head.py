@@ -171,13 +171,78 @@ def per_token_logps(
 SHARED_PROMPT_ATTENTION = ("sdpa", "eager")  # kernels that take a custom 4-D mask (flash varlen does not)
 
 
-def shared_prompt_rows(batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
-    """Rewrite a (2B, T) pair batch as B rows ``prompt + chosen + rejected`` in which the prompt is computed once.
+def pack_shared_prompts(groups: list[tuple[torch.Tensor, list[torch.Tensor]]], dtype: torch.dtype
+                        ) -> tuple[dict[str, torch.Tensor], list[list[torch.Tensor]]]:
+    """Pack each prompt with its completions into one row ``prompt + completion_1 + ... + completion_G`` in which the
+    prompt is computed once: completion j has the position ids it has in its own sequence (``p, p + 1, ...``) and a
+    4-D mask that lets it attend to the prompt and to itself only, never to the completions before it. Every token
+    therefore sees exactly the keys, queries and positions it sees in its own sequence: the same log-probs up to
+    float rounding, for (G - 1) x p fewer tokens per group. Used by DPO's pairs (G = 2, :func:`shared_prompt_rows`)
+    and online RL's groups (:func:`llmtune.rl.model.shared_prompt_batch`).
 
-    In row i the chosen completion sits after the prompt as usual; the rejected completion follows it with the
-    position ids it has in its own sequence (``P, P + 1, ...``) and a 4-D mask that lets it attend to the prompt and
-    to itself only, never to the chosen tokens. Every token therefore sees exactly the keys, queries and positions
-    it sees in the separate sequences: the log-probs are the same up to float rounding, for ~P fewer tokens per pair.
+    Args:
+        groups: K ``(prompt (p,), [completion (n_j,), ...])`` token-id tensors, ``p >= 1``.
+        dtype: ``torch.bool`` for SDPA (True = attend), else the float dtype of an additive mask (eager attention).
+
+    Returns:
+        ``{input_ids, position_ids}`` (K, S) right-padded with ``attention_mask`` (K, 1, S, S) (bool, or additive:
+        0 = attend, dtype min = masked), and per group per completion the (n_j,) flat index ``k * S + position`` of
+        the position whose logits predict each of its tokens (the first one: the prompt's last position).
+    """
+    rows, positions, layout = [], [], []
+    device = groups[0][0].device
+    for prompt, completions in groups:
+        p = prompt.numel()
+        parts, pos, spans, start = [prompt], [torch.arange(p, device=device)], [], p
+        for completion in completions:
+            n = completion.numel()
+            parts.append(completion)
+            pos.append(torch.arange(p, p + n, device=device))
+            spans.append((start, n))
+            start += n
+        rows.append(torch.cat(parts))
+        positions.append(torch.cat(pos))
+        layout.append((p, spans))
+    K, S = len(rows), max(len(r) for r in rows)
+    ids = rows[0].new_zeros(K, S)
+    pos_ids = torch.zeros(K, S, dtype=torch.long, device=device)
+    allowed = torch.zeros(K, S, S, dtype=torch.bool, device=device)
+    causal = torch.ones(S, S, dtype=torch.bool, device=device).tril()
+    idx = torch.arange(S, device=device)
+    predictors = []
+    for k, (row, pos, (p, spans)) in enumerate(zip(rows, positions, layout)):
+        s = len(row)
+        ids[k, :s], pos_ids[k, :s] = row, pos
+        allowed[k, :s, :s] = causal[:s, :s]
+        allowed[k, idx[s:], idx[s:]] = True  # padding queries see themselves (no all-masked row)
+        group = []
+        for start, n in spans:
+            allowed[k, start:start + n, p:start] = False  # never the completions before this one
+            before = torch.arange(start - 1, start + n - 1, device=device)
+            if n:
+                before[0] = p - 1  # the first token is predicted by the end of the prompt
+            group.append(k * S + before)
+        predictors.append(group)
+    if dtype == torch.bool:
+        mask = allowed[:, None]
+    else:
+        mask = torch.zeros(K, 1, S, S, dtype=dtype, device=device).masked_fill_(~allowed[:, None],
+                                                                              torch.finfo(dtype).min)
+    return {"input_ids": ids, "position_ids": pos_ids, "attention_mask": mask}, predictors
+
+
+def kept_positions(wanted: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``keep`` (size,) bool = the flat positions in ``wanted`` (M,), and ``gather`` (M,) = the index of each wanted
+    position among the kept ones in row-major order (the rows of :func:`masked_logits`' output)."""
+    keep = torch.zeros(size, dtype=torch.bool, device=wanted.device)
+    keep[wanted] = True
+    return keep, (keep.long().cumsum(0) - 1)[wanted]
+
+
+def shared_prompt_rows(batch: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+    """Rewrite a (2B, T) pair batch as B rows ``prompt + chosen + rejected`` in which the prompt is computed once
+    (:func:`pack_shared_prompts` with G = 2): the rejected tokens never see the chosen ones, and every token has
+    the keys, queries and positions of its own sequence, for ~P fewer tokens per pair.
 
     Args:
         batch: ``input_ids``, ``attention_mask`` and ``labels`` (2B, T), right-padded: rows 0..B-1 chosen, B..2B-1
@@ -198,50 +263,27 @@ def shared_prompt_rows(batch: dict[str, torch.Tensor], dtype: torch.dtype) -> di
         return None  # not right-padded
     trained = labels != IGNORE_INDEX
     first = torch.where(trained.any(-1), trained.int().argmax(-1), lengths)
-    rows, positions, labels_rows, scored = [], [], [], []
+    groups, group_labels = [], []
     for i in range(n):
         lc, lr = int(lengths[i]), int(lengths[n + i])
         p = int(min(first[i], first[n + i]))
         if p < 1 or not torch.equal(ids[i, :p], ids[n + i, :p]):
             return None
-        rows.append(torch.cat([ids[i, :lc], ids[n + i, p:lr]]))
-        positions.append(torch.cat([torch.arange(lc, device=device), torch.arange(p, lr, device=device)]))
-        labels_rows.append(torch.cat([labels[i, :lc], labels[n + i, p:lr]]))
-        scored.append((lc, p))
-    S = max(len(r) for r in rows)
-    out_ids = ids.new_zeros(n, S)
-    out_pos = torch.zeros(n, S, dtype=torch.long, device=device)
-    allowed = torch.zeros(n, S, S, dtype=torch.bool, device=device)
-    keep = torch.zeros(n, S, dtype=torch.bool, device=device)
-    causal = torch.ones(S, S, dtype=torch.bool, device=device).tril()
-    idx = torch.arange(S, device=device)
-    predictor, targets, pair, rejected = [], [], [], []
-    for i, (row, pos, lab, (lc, p)) in enumerate(zip(rows, positions, labels_rows, scored)):
-        s = len(row)
-        out_ids[i, :s], out_pos[i, :s] = row, pos
-        allowed[i, :s, :s] = causal[:s, :s]
-        allowed[i, lc:s, p:lc] = False  # rejected tokens never see the chosen completion
-        allowed[i, idx[s:], idx[s:]] = True  # padding queries see themselves (no all-masked row)
-        t = torch.nonzero(lab[1:] != IGNORE_INDEX).squeeze(1) + 1  # positions of scored tokens in the row
-        before = t - 1  # the position that predicts each of them...
-        is_rej = t >= lc
-        # ...except the first rejected token, predicted by the end of the prompt
-        before = torch.where(is_rej & (t == lc), torch.full_like(before, p - 1), before)
-        predictor.append(before)
-        targets.append(row[t])
-        pair.append(torch.full_like(t, i))
-        rejected.append(is_rej)
-        keep[i, before] = True
-    predictor, pair = torch.cat(predictor), torch.cat(pair)
-    flat = keep.flatten().long().cumsum(0) - 1  # index of each kept position among the kept ones (row-major)
-    if dtype == torch.bool:
-        attention = allowed[:, None]
-    else:
-        attention = torch.zeros(n, 1, S, S, dtype=dtype, device=device).masked_fill_(~allowed[:, None],
-                                                                                     torch.finfo(dtype).min)
-    return {"input_ids": out_ids, "position_ids": out_pos, "attention_mask": attention, "keep": keep,
-            "gather": flat[pair * S + predictor], "targets": torch.cat(targets), "pair": pair,
-            "rejected": torch.cat(rejected)}
+        groups.append((ids[i, :p], [ids[i, p:lc], ids[n + i, p:lr]]))
+        group_labels.append((labels[i, p:lc], labels[n + i, p:lr]))
+    packed, predictors = pack_shared_prompts(groups, dtype)
+    wanted, targets, pair, rejected = [], [], [], []
+    for i, ((_, completions), sides, group) in enumerate(zip(groups, group_labels, predictors)):
+        for side, (completion, side_labels, before) in enumerate(zip(completions, sides, group)):
+            scored = side_labels != IGNORE_INDEX
+            wanted.append(before[scored])
+            targets.append(completion[scored])
+            pair.append(torch.full((int(scored.sum()),), i, dtype=torch.long, device=device))
+            rejected.append(torch.full((int(scored.sum()),), side == 1, dtype=torch.bool, device=device))
+    K, S = packed["input_ids"].shape
+    keep, gather = kept_positions(torch.cat(wanted), K * S)
+    return {**packed, "keep": keep.view(K, S), "gather": gather, "targets": torch.cat(targets),
+            "pair": torch.cat(pair), "rejected": torch.cat(rejected)}
 
 
 def pair_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],

@@ -118,6 +118,65 @@ def chunked_entropy(logits: torch.Tensor, chunk: int = 256) -> torch.Tensor:
 def shared_prompt_batch(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                         responses: torch.Tensor, response_mask: torch.Tensor) -> dict[str, torch.Tensor] | None:
     """Rewrite (B, P + N) rollout rows as one row per DISTINCT prompt: ``prompt + completion_1 + ... + completion_k``
+    (the real tokens of each) with :func:`llmtune.core.lm_head.pack_shared_prompts`: every response token sees
+    exactly the keys, queries and positions of its own row, the same log-probs up to float rounding, for (G - 1) x p
+    fewer tokens per group of G completions of a p-token prompt.
+
+    Args:
+        model: the causal LM (its attention implementation decides the mask's form).
+        input_ids, attention_mask: (B, P + N) from ``rollout.join`` (prompts left-padded, responses right-padded).
+        responses, response_mask: (B, N); a response's real tokens are its first ``response_mask.sum()`` ones.
+
+    Returns:
+        ``input_ids``/``position_ids`` (K, S), ``attention_mask`` (K, 1, S, S) (bool for SDPA, True = attend; else
+        additive), ``keep`` (K, S) bool positions whose logits are needed, ``gather`` (M,) the row among the kept
+        logits that predicts each real response token, in the row-major order of ``responses[response_mask]``.
+        None when no prompt repeats or the attention kernel takes no 4-D mask (then use the rows as they are).
+    """
+    from llmtune.core.lm_head import SHARED_PROMPT_ATTENTION, _causal_lm, kept_positions, pack_shared_prompts
+
+    lm = _causal_lm(model)
+    attention = getattr(lm.config, "_attn_implementation", None)
+    width, prompt_width = responses.shape[1], input_ids.shape[1] - responses.shape[1]
+    if attention not in SHARED_PROMPT_ATTENTION or input_ids.shape[0] < 2 or prompt_width < 1:
+        return None
+    prompts = torch.cat([input_ids[:, :prompt_width], attention_mask[:, :prompt_width].to(input_ids.dtype)], 1)
+    unique, inverse = torch.unique(prompts, dim=0, return_inverse=True)
+    if unique.shape[0] == input_ids.shape[0]:
+        return None
+    lengths = response_mask.sum(1).tolist()
+    groups, members = [], []
+    for k in range(unique.shape[0]):
+        rows = (inverse == k).nonzero().flatten().tolist()
+        prompt = input_ids[rows[0], :prompt_width][attention_mask[rows[0], :prompt_width].bool()]
+        if prompt.numel() == 0:
+            return None
+        groups.append((prompt, [responses[b, :int(lengths[b])] for b in rows]))
+        members.append(rows)
+    packed, predictors = pack_shared_prompts(groups, torch.bool if attention == "sdpa" else lm.dtype)
+    predictor = torch.full((input_ids.shape[0], width), -1, dtype=torch.long, device=input_ids.device)
+    for rows, group in zip(members, predictors):
+        for b, before in zip(rows, group):
+            predictor[b, :before.numel()] = before
+    K, S = packed["input_ids"].shape
+    keep, gather = kept_positions(predictor[response_mask.bool()], K * S)
+    return {**packed, "keep": keep.view(K, S), "gather": gather}
+
+
+@torch.no_grad()
+def chunked_entropy(logits: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """(M, V) logits -> (M,) entropy in nats, fp32, ``chunk`` rows at a time (no (M, V) temporaries)."""
+    from llmtune.rl.ops import entropy_from_logits
+
+    if logits.shape[0] == 0:
+        return logits.new_zeros(0, dtype=torch.float32)
+    return torch.cat([entropy_from_logits(logits[i:i + chunk]) for i in range(0, logits.shape[0], chunk)])
+
+
+
+def shared_prompt_batch(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        responses: torch.Tensor, response_mask: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """Rewrite (B, P + N) rollout rows as one row per DISTINCT prompt: ``prompt + completion_1 + ... + completion_k``
     (the real tokens of each), in which completion j has the position ids it has in its own row (``p, p + 1, ...``)
     and a 4-D mask that lets it attend to the prompt and to itself only. Every response token therefore sees exactly
     the keys, queries and positions of its own row: the same log-probs up to float rounding, for (G - 1) x p fewer
