@@ -32,6 +32,13 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
     stage_name = stage or declared or "sft"
     # the recipe first, with the config package only: a recipe error costs no torch/transformers/peft import
     recipe = load_recipe(recipe_path, overrides, stage=stage_name)
+    # a missing data file, before any tokenizer or torch import (the reader applies the same rule)
+    from llmtune.config.paths import missing_local_file
+
+    missing = [(f"data.datasets.{i}.path", problem) for i, ds in enumerate(recipe.data.datasets)
+               if (problem := missing_local_file(ds.path))]
+    if missing:
+        raise RecipeError(missing, source=recipe_path)
     # then only what a dry run needs: the one stage's module (imported by the lazy registry), the tokenizer and the
     # data layer; never the trainer (transformers.Trainer, peft, bitsandbytes), trl, deepspeed or matplotlib
     from llmtune.core.distributed import batch_layout

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from llmtune.config.paths import LOCAL_SUFFIXES, local_path, missing_local_file  # noqa: F401 (LOCAL_SUFFIXES: re-export)
 from llmtune.config.schema import DatasetConfig
 from llmtune.data.errors import DataError, RowError
 from llmtune.data.jsonstream import Event, ReadState, TextWindow, first_char, read_json_array, read_json_lines
@@ -69,7 +70,6 @@ BUILTIN_SOURCES: dict[str, BuiltinSource] = {
     ),
 }
 
-LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".gz", ".txt", ".arrow")
 BATCH_ROWS = 1024  # rows (and bad rows) per batch of iter_source
 READ_CHUNK_BYTES = 1 << 20  # bytes per read() of a JSON, JSON-lines or CSV file (after gzip decompression)
 DATASET_BLOCK_ROWS = 4096  # rows of a datasets directory / hub dataset converted per select() (~1 ms a call)
@@ -197,16 +197,20 @@ def _open_source(ds: DatasetConfig, index: int, key: str, limit: float, base_dir
     """The source's batch template and its row events (nothing is read until the events are iterated)."""
     if ds.path.startswith("builtin:"):
         return _open_builtin(ds, index, key, limit, size, state)
-    local = Path(ds.path).expanduser()
-    if not local.is_absolute():
-        local = Path(base_dir) / local
+    local = local_path(ds.path, base_dir)
     if local.exists():
         return RawSource(index, ds.path, str(local.resolve())), _local_events(local, ds, key, limit, size, state)
-    if ds.path.startswith((".", "/", "~")) or ds.path.lower().endswith(LOCAL_SUFFIXES) or ds.path.count("/") > 1:
-        raise DataError(
-            f"{key}.path: file not found: {local.resolve()} (relative paths are resolved against {base_dir})."
-        )
+    problem = missing_local_file(ds.path, base_dir)
+    if problem:
+        raise DataError(f"{key}.path: {problem}.")
     return RawSource(index, ds.path, ds.path), _hub_events(ds, key, limit, local, size, state)
+
+    local = local_path(path, base_dir)
+    if local.exists():
+        return None
+    if path.startswith((".", "/", "~")) or path.lower().endswith(LOCAL_SUFFIXES) or path.count("/") > 1:
+        return f"file not found: {local.resolve()} (relative paths are resolved against {base_dir})"
+    return None
 
 
 def _open_builtin(ds: DatasetConfig, index: int, key: str, limit: float, size: int,

@@ -214,17 +214,10 @@ def _apply_when_missing(doc: dict, base_dir: Path, where: str, notes: list[str],
 
 def _local_path_problems(datasets: list, base_dir: Path, produced: set[str], where: str) -> list[tuple[str, str]]:
     """Local data files that do not exist (and are not produced by an earlier step)."""
-    from llmtune.data.sources import LOCAL_SUFFIXES
+    from llmtune.config.paths import missing_local_file
 
-    out = []
-    for i, ds in enumerate(datasets):
-        path = ds.path
-        if path in produced or path.startswith("builtin:") or not path.endswith(LOCAL_SUFFIXES):
-            continue
-        if not (base_dir / path).exists():
-            out.append((f"{where}data.datasets.{i}.path", f"file not found: {base_dir / path} (relative data paths "
-                        "are resolved against the current directory)"))
-    return out
+    return [(f"{where}data.datasets.{i}.path", problem) for i, ds in enumerate(datasets)
+            if ds.path not in produced and (problem := missing_local_file(ds.path, base_dir))]
 
 
 def _split_overrides(overrides: list[str] | tuple[str, ...], names: list[str], problems: list) -> tuple[list, dict]:

@@ -54,10 +54,12 @@ def test_a_missing_data_file_is_reported_without_the_trainer(recipe, tmp_path):
     path = tmp_path / "missing.yaml"
     path.write_text(yaml.safe_dump(bad))
     code = (f"import sys\nfrom llmtune.commands.cli import main\nrc = main(['validate', {str(path)!r}])\n"
-            f"print(rc, sorted(m for m in {NOT_NEEDED!r} if m in sys.modules))")
+            f"print(rc, sorted(m for m in {NOT_NEEDED!r} if m in sys.modules), 'torch' in sys.modules,\n"
+            "      'transformers' in sys.modules)")
     out = _run(code)
-    assert out.stdout.strip().splitlines()[-1] == "1 []", out.stdout + out.stderr
-    assert f"file not found: {tmp_path / 'missing.jsonl'}" in out.stderr
+    # found before the tokenizer: neither torch nor transformers is imported for it
+    assert out.stdout.strip().splitlines()[-1] == "1 [] False False", out.stdout + out.stderr
+    assert f"data.datasets.0.path: file not found: {tmp_path / 'missing.jsonl'}" in out.stderr
 
 
 def test_the_registry_imports_a_stage_only_when_it_is_looked_up():
