@@ -65,6 +65,7 @@ from pathlib import Path
 
 import torch
 
+from llmtune.config.schema import RolloutConfig, VLLMConfig
 from llmtune.errors import EXIT_ENGINE, LlmtuneError
 from llmtune.rl.vllm_server import engine_lora_rank
 from llmtune.utils import get_logger
@@ -85,22 +86,27 @@ class RolloutEngineError(LlmtuneError, RuntimeError):
 # ---------------------------------------------------------------------------------------------------------------
 # settings
 # ---------------------------------------------------------------------------------------------------------------
+_VLLM, _ROLLOUT = VLLMConfig(), RolloutConfig()  # the recipe's defaults: one source for both
+
+
 @dataclass
 class VLLMSettings:
-    """``rollout.vllm`` plus the sampling settings, resolved (see the recipe's ``rollout:`` section)."""
+    """``rollout.vllm`` plus the sampling settings, resolved (see the recipe's ``rollout:`` section). The defaults
+    are the recipe schema's; ``max_model_len``, ``max_lora_rank``, ``dtype`` and ``seed`` are resolved values
+    (:func:`settings_from_recipe`), their defaults those of a small test engine."""
 
-    mode: str = "colocate"
-    url: str | None = None
-    gpu_memory_utilization: float = 0.3
-    enable_sleep_mode: bool = True
+    mode: str = _VLLM.mode
+    url: str | None = _VLLM.url
+    gpu_memory_utilization: float = _VLLM.gpu_memory_utilization
+    enable_sleep_mode: bool = _VLLM.enable_sleep_mode
     max_model_len: int = 1024
     max_lora_rank: int = 16
     dtype: str = "float32"
-    startup_timeout_s: float = 600.0
-    request_timeout_s: float = 600.0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    startup_timeout_s: float = _VLLM.startup_timeout_s
+    request_timeout_s: float = _VLLM.request_timeout_s
+    temperature: float = _ROLLOUT.temperature
+    top_p: float = _ROLLOUT.top_p
+    top_k: int = _ROLLOUT.top_k
     seed: int = 0
 
 

@@ -4,6 +4,7 @@ SFT adapter below the policy has another."""
 
 import shutil
 
+import pytest
 import yaml
 
 from llmtune.config import load_recipe
@@ -47,10 +48,6 @@ def test_identity_follows_content_not_paths(tmp_path, monkeypatch):
 def test_check_base_refuses_another_base_and_names_the_fix():
     check_base({"base_id": "abc"}, "abc", "http://h:1")  # same base: nothing to say
     check_base({"base_id": None}, "abc", "http://h:1")  # a server started by hand without --base-id: a warning
-    try:
+    with pytest.raises(RolloutEngineError, match="http://h:1 serves another base model") as err:
         check_base({"base_id": "def"}, "abc", "http://h:1")
-    except RolloutEngineError as err:
-        assert "http://h:1 serves another base model" in str(err) and "llmtune rollout-server RECIPE" in str(err)
-        assert err.exit_code == 69
-    else:
-        raise AssertionError("a server of another base was accepted")
+    assert "llmtune rollout-server RECIPE" in str(err.value) and err.value.exit_code == 69
