@@ -205,13 +205,6 @@ def _open_source(ds: DatasetConfig, index: int, key: str, limit: float, base_dir
         raise DataError(f"{key}.path: {problem}.")
     return RawSource(index, ds.path, ds.path), _hub_events(ds, key, limit, local, size, state)
 
-    local = local_path(path, base_dir)
-    if local.exists():
-        return None
-    if path.startswith((".", "/", "~")) or path.lower().endswith(LOCAL_SUFFIXES) or path.count("/") > 1:
-        return f"file not found: {local.resolve()} (relative paths are resolved against {base_dir})"
-    return None
-
 
 def _open_builtin(ds: DatasetConfig, index: int, key: str, limit: float, size: int,
                   state: ReadState) -> tuple[RawSource, Iterator[Event]]:
