@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The main job on the embedded default: set up (or reuse) the venv, run the quickstart pipeline on SmolLM2-135M-Instruct
-# (recipes/quickstart_pipeline.yaml: SFT on GSM8K -> reward model -> DPO -> PPO -> export; preference pairs from
-# ../shared/data when the HH-RLHF file is there, else on-policy GSM8K pairs), then ask the merged model GSM8K
-# questions it never saw. Prints each stage's held-out metric before -> after training (scripts/quickstart_report.py).
+# (recipes/quickstart_pipeline.yaml: SFT on GSM8K -> on-policy GSM8K pairs -> reward model -> DPO -> PPO -> export),
+# then ask the merged model GSM8K questions it never saw. Prints each stage's held-out metric before -> after training (scripts/quickstart_report.py).
 # Resumable: after Ctrl-C or a kill, run it again; finished steps are skipped and the interrupted one resumes.
 # Extra args are pipeline overrides naming the step, e.g.  bash scripts/quickstart.sh sft.train.max_steps=4
 set -euo pipefail
