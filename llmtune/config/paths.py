@@ -31,5 +31,6 @@ def missing_local_file(path: str, base_dir: str | Path = ".") -> str | None:
     if local.exists():
         return None
     if path.startswith((".", "/", "~")) or path.lower().endswith(LOCAL_SUFFIXES) or path.count("/") > 1:
-        return f"file not found: {local.resolve()} (relative paths are resolved against {base_dir})"
+        where = f"the current directory, {Path.cwd()}" if str(base_dir) in ("", ".") else str(Path(base_dir).resolve())
+        return f"file not found: {local.resolve()} (relative paths are resolved against {where})"
     return None
