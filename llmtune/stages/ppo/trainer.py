@@ -60,27 +60,45 @@ class PolicyValueModel(PolicyModel):
         return self.policy.get_base_model().base_model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                response_width: int, with_values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Policy logits and values at the positions that predict the response tokens.
+                response_width: int, with_values: bool = True, responses: torch.Tensor | None = None,
+                response_mask: torch.Tensor | None = None, temperature: float = 1.0, with_entropy: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None,
+                                                                      torch.Tensor | None]:
+        """Policy logits (or log-probs) and values at the positions that predict the response tokens.
 
         Args:
             input_ids, attention_mask, position_ids: (B, P + N) prompt + response (see ``rollout.join``).
             response_width: N.
             with_values: also run the value model.
+            responses, response_mask: (B, N) sampled ids and their real-token mask: when given, the policy's
+                log-probs of those tokens come from :meth:`PolicyModel.response_logps` (the LM head at the real
+                response tokens only, no (B, N, V) logits) instead of the logits.
+            temperature: divides the logits (with ``responses``). with_entropy: also the (B, N) entropy.
 
         Returns:
             ``(logits, values)``: (B, N, V) policy logits (position t predicts response token t) and (B, N) fp32
-            values of the state before response token t (None without ``with_values``).
+            values of the state before response token t (None without ``with_values``); with ``responses``:
+            ``(logps, values, entropy)``, (B, N) fp32 each (logps and entropy 0 where ``response_mask`` is 0;
+            entropy None without ``with_entropy``).
         """
+        if responses is not None:
+            logps, entropy = self.response_logps(input_ids, attention_mask, position_ids, responses, response_mask,
+                                                 temperature, with_entropy=with_entropy)
+            return logps, self.values(input_ids, attention_mask, position_ids, response_width) if with_values \
+                else None, entropy
         logits = self.policy_logits(input_ids, attention_mask, position_ids, response_width)
         if not with_values:
             return logits, None
+        return logits, self.values(input_ids, attention_mask, position_ids, response_width)
+
+    def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+               response_width: int) -> torch.Tensor:
+        """(B, N) fp32 values of the state before each response token (value adapter + ``value_head``)."""
         keep = response_width + 1
         with adapter_scope(self.policy, VALUE):
             hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                    use_cache=False).last_hidden_state[:, -keep:-1]
-        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
-        return logits, values
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
 
 
 class PPOTrainer(OnlineRLTrainer):

@@ -207,3 +207,54 @@ def test_trim_drops_the_left_padding_every_row_has():
     assert rows["responses"].tolist() == [[5, 6, 7], [14, 15, 16]]
     only_first = trim(exp, torch.tensor([0]), prompt_width=5)  # alone, row 0 loses a third padding column
     assert only_first["input_ids"].tolist() == [[3, 4, 5, 6]]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_ppo_loss_through_the_masked_head_equals_the_full_logits_loss(tok, temperature):
+    """PPOStage.loss takes the policy's log-probs from the LM head at the real response tokens only; its loss,
+    entropy metric and LoRA/value gradients are those of the full (b, n, V) logits path within fp32 rounding."""
+    from llmtune.rl.ops import entropy_from_logits
+    from llmtune.stages.ppo import PPOStage
+
+    model, recipe = policy_value(tok, seed=3)
+    recipe.rollout.temperature = temperature
+    _, prompt_ids, prompt_mask = left_padded(tok, PROMPTS)
+    n = 6
+    gen = torch.Generator().manual_seed(7)
+    mask = (torch.arange(n)[None] < torch.tensor([6, 3, 1, 4])[:, None]).long()
+    responses = torch.randint(5, 60, (len(PROMPTS), n), generator=gen).masked_fill(mask == 0, tok.pad_token_id)
+    batch = {**join(prompt_ids, prompt_mask, responses, mask), "responses": responses, "response_mask": mask,
+             "old_logps": -torch.rand(len(PROMPTS), n, generator=gen) * 3,
+             "old_values": torch.randn(len(PROMPTS), n, generator=gen),
+             "advantages": torch.randn(len(PROMPTS), n, generator=gen),
+             "returns": torch.randn(len(PROMPTS), n, generator=gen)}
+    for p in model.parameters():  # LoRA B starts at 0: move it so that the policy differs from the reference
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.05)
+    num_items = mask.sum()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+
+    def no_full_logits(*args, **kwargs):
+        raise AssertionError("PPOStage.loss built the (b, n, V) policy logits")
+
+    model.policy_logits = no_full_logits  # the loss must not take the full-logits path (it did before)
+    loss, metrics = PPOStage(recipe).loss(model, batch, num_items)
+    del model.policy_logits
+    new_grads = torch.autograd.grad(loss, trainable)
+
+    cfg, maskf = recipe.ppo, mask.float()  # the full-logits path the stage used before
+    logits, values = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                           position_ids=batch["position_ids"], response_width=n)
+    logps = response_token_logps(logits, responses, temperature)
+    pg = ops.policy_loss(logps, batch["old_logps"], batch["advantages"], maskf, cfg.cliprange, None)
+    vf_sum, _ = ops.value_loss(values, batch["old_values"], batch["returns"], maskf, cfg.cliprange_value)
+    ref_loss = (pg.loss_sum + cfg.vf_coef * vf_sum) / num_items
+    ref_grads = torch.autograd.grad(ref_loss, trainable)
+    entropy = ops.masked_mean(entropy_from_logits(logits.detach().float() / temperature), maskf)
+
+    assert abs(float(loss.detach()) - float(ref_loss.detach())) < 1e-5 and abs(float(ref_loss.detach())) > 1e-3
+    assert abs(metrics["policy_entropy"] - float(entropy)) < 1e-4
+    assert abs(metrics["clipfrac"] - float(pg.clipped / maskf.sum())) < 1e-6
+    for new, ref in zip(new_grads, ref_grads):
+        assert torch.allclose(new, ref, atol=1e-5, rtol=1e-4)
+    assert any(float(g.abs().max()) > 1e-4 for g in ref_grads)
