@@ -288,13 +288,14 @@ class OnlineRLTrainer(CoreTrainer):
         the per-token statistics are taken one row at a time (:func:`_per_row`), so the (rows, N, V) fp32
         temporaries of softmax/logsumexp/KL never exist for a whole chunk; without ``exact_kl`` the policy's logits
         are freed before the reference forward. Same values as whole-chunk arithmetic (row-wise reductions).
-        Without values and exact KL (GRPO's old and reference log-probs, the engine correction) the LM head runs at
-        the real response tokens only (:meth:`~llmtune.rl.model.PolicyModel.response_logps`: no (rows, N, V) logits
-        at all); the log-probs are then exactly 0 on padding (elsewhere padding holds garbage: multiply by the
-        mask)."""
+        Without exact KL (GRPO's old and reference log-probs, PPO's with its values, the engine correction) the LM
+        head runs at the real response tokens only (:meth:`~llmtune.rl.model.PolicyModel.response_logps`: no
+        (rows, N, V) logits at all; values from the model's ``values``); the log-probs are then exactly 0 on padding
+        (elsewhere padding holds garbage: multiply by the mask)."""
         model = self.model
-        if not with_values and not exact_kl and hasattr(model, "response_logps"):
-            return self._response_logps_chunks(model, inputs, responses, reference, temperature, policy)
+        if not exact_kl and hasattr(model, "response_logps") and (not with_values or hasattr(model, "values")):
+            return self._response_logps_chunks(model, inputs, responses, reference, temperature, policy,
+                                               with_values)
         was_training = model.training
         model.eval()
         width = responses.shape[1]
@@ -332,9 +333,11 @@ class OnlineRLTrainer(CoreTrainer):
 
     @torch.no_grad()
     def _response_logps_chunks(self, model, inputs: dict[str, torch.Tensor], responses: torch.Tensor,
-                               reference: bool, temperature: float, policy: bool) -> dict[str, torch.Tensor]:
+                               reference: bool, temperature: float, policy: bool,
+                               with_values: bool = False) -> dict[str, torch.Tensor]:
         """:meth:`forward_chunks` through the masked LM head: ``logps``/``entropy`` (policy) and ``ref_logps``,
-        each (B, N), 0 on padding; chunks of the eval batch size."""
+        each (B, N), 0 on padding, and ``values`` (B, N) (``model.values``, PPO) when asked; chunks of the eval
+        batch size."""
         was_training = model.training
         model.eval()
         width = responses.shape[1]
@@ -352,6 +355,9 @@ class OnlineRLTrainer(CoreTrainer):
                 out.setdefault(name, []).append(logps)
                 if entropy is not None:
                     out.setdefault("entropy", []).append(entropy)
+            if with_values:
+                with self.compute_loss_context_manager():
+                    out.setdefault("values", []).append(model.values(**part, response_width=width))
         model.train(was_training)
         return {k: torch.cat(v) for k, v in out.items()}
 

@@ -258,3 +258,45 @@ def test_the_ppo_loss_through_the_masked_head_equals_the_full_logits_loss(tok, t
     for new, ref in zip(new_grads, ref_grads):
         assert torch.allclose(new, ref, atol=1e-5, rtol=1e-4)
     assert any(float(g.abs().max()) > 1e-4 for g in ref_grads)
+
+
+def test_ppo_rollout_forwards_use_the_masked_head_with_values(tok):
+    """PPO's rollout forwards (forward_chunks with values and the reference) take log-probs and entropy from the
+    LM head at the real response tokens only and the values from the value model: the full-logits numbers on real
+    tokens, in chunks of the eval batch size."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from llmtune.rl.ops import entropy_from_logits
+    from llmtune.rl.trainer import OnlineRLTrainer
+
+    model, _ = policy_value(tok, seed=5)
+    for p in model.parameters():
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.05)
+    _, prompt_ids, prompt_mask = left_padded(tok, PROMPTS)
+    mask = (torch.arange(5)[None] < torch.tensor([5, 2, 4, 1])[:, None]).long()
+    responses = torch.randint(5, 60, (4, 5), generator=torch.Generator().manual_seed(2))
+    responses = responses.masked_fill(mask == 0, tok.pad_token_id)
+    inputs = join(prompt_ids, prompt_mask, responses, mask)
+    me = SimpleNamespace(model=model, args=SimpleNamespace(per_device_eval_batch_size=3),
+                         compute_loss_context_manager=contextlib.nullcontext)
+    me._response_logps_chunks = OnlineRLTrainer._response_logps_chunks.__get__(me)
+
+    def no_full_logits(*args, **kwargs):
+        raise AssertionError("the rollout forwards built the (b, n, V) policy logits")
+
+    model.policy_logits = no_full_logits
+    out = OnlineRLTrainer.forward_chunks(me, inputs, responses, with_values=True, reference=True, temperature=0.7)
+    del model.policy_logits
+    model.eval()
+    with torch.no_grad():
+        logits, values = model(**inputs, response_width=5)
+        ref = model.reference_logits(**inputs, response_width=5)
+    want = {"logps": response_token_logps(logits, responses, 0.7) * mask,
+            "entropy": entropy_from_logits(logits / 0.7) * mask,
+            "ref_logps": response_token_logps(ref, responses, 0.7) * mask, "values": values * mask}
+    assert set(out) == set(want)
+    for key in want:
+        torch.testing.assert_close(out[key] * mask, want[key], rtol=1e-5, atol=1e-5)
+    assert float((want["logps"] - want["ref_logps"]).abs().max()) > 1e-2
