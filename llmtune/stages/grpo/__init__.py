@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from llmtune.rl.ops import masked_mean
 from llmtune.core.stage import HIGHER, HeldOutMetric
+from llmtune.rl.ops import masked_mean
 from llmtune.rl.stage import OnlineRLStage
 from llmtune.stages.grpo import ops
 from llmtune.stages.grpo.trainer import GRPOTrainer
