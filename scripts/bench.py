@@ -38,7 +38,6 @@ import dataclasses
 import gzip
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -324,14 +323,6 @@ def work_of(batch_samples: list[dict]) -> dict:
     return {"trained_tokens": trained, "seen_tokens": seen, "rows": rows}
 
 
-def peak_memory_gb() -> float:
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
 def run_llmtune(case: Case, out: Path, probe: Probe, overrides: list[str] = ()) -> None:
     from llmtune.config import load_recipe
     from llmtune.core.runner import run_stage
@@ -467,8 +458,9 @@ def worker(spec_path: str) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
+    from llmtune.core.memory import peak_memory_gb, reset_peak_memory
+
+    reset_peak_memory()  # both sides measured from here (llmtune's run_stage resets it again: nothing in between)
     probe = rollout_probe(case) if case.stage == "grpo" else Probe()
     t0 = time.perf_counter()
     if side == "trl":

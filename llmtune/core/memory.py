@@ -34,8 +34,9 @@ The estimate (per device, bytes; :func:`estimate_training_memory`) adds:
   With full recomputation (their section 4.2, "2 s b h" bytes per layer at 16 bit) a layer keeps only its input,
   ``h`` per token, and the backward recomputes one layer at a time: ``L h + (one layer)`` per token;
 - the LM head and loss: the (N, V) fp32 logits of the trained positions (``llmtune.core.lm_head``) plus the final
-  norm's input, or (B, T, V) logits with their fp32 log-softmax for stages that score every response position
-  (PPO, GRPO).
+  norm's input; for the online-RL stages (PPO, GRPO: ``rows x rollout.max_new_tokens`` response positions at most)
+  two (M, V) fp32 buffers: the masked head's logits divided by the sampling temperature and the softmax buffer of
+  ``TokenLogps`` (``llmtune.rl.model.PolicyModel.response_logps``).
 
 The activation coefficients are checked against the tensors autograd really saves in
 ``tests/unit/core/test_memory.py`` (within 10 %); weights and trainable state exactly.
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import resource
 
 import torch
 
@@ -217,7 +219,7 @@ def estimate_training_memory(model: torch.nn.Module, recipe, data_kind: str, zer
         activations += n_layers * 2 * sum(p.numel() for p in layers[0].parameters() if p.requires_grad)
     activations_ckpt = int(tokens * act_bytes * (n_layers * per_layer_ckpt * passes + per_layer))
     head_rows = rows * (recipe.rollout.max_new_tokens or 0) if data_kind == "prompt" else tokens
-    copies = 2 if data_kind == "prompt" else 1  # full logits + fp32 log-softmax vs. one fp32 buffer (lm_head.py)
+    copies = 2 if data_kind == "prompt" else 1  # RL: logits / temperature + the softmax buffer (lm_head.py)
     head = int(head_rows * vocab * 4 * copies + tokens * act_bytes * h)  # + the final norm's input
     return MemoryEstimate(weights=int(weights), trainable=int(grads + states + master), activations=activations,
                           activations_checkpointed=activations_ckpt, head=head, tokens=tokens)
@@ -240,6 +242,39 @@ def device_memory_bytes() -> int:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     return int((info.get("MemAvailable", info.get("MemTotal", 0)) + rss) / max(local, 1))
+
+
+def reset_peak_memory() -> None:
+    """Start a new peak for :func:`peak_memory_gb`, called when a stage starts (:func:`llmtune.core.runner.run_stage`).
+
+    Without it a stage that runs after another in the same process (``llmtune pipeline`` runs its steps in one
+    process) would report the earlier stage's peak: CUDA's ``max_memory_allocated`` and the process's peak resident
+    set only grow. CUDA: ``torch.cuda.reset_peak_memory_stats`` on this rank's device (``LOCAL_RANK``). CPU: the
+    process's peak resident set (``VmHWM``, which ``ru_maxrss`` follows) is reset by writing 5 to
+    ``/proc/self/clear_refs`` (Linux >= 4.0, proc(5)); where that file is missing or read-only the CPU peak stays the
+    process's since it started.
+    """
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats(int(os.environ.get("LOCAL_RANK", "0") or 0) % torch.cuda.device_count())
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_memory_gb() -> float:
+    """Peak memory (GiB) since the last :func:`reset_peak_memory` (else since the process started): on CUDA the
+    tensors allocated on the current device (``torch.cuda.max_memory_allocated``), else the process's peak resident
+    set size (``VmHWM``; ``ru_maxrss`` where /proc is not readable)."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / GB
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM")) / GB
+    except (OSError, StopIteration, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def choose_checkpointing(setting: bool | str, estimate: MemoryEstimate, device_bytes: int) -> tuple[bool, str]:

@@ -22,6 +22,7 @@ from llmtune.core.plots import plot_run
 from llmtune.core.distributed import batch_layout, no_zero3_init, zero_stage
 from llmtune.config.validate import data_size_problems
 from llmtune.core.guard import check_precision, check_trainable_weights
+from llmtune.core.memory import reset_peak_memory
 from llmtune.core.preempt import PreemptedError, StopOnSignalCallback, StopRequest, exit_code, signal_name
 from llmtune.core.stage import Stage, prepare_tokenizer
 from llmtune.core.trainer import (
@@ -72,6 +73,7 @@ def run_stage(stage: Stage, base_dir: str | Path = ".") -> dict:
 
 
 def _run_stage(stage: Stage, base_dir: str | Path, stop: StopRequest, cleanup: contextlib.ExitStack) -> dict:
+    reset_peak_memory()  # this stage's peak_mem_gb, not an earlier stage's of the same process (the pipeline)
     recipe, chain = inherit_from_run(stage.recipe, base_dir)  # model.from_run: base, chat template, adapter chain
     stage.recipe = recipe
     t0 = time.perf_counter()

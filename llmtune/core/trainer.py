@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -32,6 +31,7 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 from llmtune.config import Recipe
 from llmtune.core.distributed import batch_layout
 from llmtune.core.guard import NonFiniteGuard
+from llmtune.core.memory import peak_memory_gb
 from llmtune.core.recompute import recompute_cheap_activations
 from llmtune.core.schedule import SCHEDULERS, apply_schedule_lr, build_scheduler
 from llmtune.core.stage import Stage
@@ -409,13 +409,6 @@ def all_ranks_agree(trainer: Trainer, flag: bool) -> bool:
     value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=trainer.args.device)
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
     return bool(value.item())
-
-
-def peak_memory_gb() -> float:
-    """Peak accelerator memory allocated (GiB) on CUDA, else the process's peak resident set size."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def early_stopping(recipe: Recipe) -> list[Any]:

@@ -233,3 +233,21 @@ def test_validate_caches_the_tokenized_data_and_training_reuses_it(workspace, tm
     assert report == reference
     assert [r["trained_tokens"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r] == \
         [r["trained_tokens"] for r in read_jsonl(workspace / "run" / "metrics.jsonl") if "loss" in r]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU peak (resident set)")
+def test_a_stage_reports_its_own_peak_memory_not_an_earlier_one_of_the_same_process(workspace, tmp_path):
+    """`llmtune pipeline` runs its steps in one process: a step's peak_mem_gb must not include what an earlier step
+    (here a 2 GiB block, freed before the stage starts) held. The old peak (ru_maxrss since the process started)
+    reported the block."""
+    recipe = yaml.safe_load((workspace / "recipe.yaml").read_text())
+    recipe["output"]["dir"] = str(tmp_path / "run2")
+    recipe["train"].update(max_steps=1, eval_steps=None, save_steps=1)
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    block = torch.ones(2 * 2**30 // 8, dtype=torch.float64)  # 2 GiB, every page touched
+    with open("/proc/self/status") as f:  # resident set now, with the block (GiB)
+        held = next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 2**20
+    del block
+    assert main(["sft", str(tmp_path / "recipe.yaml")]) == 0
+    logged = [r["peak_mem_gb"] for r in read_jsonl(tmp_path / "run2" / "metrics.jsonl") if "loss" in r]
+    assert logged and max(logged) < held - 1.0, (logged, held)

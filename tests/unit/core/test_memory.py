@@ -253,3 +253,14 @@ def test_ppo_keeps_two_passes_of_activations():
     from llmtune.stages import STAGES
 
     assert STAGES["ppo"].trainer_class.value_forward and not getattr(STAGES["grpo"].trainer_class, "value_forward")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU peak (resident set)")
+def test_reset_peak_memory_starts_a_new_cpu_peak():
+    """peak_memory_gb covers a freed 1 GiB block until reset_peak_memory, and no longer after it."""
+    block = torch.ones(memory.GB // 8, dtype=torch.float64)  # every page touched
+    with_block = memory.peak_memory_gb()
+    del block
+    assert memory.peak_memory_gb() > with_block - 0.05  # a peak: freeing the block does not lower it
+    memory.reset_peak_memory()
+    assert memory.peak_memory_gb() < with_block - 0.75
