@@ -225,6 +225,16 @@ def estimate_training_memory(model: torch.nn.Module, recipe, data_kind: str, zer
                           activations_checkpointed=activations_ckpt, head=head, tokens=tokens)
 
 
+def _self_status_bytes(key: str) -> int:
+    """A ``kB`` field of /proc/self/status (``VmRSS``, ``VmHWM``) in bytes.
+
+    Raises:
+        OSError: no /proc (not Linux). StopIteration: no such field. ValueError: a field that is not a number.
+    """
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+
 def device_memory_bytes() -> int:
     """Memory this process can use for training: the CUDA device's total, else the RAM it can still get
     (``MemAvailable`` + its own resident set) divided by the ranks on this node."""
@@ -236,8 +246,7 @@ def device_memory_bytes() -> int:
             for line in f:
                 key, value = line.split(":", 1)
                 info[key] = int(value.split()[0]) * 1024
-        with open("/proc/self/status") as f:
-            rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+        rss = _self_status_bytes("VmRSS")
     except (OSError, StopIteration, ValueError):
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
@@ -271,8 +280,7 @@ def peak_memory_gb() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / GB
     try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM")) / GB
+        return _self_status_bytes("VmHWM") / GB
     except (OSError, StopIteration, ValueError):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
