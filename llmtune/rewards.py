@@ -66,6 +66,14 @@ def extract_final_answer(text: str) -> str | None:
     return normalize_number(text.rsplit("####", 1)[1])
 
 
+# Which prompt data carries the reference answers a checking reward function needs (llmtune.data.prompts).
+REFERENCE_DATA = (
+    "The reference of a prompt row is its answer: builtin:gsm8k (the `answer` column, ending in '#### <number>'); "
+    "a messages/sharegpt row's final assistant turn; alpaca `output`; prompt_completion `completion`; preference "
+    "`chosen`. A bare {prompt} row has none: add the answer as the final assistant turn (messages format) or as "
+    "`completion` (prompt_completion format) in the data.datasets file")
+
+
 def gsm8k_reward(prompts: Sequence[str], completions: Sequence[str], references: Sequence[str | None]) -> list[float]:
     """GSM8K correctness: ``1.0`` when the completion's final answer equals the reference's, else ``0.0``.
 
@@ -89,15 +97,16 @@ def gsm8k_reward(prompts: Sequence[str], completions: Sequence[str], references:
     if references is None or len(references) != len(completions):
         got = "None" if references is None else f"{len(references)}"
         raise ValueError(f"gsm8k_reward needs one reference answer per completion: {len(completions)} completions, "
-                         f"references {got}. Use data whose rows carry the answer (e.g. builtin:gsm8k).")
+                         f"references {got}. {REFERENCE_DATA}")
     rewards = []
     for b, (completion, reference) in enumerate(zip(completions, references)):
         expected = None
         if reference is not None:
             expected = extract_final_answer(reference) if "####" in reference else normalize_number(reference)
         if expected is None:
+            what = "none (the prompt data gives no reference)" if reference is None else repr(str(reference)[-80:])
             raise ValueError(f"gsm8k_reward: reference {b} has no final answer ('#### <number>' or a bare number): "
-                             f"{str(reference)[-80:]!r}")
+                             f"{what}. {REFERENCE_DATA}")
         rewards.append(1.0 if extract_final_answer(completion) == expected else 0.0)
     return rewards
 
@@ -122,21 +131,33 @@ def format_reward(prompts: Sequence[str], completions: Sequence[str]) -> list[fl
     return [1.0 if _FINAL_ANSWER.search(c) else 0.0 for c in completions]
 
 
-def load_reward_function(spec: str, base_dir: str | Path | None = None) -> Callable:
-    """Import the reward function named by ``spec``.
+def reward_search_dirs(recipe_dir: str | Path | None) -> list[Path]:
+    """Where a reward module is looked for, in order: the working directory, then the recipe's directory. The one
+    rule of every command (``llmtune ppo/grpo``, ``validate``, ``rollout-server``) and of the pipeline (its stages and
+    its pairs step: the pipeline recipe's directory)."""
+    dirs = [Path.cwd().resolve()]
+    if recipe_dir is not None and Path(recipe_dir).resolve() not in dirs:
+        dirs.append(Path(recipe_dir).resolve())
+    return dirs
+
+
+def load_reward_function(spec: str, recipe_dir: str | Path | None = None) -> Callable:
+    """Import the reward function named by ``spec`` and check that it can be called as a reward function.
 
     Args:
         spec: ``"package.module:function"`` (an attribute path such as ``module:Class.method`` works too) or
-            ``"path/to/file.py:function"`` (relative paths against ``base_dir``).
-        base_dir: the recipe's directory; it is added to ``sys.path`` (after the current directory, which is
-            also added) so a module next to the recipe imports.
+            ``"path/to/file.py:function"``.
+        recipe_dir: the directory of the recipe that names it (None: a recipe without a file). A relative module
+            or file is looked for in the working directory, then there (:func:`reward_search_dirs`; both are added
+            to ``sys.path`` in that order).
 
     Returns:
         The callable.
 
     Raises:
         RewardFunctionError: ``spec`` is not ``module:function``; the module cannot be imported (the import
-            error is shown); the attribute is missing (close names listed) or not callable.
+            error is shown, with the directories searched); the attribute is missing (close names listed) or not
+            callable; its signature cannot take ``(prompts, completions)`` (:func:`check_reward_signature`).
     """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name.strip() or not attr.strip() or ":" in attr:
@@ -145,11 +166,11 @@ def load_reward_function(spec: str, base_dir: str | Path | None = None) -> Calla
             "'my_rewards.py:score'."
         )
     module_name, attr = module_name.strip(), attr.strip()
-    dirs = [str(Path.cwd())] + ([str(Path(base_dir).resolve())] if base_dir is not None else [])
-    for d in dirs:
+    dirs = reward_search_dirs(recipe_dir)
+    for d in map(str, dirs):
         if d not in sys.path:
             sys.path.append(d)
-    module = _import_file(module_name, spec, base_dir) if module_name.endswith(".py") else _import(module_name, spec)
+    module = _import_file(module_name, spec, dirs) if module_name.endswith(".py") else _import(module_name, spec, dirs)
     obj = module
     for i, part in enumerate(attr.split(".")):
         if not hasattr(obj, part):
@@ -165,25 +186,59 @@ def load_reward_function(spec: str, base_dir: str | Path | None = None) -> Calla
             f"reward.function: {spec!r} is {type(obj).__name__}, not callable; name a function "
             "fn(prompts, completions, references) -> list[float]."
         )
+    check_reward_signature(obj, spec)
     return obj
 
 
-def _import(module_name: str, spec: str):
+def check_reward_signature(fn: Callable, spec: str) -> None:
+    """Refuse a reward function that cannot be called as llmtune calls it: ``fn(prompts, completions)``, plus
+    ``references=...`` when it accepts them (:func:`accepts_references`). TRL's ``fn(completions, **kwargs)``
+    is the common mistake: it would fail at the first rollout with a bare ``TypeError``.
+
+    Raises:
+        RewardFunctionError: naming the function's signature, the expected one and a wrapper that fixes it.
+    """
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without a signature: checked when called
+        return
+    try:
+        if accepts_references(fn):
+            sig.bind(["prompt"], ["completion"], references=[None])
+        else:
+            sig.bind(["prompt"], ["completion"])
+    except TypeError as exc:
+        raise RewardFunctionError(
+            f"reward.function: {spec!r} has the signature {getattr(fn, '__name__', 'fn')}{sig}, which cannot be "
+            f"called as fn(prompts, completions[, references=...]) ({exc}). llmtune passes the B prompt texts, the B "
+            "completion texts and, to a function with a `references` parameter or **kwargs, the B reference "
+            "answers; it returns B numbers (None = abstain). A TRL-style fn(completions, **kwargs) can be wrapped: "
+            "def reward(prompts, completions, **kwargs): return trl_fn(completions, **kwargs)") from None
+
+
+def _searched(dirs: list[Path]) -> str:
+    return " or ".join(str(d) for d in dirs)
+
+
+def _import(module_name: str, spec: str, dirs: list[Path]):
     try:
         return importlib.import_module(module_name)
     except Exception as exc:
         raise RewardFunctionError(
             f"reward.function: {spec!r}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}. "
-            "Install it, or put it in the current directory or next to the recipe."
+            f"Install it, or put {module_name.replace('.', '/')}.py in the working directory or next to the recipe "
+            f"(searched: {_searched(dirs)})."
         ) from exc
 
 
-def _import_file(path: str, spec: str, base_dir: str | Path | None):
-    file = Path(path)
-    if not file.is_absolute() and base_dir is not None and not file.exists():
-        file = Path(base_dir) / file
+def _import_file(path: str, spec: str, dirs: list[Path]):
+    file = Path(path).expanduser()
+    if not file.is_absolute():
+        file = next((d / file for d in dirs if (d / file).is_file()), dirs[-1] / file)
     if not file.is_file():
-        raise RewardFunctionError(f"reward.function: {spec!r}: file {file} does not exist.")
+        where = "" if Path(path).expanduser().is_absolute() else f" (searched: {_searched(dirs)})"
+        raise RewardFunctionError(f"reward.function: {spec!r}: file {path} does not exist{where}; put it in the "
+                                  "working directory or next to the recipe, or give its absolute path.")
     name = f"llmtune_reward_{file.stem}"
     module_spec = importlib.util.spec_from_file_location(name, file)
     module = importlib.util.module_from_spec(module_spec)

@@ -82,11 +82,9 @@ def _pipeline_model(path: Path) -> Path:
 
 def stop_ids(model, tokenizer) -> list[int]:
     """Every token id that ends a reply: the chat template's end of turn, the tokenizer's and the model's EOS."""
-    from llmtune.data.templates import template_eos_ids
+    from llmtune.data.templates import stop_token_ids
 
-    model_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    model_eos = model_eos if isinstance(model_eos, (list, tuple)) else [model_eos]
-    return sorted({*template_eos_ids(tokenizer), *(i for i in model_eos if i is not None)})
+    return stop_token_ids(tokenizer, getattr(model, "generation_config", None))
 
 
 @torch.no_grad()

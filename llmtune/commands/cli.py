@@ -263,7 +263,7 @@ def run_stage_command(command: str, recipe_path: str, overrides: list[str], laun
     from llmtune.core.runner import run_stage
     from llmtune.stages import STAGES
 
-    summary = run_stage(STAGES[command](recipe), base_dir=Path.cwd())
+    summary = run_stage(STAGES[command](recipe, recipe_dir=Path(recipe_path).parent), base_dir=Path.cwd())
     if is_main_process():
         print_summary(command, summary)
     if launcher.under_launcher():

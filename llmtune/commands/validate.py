@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 
 from llmtune.config import load_recipe
 
@@ -58,7 +59,8 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
     except RecipeError as exc:
         late += exc.problems
     recipe = _inherit(recipe, console)
-    late += STAGES[stage_name](recipe).preflight(".")
+    recipe_dir = Path(recipe_path).parent
+    late += STAGES[stage_name](recipe, recipe_dir=recipe_dir).preflight(".")
     source = resolve_model_source(recipe.model, convert=False)
     console.print(f"model: {recipe.model.name_or_path} ({source.kind})")
     if stage_name in ("ppo", "grpo"):
@@ -70,7 +72,7 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
 
     check_weight_files(source.path, source.original, model_dir=True)  # no weights; truncated / corrupt safetensors
     tokenizer = prepare_tokenizer(recipe)
-    stage_obj = STAGES[stage_name](recipe)
+    stage_obj = STAGES[stage_name](recipe, recipe_dir=recipe_dir)
     from llmtune.models.checks import model_fit_problems
 
     late += model_fit_problems(recipe, tokenizer, stage_obj.model_head, stage_name,

@@ -580,11 +580,19 @@ class RewardConfig(Section):
                                  "the reference answer, else 0), llmtune.rewards:format_reward (+1 when the "
                                  "completion ends with '#### <number>').")
     functions: list[RewardFunctionConfig] = Field(
-        default_factory=list, description="Several weighted reward functions ({function, weight, name}; PPO and "
-        "GRPO); total = sum of weight x reward over these, function (weight 1) and (GRPO) from_run "
-        "(from_run_weight).")
+        default_factory=list, description="Several weighted reward functions ({function, weight, name}, or a bare "
+        "'module:function' string = weight 1; PPO and GRPO); total = sum of weight x reward over these, function "
+        "(weight 1) and (GRPO) from_run (from_run_weight).")
     from_run_weight: float = Field(1.0, description="Weight of the reward model's score in the total (GRPO).")
     batch_size: int = Field(8, ge=1, description="Sequences per reward-model forward.")
+
+    @field_validator("functions", mode="before")
+    @classmethod
+    def _function_strings(cls, value):
+        # TRL's habit `reward_funcs: ["mod:fn", ...]`: a bare string is {function: "mod:fn"} (weight 1)
+        if isinstance(value, list):
+            return [{"function": v} if isinstance(v, str) else v for v in value]
+        return value
 
 
 class OutputConfig(Section):

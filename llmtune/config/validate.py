@@ -286,6 +286,12 @@ def rollout_problems(doc: dict, engine: str | None = None) -> list[tuple[str, st
         problems.append(("rollout.vllm.url", "rollout.vllm.mode: server needs the address of a running rollout "
                          "server, e.g. rollout.vllm.url: http://127.0.0.1:8000 (start one with `llmtune "
                          "rollout-server RECIPE`, which prints it), or use mode: colocate"))
+    model_len, needed = dotted_get(doc, "rollout.vllm.max_model_len"), _rollout_sequence_tokens(doc)
+    if engine != "hf" and isinstance(model_len, int) and needed is not None and model_len < needed[0]:
+        problems.append(("rollout.vllm.max_model_len", f"{model_len} tokens is below the longest sequence this run "
+                         f"asks the engine for: {needed[1]} = {needed[0]} tokens (vLLM would refuse such a request after "
+                         f"its start, or cut the completion). Set it >= {needed[0]} or null (= that sum), or lower "
+                         "data.max_prompt_length / rollout.max_new_tokens"))
     if engine != "vllm":
         return problems
     alternative = "or use rollout.engine: hf (transformers' generate on the training model)"
@@ -313,6 +319,22 @@ def rollout_problems(doc: dict, engine: str | None = None) -> list[tuple[str, st
         problems.append(("rollout.vllm.max_lora_rank", f"{rank} is below the trained adapter's rank adapter.lora_r "
                          f"= {lora_r}: the engine would refuse the adapter; set it >= {lora_r} or null (= lora_r)"))
     return problems
+
+
+def _rollout_sequence_tokens(doc: dict) -> tuple[int, str] | None:
+    """The longest prompt + completion an online-RL run samples, ``(tokens, "how it adds up")``, from the raw
+    recipe (None when a value is not an int: reported as a field error)."""
+    prompt_key = "data.max_prompt_length" if dotted_get(doc, "data.max_prompt_length") is not None else "data.max_length"
+    prompt = dotted_get(doc, prompt_key, 1024)
+    new = dotted_get(doc, "rollout.max_new_tokens")
+    if new is None:
+        new = ROLLOUT_MAX_NEW_TOKENS.get(dotted_get(doc, "stage"), 128)
+    evaluation = dotted_get(doc, "rollout.eval_max_new_tokens")
+    if not all(isinstance(v, int) for v in (prompt, new)) or not isinstance(evaluation, (int, type(None))):
+        return None
+    longest, key = (evaluation, "rollout.eval_max_new_tokens") if evaluation and evaluation > new \
+        else (new, "rollout.max_new_tokens")
+    return prompt + longest, f"{prompt_key} {prompt} + {key} {longest}"
 
 
 def ppo_problems(doc: dict) -> list[tuple[str, str]]:
@@ -344,6 +366,11 @@ def grpo_problems(doc: dict) -> list[tuple[str, str]]:
         problems.append(("reward", "GRPO needs at least one reward source: reward.function (module:function, e.g. "
                          "llmtune.rewards:gsm8k_reward), reward.functions ([{function, weight}, ...]) and/or "
                          "reward.from_run (an `llmtune rm` run)"))
+    if dotted_get(doc, "rollout.top_k") == 1:
+        problems.append(("rollout.top_k", "1 samples the most likely token every time (greedy), so the "
+                         "grpo.num_generations completions of a prompt are identical, every group's rewards are "
+                         "equal and every advantage is 0: GRPO would train nothing. Use top_k: 0 (off) or >= 2 "
+                         "(e.g. 50)"))
     estimator = dotted_get(doc, "grpo.advantage_estimator", "grpo")
     scale = dotted_get(doc, "grpo.scale_rewards")
     if estimator in ("rloo", "reinforce_plus_plus") and scale not in (None, "group", True):

@@ -8,6 +8,7 @@ adapters, precision, accumulation, DeepSpeed, checkpoints, logging, the run dire
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 import numpy as np
@@ -83,8 +84,12 @@ class Stage:
         super().__init_subclass__(**kwargs)
         cls.key_metric = cls.held_out_metrics[0].name
 
-    def __init__(self, recipe: Recipe):
+    def __init__(self, recipe: Recipe, recipe_dir: str | Path | None = None):
+        """Args: recipe: the validated recipe. recipe_dir: the directory of the recipe file (None: a recipe
+        without a file): reward modules are looked for there after the working directory
+        (:func:`llmtune.rewards.reward_search_dirs`)."""
         self.recipe = recipe
+        self.recipe_dir = Path(recipe_dir) if recipe_dir is not None else None
 
     @staticmethod
     def logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -98,9 +103,12 @@ class Stage:
         raise NotImplementedError
 
     def preflight(self, base_dir: str) -> list[tuple[str, str]]:
-        """Problems found before any data or weights are loaded, as ``(recipe key, message)``; default none.
-        The runner raises them as one ``RecipeError``; ``llmtune validate`` reports them."""
-        return []
+        """Problems found before any data or weights are loaded, as ``(recipe key, message)``: here, a
+        ``model.from_run`` whose model does not fit this stage (:func:`llmtune.models.lineage.from_run_problems`);
+        stages add their own. The runner raises them as one ``RecipeError``; ``llmtune validate`` reports them."""
+        from llmtune.models.lineage import from_run_problems
+
+        return from_run_problems(self.recipe, self.name, self.model_head, base_dir)
 
     def prepare_model(self, model: torch.nn.Module, tokenizer) -> torch.nn.Module:
         """Add what the stage needs on the base before the adapter (heads); default: nothing."""

@@ -162,6 +162,30 @@ def template_eos_ids(tokenizer) -> list[int]:
     return sorted(ids)
 
 
+def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
+    """THE set of token ids that end a generated reply, computed once and used everywhere a reply is sampled or cut:
+    the tokenizer's EOS and the template's end of turn (:func:`template_eos_ids`) plus every ``eos_token_id`` of the
+    model's generation config (``generation_config.json``; Qwen2.5-Instruct lists ``<|im_end|>`` and
+    ``<|endoftext|>``, Llama-3.1-Instruct ``<|end_of_text|>``, ``<|eom_id|>`` and ``<|eot_id|>``).
+
+    Engines are given this set explicitly and nothing else: transformers' ``generate(eos_token_id=...)`` and vLLM's
+    ``stop_token_ids`` with ``ignore_eos`` (vLLM would otherwise merge the generation config's EOS list into every
+    request on its own, and the trainer would read the padding after such a stop as sampled tokens). The completion
+    split (``llmtune.rl.rollout.split_generation``), the on-policy pairs step and ``llmtune chat`` use the same set.
+
+    Args:
+        tokenizer: the policy's tokenizer (with its chat template).
+        generation_config: a ``transformers.GenerationConfig`` (or anything with ``eos_token_id``: an int, a list,
+            None), usually ``model.generation_config``; None = the tokenizer and template only.
+
+    Returns:
+        Sorted ids; empty only when none of the three defines one.
+    """
+    configured = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    configured = [configured] if isinstance(configured, int) else list(configured or [])
+    return sorted({*template_eos_ids(tokenizer), *(int(i) for i in configured if i is not None)})
+
+
 def _probe_conversations() -> list[list[dict]]:
     user, answer = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}
     return [[{"role": "system", "content": "Be brief."}, user, answer], [user, answer]]

@@ -237,8 +237,11 @@ def _build_unpaired_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = "
     labels = {bool(y) for r in train_res for y in r.labels}
     if len(labels) < 2:
         missing = "undesirable" if True in labels else "desirable"
+        per_file = "; ".join(f"data.datasets[{i}] {ds.path}: {_label_counts(pool)}"
+                             for i, (ds, pool) in enumerate(zip(cfg.datasets, pools)))
         raise DataError(
-            f"KTO data: the {len(train_res)} train row(s) are all {'desirable' if True in labels else 'undesirable'}: "
+            f"KTO data ({per_file}): the {len(train_res)} train row(s) are all "
+            f"{'desirable' if True in labels else 'undesirable'}: "
             f"no {missing} (label {str(missing == 'desirable').lower()}) row, so KTO cannot learn a preference. Add "
             f"{missing} rows (check the label column and data.datasets[].columns.label), or use preference pairs "
             "(each gives one row of each label), or train on the rows with `llmtune sft` instead.")
@@ -254,6 +257,17 @@ def _build_unpaired_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = "
     if not report.kto_balance["in_range"]:  # both labels are present here: the weights are outside [1, 4/3]
         log.warning("KTO data: %s", report.kto_balance["advice"])
     return UnpairedData(train, evals, report)
+
+
+def _label_counts(pool) -> str:
+    """``"3 desirable, 0 undesirable rows"`` of one source's canonical rows (a preference pair counts as one of each)."""
+    good = bad = 0
+    for row in pool.rows:
+        if "label" in row:
+            good, bad = good + bool(row["label"]), bad + (not row["label"])
+        else:
+            good, bad = good + 1, bad + 1
+    return f"{good} desirable, {bad} undesirable rows"
 
 
 class _Counts:

@@ -63,6 +63,32 @@ def adapter_chain(run_dir: str | Path, lineage: dict) -> list[dict[str, Any]]:
     return [*lineage.get("previous_adapters", []), own]
 
 
+def from_run_problems(recipe: Recipe, stage: str, head: str, base_dir: str | Path = ".") -> list[tuple[str, str]]:
+    """A finished ``model.from_run`` whose model cannot start this stage, as ``(key, message)``: a reward model
+    (``model_head: score``: an `llmtune rm` run) under a causal-LM stage (SFT, DPO, ORPO, SimPO, KTO, PPO, GRPO), whose
+    chain would otherwise be merged into the policy without a word. A causal-LM run under a score-head stage (RM
+    from SFT) is the usual chain and fits. Read from ``lineage.json`` only: no weights (``llmtune validate`` reports
+    it too). An unfinished or missing run is reported by :func:`read_run` when the stage starts.
+
+    Args:
+        recipe: the recipe. stage: the stage's name. head: the stage's ``model_head`` (``causal_lm`` | ``score``).
+        base_dir: directory a relative ``from_run`` is resolved against.
+    """
+    if not recipe.model.from_run:
+        return []
+    lineage_path = Path(base_dir) / recipe.model.from_run / LINEAGE
+    if not lineage_path.is_file():
+        return []
+    lineage = json.loads(lineage_path.read_text())
+    earlier = lineage.get("model_head", "causal_lm")
+    if earlier == "score" and head != "score":
+        return [("model.from_run", f"{recipe.model.from_run} is an `llmtune {lineage.get('stage', 'rm')}` run: a reward "
+                 f"model (a score head, no language-model head), which cannot be the policy of `llmtune {stage}`. "
+                 "Point model.from_run to the policy's run (e.g. the SFT run the reward model was trained from); a "
+                 "reward model is used through reward.from_run (ppo, grpo)")]
+    return []
+
+
 def inherit_from_run(recipe: Recipe, base_dir: str | Path = ".") -> tuple[Recipe, list[dict[str, Any]]]:
     """Apply ``model.from_run``: the recipe with inherited values filled in, and the adapter chain to merge.
 

@@ -164,11 +164,9 @@ def sample_completions(model, tokenizer, batch: dict, cfg: PairsConfig) -> tuple
     """
     import torch
 
-    from llmtune.data.templates import template_eos_ids
+    from llmtune.data.templates import stop_token_ids
 
-    configured = model.generation_config.eos_token_id
-    configured = [configured] if isinstance(configured, int) else list(configured or [])
-    eos = sorted({*template_eos_ids(tokenizer), *configured} - {None})
+    eos = stop_token_ids(tokenizer, model.generation_config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     with torch.no_grad():
         out = model.generate(
@@ -186,7 +184,7 @@ def _scorer(cfg: PairsConfig, base_dir: Path, source_dir: Path) -> Callable[[lis
     from llmtune.rewards import call_reward_function, load_reward_function
 
     if cfg.reward.function:
-        fn = load_reward_function(cfg.reward.function, source_dir)
+        fn = load_reward_function(cfg.reward.function, recipe_dir=source_dir)
         return lambda rows, texts, refs: call_reward_function(fn, [r["prompt"] for r in rows], texts, refs).tolist()
     rm = RewardModelScorer(base_dir / cfg.reward.from_run, cfg.reward.batch_size)
     return lambda rows, texts, refs: rm([json.loads(r["messages"]) for r in rows], texts)

@@ -154,7 +154,7 @@ def _run_training(step: Step, pipe: Pipeline, console) -> dict:
             raise PipelineError(f"step {step.name!r}: the launched stage failed (exit code {code}); fix it and run "
                                 "the same command again (finished steps are kept)")
     elif action != "skip":
-        run_stage(STAGES[step.kind](recipe), base_dir=pipe.base_dir)
+        run_stage(STAGES[step.kind](recipe, recipe_dir=pipe.source.parent), base_dir=pipe.base_dir)
         gc.collect()
     return {"action": {"skip": "skipped", "resume": "resumed", "restart": "retrained", "train": "trained"}[action]}
 

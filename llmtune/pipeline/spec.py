@@ -406,7 +406,7 @@ def _pairs_step(entry, i, name, pipe, known, later, problems, where) -> Step | N
     function = (entry.get("reward") or {}).get("function") if isinstance(entry.get("reward"), dict) else None
     if isinstance(function, str):  # imported now: a typo fails before any training
         try:
-            load_reward_function(function, pipe.source.parent)
+            load_reward_function(function, recipe_dir=pipe.source.parent)
         except RewardFunctionError as err:
             problems.append((f"{where}reward.function", str(err).removeprefix("reward.function: ")))
     try:

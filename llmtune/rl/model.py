@@ -4,12 +4,29 @@ log-probs of the response tokens alone (:meth:`PolicyModel.response_logps`)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from llmtune.models.adapters import adapter_scope
 
 POLICY = "default"
+
+
+class ResponseLogps(NamedTuple):
+    """What :meth:`PolicyModel.response_logps` returns, each (B, N) fp32 and exactly 0 where ``response_mask`` is 0.
+
+    Attributes:
+        logps: log-probs of the response tokens under ``softmax(logits / temperature)`` (differentiable).
+        entropy: that distribution's entropy (detached, nats), or None when not asked for.
+        sampling_logps: log-probs under the distribution a rollout engine samples from (``top_k``/``top_p``
+            truncation, renormalised; :func:`llmtune.rl.ops.sampling_logps`; detached), or None when not asked for.
+    """
+
+    logps: torch.Tensor
+    entropy: torch.Tensor | None = None
+    sampling_logps: torch.Tensor | None = None
 
 
 class PolicyModel(nn.Module):
@@ -48,14 +65,15 @@ class PolicyModel(nn.Module):
         ``responses`` and ``response_mask``: ``(logps, entropy)`` of :meth:`response_logps` instead (through
         ``forward``, so that DDP/DeepSpeed see the forward)."""
         if responses is not None:
-            return self.response_logps(input_ids, attention_mask, position_ids, responses, response_mask,
-                                       temperature, with_entropy=with_entropy)
+            out = self.response_logps(input_ids, attention_mask, position_ids, responses, response_mask,
+                                      temperature, with_entropy=with_entropy)
+            return out.logps, out.entropy
         return self.policy_logits(input_ids, attention_mask, position_ids, response_width), None
 
     def response_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                        responses: torch.Tensor, response_mask: torch.Tensor, temperature: float = 1.0,
-                       reference: bool = False, with_entropy: bool = False
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       reference: bool = False, with_entropy: bool = False,
+                       truncation: tuple[int, float] | None = None) -> ResponseLogps:
         """Log-probs of the real response tokens under ``softmax(logits / temperature)`` of the policy (or the
         reference), with the LM head applied at the positions that predict them only and no (B, N, V) fp32 logits
         (:mod:`llmtune.core.lm_head`: the masked head and :class:`~llmtune.core.lm_head.TokenLogps`, one (M, V)
@@ -69,10 +87,12 @@ class PolicyModel(nn.Module):
             responses: (B, N) sampled ids. response_mask: (B, N), 1 on the real response tokens.
             temperature: the sampling temperature (the logits are divided by it). reference: adapters disabled.
             with_entropy: also return the (B, N) entropy of that distribution (detached, nats).
+            truncation: ``(top_k, top_p)`` of the rollout engine: also return the log-probs under that truncated
+                sampling distribution (``sampling_logps``, for the engine importance weights); None = not needed.
 
         Returns:
-            ``(logps, entropy)``: (B, N) fp32 (differentiable; exactly 0 where ``response_mask`` is 0) and (B, N)
-            fp32 entropy (0 there too) or None.
+            :class:`ResponseLogps` (``logps`` differentiable, exactly 0 where ``response_mask`` is 0; ``entropy`` and
+            ``sampling_logps`` when asked, else None).
         """
         from llmtune.core.lm_head import TokenLogps, masked_logits
 
@@ -89,13 +109,18 @@ class PolicyModel(nn.Module):
                 logits = masked_logits(self.policy, shared, shared["keep"])[shared["gather"]]
         if temperature != 1.0 or logits.dtype != torch.float32:
             logits = logits.float() / temperature
-        entropy = None
+        entropy = sampling = None
         if with_entropy:
             entropy = torch.zeros(real.shape, dtype=torch.float32, device=real.device)
             entropy = entropy.masked_scatter(real, chunked_entropy(logits.detach()))
+        if truncation is not None:  # before TokenLogps, which turns the logits into their softmax in place
+            from llmtune.rl.ops import sampling_logps
+
+            sampling = torch.zeros(real.shape, dtype=torch.float32, device=real.device).masked_scatter(
+                real, sampling_logps(logits, responses[real], *truncation))
         flat = TokenLogps.apply(logits, responses[real])  # turns the logits into its softmax in place
         logps = torch.zeros(real.shape, dtype=torch.float32, device=real.device).masked_scatter(real, flat)
-        return logps, entropy
+        return ResponseLogps(logps, entropy, sampling)
 
     def reference_logits(self, input_ids, attention_mask, position_ids, response_width: int) -> torch.Tensor:
         """(B, N, V) logits of the reference = the base with every adapter disabled."""

@@ -59,6 +59,50 @@ def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "
     raise ValueError(f"unknown KL estimator {estimator!r}; use one of {', '.join(KL_ESTIMATORS)}")
 
 
+def sampling_logps(logits: torch.Tensor, tokens: torch.Tensor, top_k: int = 0, top_p: float = 1.0,
+                   chunk: int = 256) -> torch.Tensor:
+    """Log-probs of sampled tokens under the distribution a rollout engine samples from: ``softmax(logits)``
+    truncated to the top-k tokens, then to the top-p nucleus, and renormalised over what is kept.
+
+    The truncation is vLLM's (``vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p``, the same as transformers'
+    ``TopKLogitsWarper`` then ``TopPLogitsWarper``): top-k keeps every token whose logit is >= the k-th largest (ties
+    kept); top-p sorts the survivors ascending and drops those whose cumulative probability is <= 1 - p, always
+    keeping the most likely one. vLLM's ``processed_logprobs`` are log-probs under exactly this distribution, so
+    the engine importance weight ``exp(this - engine logp)`` is 1 on policy whatever ``top_k``/``top_p`` are (with
+    the full-vocabulary log-prob on the trainer side it would be the kept probability mass instead: issue 30; TRL
+    #6789). The sampled token is always in the support: where the trainer's rounding puts it just outside the
+    engine's truncation boundary, the kept set is the trainer's plus that token, so the weight stays finite and
+    close to 1 instead of 0.
+
+    Args:
+        logits: (M, V) logits already divided by the temperature (fp32 or not; not modified). tokens: (M,) the
+            sampled ids. top_k: 0 = off. top_p: 1 = off. chunk: rows per (chunk, V) temporary.
+
+    Returns:
+        (M,) fp32 log-probs, detached; equal to ``log_softmax(logits)[tokens]`` when neither truncation is on.
+    """
+    logits = logits.detach()
+    out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    vocab = logits.shape[-1] if logits.dim() == 2 else 0
+    for start in range(0, logits.shape[0], chunk):
+        x = logits[start:start + chunk].float()
+        t = tokens[start:start + chunk].unsqueeze(1)
+        keep = torch.ones_like(x, dtype=torch.bool)
+        if 0 < top_k < vocab:
+            keep &= x >= x.topk(top_k, dim=-1).values[:, -1:]
+        if top_p < 1.0:
+            masked = x.masked_fill(~keep, -torch.inf)
+            ordered, idx = masked.sort(dim=-1, descending=False)
+            cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+            drop = cumulative <= 1.0 - top_p
+            drop[:, -1] = False
+            keep &= ~torch.zeros_like(drop).scatter(1, idx, drop)
+        keep.scatter_(1, t, True)
+        support = x.masked_fill(~keep, -torch.inf)
+        out[start:start + chunk] = x.gather(1, t).squeeze(1) - torch.logsumexp(support, dim=-1)
+    return out
+
+
 def truncated_is_weights(trainer_logps: torch.Tensor, engine_logps: torch.Tensor, mask: torch.Tensor,
                          cap: float) -> torch.Tensor:
     """Truncated importance-sampling weights of tokens sampled by a rollout engine (Yao et al. 2025, "Your efficient
@@ -66,16 +110,23 @@ def truncated_is_weights(trainer_logps: torch.Tensor, engine_logps: torch.Tensor
     token-level truncation): ``w_t = min(pi_trainer(y_t) / pi_engine(y_t), cap)``, which corrects the policy
     gradient for the numerical mismatch between the engine that sampled and the trainer that computes the loss.
 
+    Both log-probs must be under the same distribution: the engine's sampling distribution (temperature, top-k,
+    top-p), i.e. the trainer's side from :func:`sampling_logps` when sampling is truncated.
+
     Args:
         trainer_logps: (B, N) log-probs of the sampled tokens under the trainer's policy at sampling time.
-        engine_logps: (B, N) the engine's log-probs of the same tokens (its sampling distribution).
+        engine_logps: (B, N) the engine's log-probs of the same tokens (its sampling distribution); NaN where the
+            engine's value was not finite (:func:`llmtune.rl.vllm_engine.check_completions`).
         mask: (B, N) 1 on real response tokens. cap: C >= 1.
 
     Returns:
-        (B, N) fp32 weights, detached, 0 on padding.
+        (B, N) fp32 weights, detached, 0 on padding and where ``engine_logps`` is not finite (the ratio is unknown:
+        the token leaves the policy-gradient term; it is counted by :func:`engine_mismatch_stats`).
     """
-    ratio = torch.exp((trainer_logps.detach().float() - engine_logps.float()) * mask)
-    return ratio.clamp(max=cap) * mask
+    finite = torch.isfinite(engine_logps)
+    delta = torch.where(finite, trainer_logps.detach().float() - engine_logps.float(), torch.zeros_like(mask.float()))
+    ratio = torch.exp(delta * mask)
+    return ratio.clamp(max=cap) * mask * finite
 
 
 def engine_mismatch_stats(trainer_logps: torch.Tensor, engine_logps: torch.Tensor, mask: torch.Tensor,
@@ -87,30 +138,41 @@ def engine_mismatch_stats(trainer_logps: torch.Tensor, engine_logps: torch.Tenso
         trainer_logps, engine_logps, mask: (B, N) as in :func:`truncated_is_weights`. cap: C.
 
     Returns:
-        (5,) fp32: ``[sum |delta|, max |delta|, tokens, sum of min(ratio, C), tokens with ratio > C]`` with
-        ``delta = trainer_logp - engine_logp`` (nats) and ``ratio = exp(delta)``.
+        (6,) fp32: ``[sum |delta|, max |delta|, tokens, sum of min(ratio, C), tokens with ratio > C, tokens whose
+        engine log-prob is not finite]`` with ``delta = trainer_logp - engine_logp`` (nats) and ``ratio =
+        exp(delta)``; the first five over the tokens with a finite engine log-prob.
     """
-    m = mask.bool()
+    real = mask.bool()
+    finite = torch.isfinite(engine_logps)
+    nonfinite = float((real & ~finite).sum())
+    m = real & finite
     delta = (trainer_logps.detach().float() - engine_logps.float())[m]
     ratio = torch.exp(delta)
     if delta.numel() == 0:
-        return torch.zeros(5, device=mask.device)
+        return torch.tensor([0.0] * 5 + [nonfinite], device=mask.device)
     return torch.stack([delta.abs().sum(), delta.abs().max(), torch.tensor(float(delta.numel()), device=delta.device),
-                        ratio.clamp(max=cap).sum(), (ratio > cap).float().sum()])
+                        ratio.clamp(max=cap).sum(), (ratio > cap).float().sum(),
+                        torch.tensor(nonfinite, device=delta.device)])
 
 
 def engine_mismatch_metrics(stats: torch.Tensor) -> dict[str, float]:
-    """Metrics of :func:`engine_mismatch_stats` rows of all ranks, (R, 5).
+    """Metrics of :func:`engine_mismatch_stats` rows of all ranks, (R, 6).
 
     Returns:
         ``rollout/logprob_diff_mean`` and ``rollout/logprob_diff_max`` (|trainer - engine| log-prob of the sampled
-        tokens, nats, mean and max over all real tokens), ``rollout/is_weight_mean`` (mean truncated weight) and
-        ``rollout/is_clipped_fraction`` (share of tokens whose ratio exceeded the cap).
+        tokens under the engine's sampling distribution, nats, mean and max over the real tokens), ``rollout/
+        is_weight_mean`` (mean truncated weight), ``rollout/is_clipped_fraction`` (share of tokens whose ratio exceeded
+        the cap) and, when any, ``rollout/engine_logp_nonfinite_fraction`` (share of real tokens whose engine
+        log-prob was not finite: weight 0).
     """
-    stats = stats.reshape(-1, 5).float()
+    stats = stats.reshape(-1, 6).float()
     tokens = float(stats[:, 2].sum())
+    nonfinite = float(stats[:, 5].sum())
     per = max(tokens, 1.0)
-    return {"rollout/logprob_diff_mean": float(stats[:, 0].sum()) / per,
-            "rollout/logprob_diff_max": float(stats[:, 1].max()) if tokens else 0.0,
-            "rollout/is_weight_mean": float(stats[:, 3].sum()) / per if tokens else 1.0,
-            "rollout/is_clipped_fraction": float(stats[:, 4].sum()) / per}
+    metrics = {"rollout/logprob_diff_mean": float(stats[:, 0].sum()) / per,
+               "rollout/logprob_diff_max": float(stats[:, 1].max()) if tokens else 0.0,
+               "rollout/is_weight_mean": float(stats[:, 3].sum()) / per if tokens else 1.0,
+               "rollout/is_clipped_fraction": float(stats[:, 4].sum()) / per}
+    if nonfinite:
+        metrics["rollout/engine_logp_nonfinite_fraction"] = nonfinite / (tokens + nonfinite)
+    return metrics

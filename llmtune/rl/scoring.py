@@ -26,10 +26,10 @@ class FunctionScorer:
     """Scores decoded responses with a reward function ``fn(prompts, completions[, references])``
     (see :mod:`llmtune.rewards`)."""
 
-    def __init__(self, spec: str, tokenizer, base_dir: str | Path | None = None):
+    def __init__(self, spec: str, tokenizer, recipe_dir: str | Path | None = None):
         from llmtune.rewards import load_reward_function
 
-        self.fn, self.tokenizer = load_reward_function(spec, base_dir=base_dir), tokenizer
+        self.fn, self.tokenizer = load_reward_function(spec, recipe_dir=recipe_dir), tokenizer
 
     def __call__(self, query_ids, query_mask, responses, mask, rows) -> torch.Tensor:
         """(B, P) left-padded prompts + mask, (B, N) responses + mask, B prompt rows -> (B,) fp32 scores, NaN where
@@ -163,10 +163,10 @@ def combine(per_source: dict[str, torch.Tensor], weights: dict[str, float]) -> t
     return torch.where(scored.any(0), total, torch.full_like(total, math.nan))
 
 
-def build_reward_sources(recipe, tokenizer, base_dir: str | Path | None = None) -> RewardSources:
-    """The :class:`RewardSources` of ``recipe.reward`` (functions imported, the reward model loaded)."""
+def build_reward_sources(recipe, tokenizer, recipe_dir: str | Path | None = None) -> RewardSources:
+    """The :class:`RewardSources` of ``recipe.reward`` (functions imported, the reward model loaded); reward modules
+    are found in the working directory, then in ``recipe_dir`` (:func:`llmtune.rewards.reward_search_dirs`)."""
     reward = recipe.reward
-    base_dir = Path.cwd() if base_dir is None else base_dir
     sources: list[RewardSource] = []
     if reward.from_run:
         sources.append(RewardSource("reward_model", reward.from_run_weight,
@@ -180,5 +180,5 @@ def build_reward_sources(recipe, tokenizer, base_dir: str | Path | None = None) 
         while unique in taken:
             unique, i = f"{base}_{i}", i + 1
         taken.add(unique)
-        sources.append(RewardSource(unique, weight, FunctionScorer(spec, tokenizer, base_dir=base_dir)))
+        sources.append(RewardSource(unique, weight, FunctionScorer(spec, tokenizer, recipe_dir=recipe_dir)))
     return RewardSources(sources)

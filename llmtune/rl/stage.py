@@ -20,10 +20,11 @@ class OnlineRLStage(Stage):
         return StageData(data.train, data.eval, data.report, PromptCollator(tokenizer), data.report.sources_lineage())
 
     def preflight(self, base_dir: str) -> list[tuple[str, str]]:
-        """Every reward source exists before anything is loaded (an RM run that finished, importable functions),
-        and the rollout engine asked for can run here (:meth:`engine_problems`)."""
+        """Every reward source exists before anything is loaded (an RM run that finished, importable functions with
+        a reward function's signature, found in the working directory or next to the recipe), and the rollout engine
+        asked for can run here (:meth:`engine_problems`)."""
         reward = self.recipe.reward
-        problems: list[tuple[str, str]] = self.engine_problems()
+        problems: list[tuple[str, str]] = super().preflight(base_dir) + self.engine_problems()
         if reward.from_run:
             lineage_path = Path(reward.from_run) / "lineage.json"
             if not lineage_path.is_file():
@@ -42,7 +43,7 @@ class OnlineRLStage(Stage):
             (f"reward.functions.{i}.function", f.function) for i, f in enumerate(reward.functions)]
         for key, spec in specs:
             try:
-                load_reward_function(spec, base_dir=base_dir)
+                load_reward_function(spec, recipe_dir=self.recipe_dir)
             except RewardFunctionError as exc:
                 problems.append((key, str(exc).removeprefix("reward.function: ")))
         return problems

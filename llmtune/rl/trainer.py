@@ -30,7 +30,7 @@ import torch
 
 from llmtune.core.rundir import SAMPLES
 from llmtune.core.trainer import CoreTrainer
-from llmtune.data.templates import template_eos_ids
+from llmtune.data.templates import stop_token_ids
 from llmtune.rl import ops
 from llmtune.rl.generation import build_engine
 from llmtune.rl.rollout import decode_responses, join, response_token_logps, split_generation
@@ -107,7 +107,9 @@ class OnlineRLTrainer(CoreTrainer):
         self.tokenizer = processing_class
         self.prompts, self.prompt_collator = train_dataset, data_collator
         self.eval_prompts = eval_dataset
-        self.eos_ids = template_eos_ids(processing_class)
+        # THE stop set (tokenizer EOS, template end of turn, the model's generation-config EOS list): every engine
+        # stops on these ids and nothing else, and split_generation cuts completions at them
+        self.eos_ids = stop_token_ids(processing_class, getattr(model, "generation_config", None))
         if not self.eos_ids:
             raise ValueError("the tokenizer has no EOS token and its chat template ends turns with no special token: "
                              "responses could never end; set the tokenizer's eos_token (or data.chat_template)")
@@ -115,7 +117,7 @@ class OnlineRLTrainer(CoreTrainer):
         self._buffer: list[list[dict[str, torch.Tensor]]] = []
         self._rollout_s = 0.0  # seconds spent making experience since the last log (not training)
         self._generation_s = 0.0  # of which sampling
-        self.rewards = build_reward_sources(recipe, processing_class)
+        self.rewards = build_reward_sources(recipe, processing_class, recipe_dir=stage.recipe_dir)
         wrapped = self.build_model(model, recipe)
         args = kwargs.pop("args")
         args.metric_for_best_model = None  # evaluated by generation: there is no eval_loss to track
@@ -227,7 +229,7 @@ class OnlineRLTrainer(CoreTrainer):
             if engine_logps.shape != responses.shape:
                 raise RuntimeError(f"the rollout engine returned log-probs of shape {tuple(engine_logps.shape)} for "
                                    f"completions of shape {tuple(responses.shape)}")
-            engine_logps = engine_logps.to(device=responses.device, dtype=torch.float32) * mask
+            engine_logps = torch.where(mask.bool(), engine_logps.to(device=responses.device, dtype=torch.float32), 0.0)
         tokens_per_s = float(mask.sum()) / max(seconds, 1e-9)
         # a generated token attends to its prompt and the completion so far: on average prompt + half of it
         context = float(batch["attention_mask"].sum(1).float().mean()) + float(mask.sum(1).float().mean() + 1) / 2
@@ -237,9 +239,23 @@ class OnlineRLTrainer(CoreTrainer):
                           **({"generation_mfu": tflops / peak} if peak else {})})
         return responses, mask, ended, engine_logps
 
+    @property
+    def sampling_truncation(self) -> tuple[int, float] | None:
+        """``(top_k, top_p)`` when the rollouts are sampled from a truncated distribution (``rollout.top_k`` > 0 or
+        ``rollout.top_p`` < 1), else None. The engine's log-probs are under that distribution (vLLM's
+        ``processed_logprobs``), so the trainer's side of the importance ratio must be too
+        (:func:`llmtune.rl.ops.sampling_logps`)."""
+        r = self.rollout
+        return (r.top_k, r.top_p) if r.top_k > 0 or r.top_p < 1.0 else None
+
+    def correction_truncation(self, engine_logps: torch.Tensor | None) -> tuple[int, float] | None:
+        """The ``truncation`` argument of :meth:`forward_chunks` for a rollout batch whose engine reported
+        ``engine_logps`` (None when it did not: nothing to compare)."""
+        return self.sampling_truncation if engine_logps is not None else None
+
     def engine_correction(self, experience: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor],
                           responses: torch.Tensor, mask: torch.Tensor, engine_logps: torch.Tensor | None,
-                          trainer_logps: torch.Tensor | None = None) -> None:
+                          fwd: dict[str, torch.Tensor] | None = None) -> None:
         """Measure the engine/trainer mismatch of a rollout batch and, with
         ``rollout.vllm.importance_sampling_correction``, put the truncated importance weights into the experience
         (``experience["is_weights"]`` (B, N), detached, 0 on padding; the policy losses multiply their per-token
@@ -252,20 +268,36 @@ class OnlineRLTrainer(CoreTrainer):
         Args:
             experience: the rollout batch's experience dict (updated in place).
             inputs: (B, P + N) prompt + response model inputs (``rollout.join``). responses, mask: (B, N).
-            engine_logps: (B, N) from :meth:`sample`. trainer_logps: (B, N) the policy's log-probs of the sampled
-                tokens at sampling time when already computed (they are the old log-probs), else computed here.
+            engine_logps: (B, N) from :meth:`sample`. fwd: the rollout batch's :meth:`forward_chunks` output when
+                already computed with ``truncation=self.correction_truncation(engine_logps)`` (its policy log-probs
+                are the old log-probs), else the policy is run here.
+
+        Both sides of the ratio are log-probs under the SAME distribution: the engine's are under its sampling
+        distribution (temperature, then ``top_k``/``top_p`` truncation, renormalised), so the trainer's are taken
+        under the same truncation of its own logits (``sampling_logps``); with the full-vocabulary log-prob the
+        on-policy weight would be the kept probability mass, not 1 (issue 30).
         """
         if engine_logps is None:
             return
-        if trainer_logps is None:
-            trainer_logps = self.forward_chunks(inputs, responses, with_values=False, reference=False,
-                                                temperature=self.rollout.temperature)["logps"]
+        truncation = self.sampling_truncation
+        if fwd is None or "logps" not in fwd:
+            fwd = self.forward_chunks(inputs, responses, with_values=False, reference=False,
+                                      temperature=self.rollout.temperature, truncation=truncation)
+        if truncation is not None and "sampling_logps" not in fwd:
+            raise RuntimeError("engine_correction: the rollout forward was run without the engine's truncation "
+                               "(forward_chunks(truncation=self.correction_truncation(engine_logps))): a bug")
+        trainer_logps = fwd["sampling_logps"] if truncation is not None else fwd["logps"]
         maskf = mask.float()
         cap = self.rollout.vllm.importance_sampling_cap
-        stats = ops.engine_mismatch_stats(trainer_logps, engine_logps, maskf, cap)[None]  # (1, 5)
+        stats = ops.engine_mismatch_stats(trainer_logps, engine_logps, maskf, cap)[None]  # (1, 6)
         if self.args.world_size > 1:
-            stats = self.accelerator.gather(stats)  # (ranks, 5)
-        self.add_metrics(ops.engine_mismatch_metrics(stats))
+            stats = self.accelerator.gather(stats)  # (ranks, 6)
+        metrics = ops.engine_mismatch_metrics(stats)
+        if "rollout/engine_logp_nonfinite_fraction" in metrics:
+            log.warning("the rollout engine reported non-finite log-probs for %.2g%% of the sampled tokens (step %d): "
+                        "their importance weight is 0 (an engine in bf16/fp16 overflowing? rollout.vllm.dtype)",
+                        100 * metrics["rollout/engine_logp_nonfinite_fraction"], self.state.global_step)
+        self.add_metrics(metrics)
         if self.rollout.vllm.importance_sampling_correction:
             experience["is_weights"] = ops.truncated_is_weights(trainer_logps, engine_logps, maskf, cap)
 
@@ -278,7 +310,7 @@ class OnlineRLTrainer(CoreTrainer):
     @torch.no_grad()
     def forward_chunks(self, inputs: dict[str, torch.Tensor], responses: torch.Tensor, with_values: bool,
                        reference: bool, temperature: float, exact_kl: bool = False,
-                       policy: bool = True) -> dict[str, torch.Tensor]:
+                       policy: bool = True, truncation: tuple[int, float] | None = None) -> dict[str, torch.Tensor]:
         """Response log-probs of the policy (``logps``, ``entropy``; ``values`` when asked) and of the reference
         (``ref_logps``; ``kl_exact`` = the exact per-position KL(policy || reference) summed over the vocabulary),
         each (B, N), in eval mode.
@@ -291,11 +323,16 @@ class OnlineRLTrainer(CoreTrainer):
         Without exact KL (GRPO's old and reference log-probs, PPO's with its values, the engine correction) the LM
         head runs at the real response tokens only (:meth:`~llmtune.rl.model.PolicyModel.response_logps`: no
         (rows, N, V) logits at all; values from the model's ``values``); the log-probs are then exactly 0 on padding
-        (elsewhere padding holds garbage: multiply by the mask)."""
+        (elsewhere padding holds garbage: multiply by the mask). ``truncation`` = ``(top_k, top_p)``
+        (:attr:`sampling_truncation`) adds ``sampling_logps``: the policy's log-probs under the engine's truncated
+        sampling distribution (masked LM head only)."""
         model = self.model
         if not exact_kl and hasattr(model, "response_logps") and (not with_values or hasattr(model, "values")):
             return self._response_logps_chunks(model, inputs, responses, reference, temperature, policy,
-                                               with_values)
+                                               with_values, truncation)
+        if truncation is not None:
+            raise ValueError("forward_chunks: the engine's truncated sampling log-probs come from the masked LM head "
+                             "only (not with exact_kl or a model without response_logps)")
         was_training = model.training
         model.eval()
         width = responses.shape[1]
@@ -334,10 +371,11 @@ class OnlineRLTrainer(CoreTrainer):
     @torch.no_grad()
     def _response_logps_chunks(self, model, inputs: dict[str, torch.Tensor], responses: torch.Tensor,
                                reference: bool, temperature: float, policy: bool,
-                               with_values: bool = False) -> dict[str, torch.Tensor]:
+                               with_values: bool = False, truncation: tuple[int, float] | None = None
+                               ) -> dict[str, torch.Tensor]:
         """:meth:`forward_chunks` through the masked LM head: ``logps``/``entropy`` (policy) and ``ref_logps``,
-        each (B, N), 0 on padding, and ``values`` (B, N) (``model.values``, PPO) when asked; chunks of the eval
-        batch size."""
+        each (B, N), 0 on padding, ``values`` (B, N) (``model.values``, PPO) when asked, and ``sampling_logps``
+        (the policy under the engine's ``truncation``) when given; chunks of the eval batch size."""
         was_training = model.training
         model.eval()
         width = responses.shape[1]
@@ -349,12 +387,14 @@ class OnlineRLTrainer(CoreTrainer):
             resp_mask = part["attention_mask"][:, -width:]  # rollout.join: prompt mask + response mask
             for name, ref in ((("logps", False),) if policy else ()) + ((("ref_logps", True),) if reference else ()):
                 with self.compute_loss_context_manager():
-                    logps, entropy = model.response_logps(**part, responses=resp, response_mask=resp_mask,
-                                                          temperature=temperature, reference=ref,
-                                                          with_entropy=not ref)
-                out.setdefault(name, []).append(logps)
-                if entropy is not None:
-                    out.setdefault("entropy", []).append(entropy)
+                    got = model.response_logps(**part, responses=resp, response_mask=resp_mask,
+                                               temperature=temperature, reference=ref, with_entropy=not ref,
+                                               truncation=None if ref else truncation)
+                out.setdefault(name, []).append(got.logps)
+                if got.entropy is not None:
+                    out.setdefault("entropy", []).append(got.entropy)
+                if got.sampling_logps is not None:
+                    out.setdefault("sampling_logps", []).append(got.sampling_logps)
             if with_values:
                 with self.compute_loss_context_manager():
                     out.setdefault("values", []).append(model.values(**part, response_width=width))

@@ -58,6 +58,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -66,8 +67,8 @@ from pathlib import Path
 import torch
 
 from llmtune.config.schema import RolloutConfig, VLLMConfig
-from llmtune.errors import EXIT_ENGINE, LlmtuneError
-from llmtune.rl.vllm_server import engine_lora_rank
+from llmtune.errors import EXIT_ENGINE, EXIT_ERROR, LlmtuneError
+from llmtune.rl.vllm_server import PROTOCOL, engine_lora_rank
 from llmtune.utils import get_logger
 
 log = get_logger("rollout")
@@ -116,17 +117,23 @@ def settings_from_recipe(recipe) -> VLLMSettings:
     precision; ``seed``: ``rollout.seed``, else ``train.seed``)."""
     r = recipe.rollout
     v = r.vllm
-    max_new = max(r.max_new_tokens or 128, r.eval_max_new_tokens or 0)
-    prompt = recipe.data.max_prompt_length or recipe.data.max_length
     dtype = v.dtype
     if dtype == "auto":
         dtype = "bfloat16" if recipe.precision.bf16 else "float16" if recipe.precision.fp16 else "float32"
     return VLLMSettings(
         mode=v.mode, url=v.url, gpu_memory_utilization=v.gpu_memory_utilization,
-        enable_sleep_mode=v.enable_sleep_mode, max_model_len=v.max_model_len or prompt + max_new,
+        enable_sleep_mode=v.enable_sleep_mode, max_model_len=v.max_model_len or needed_model_len(recipe),
         max_lora_rank=v.max_lora_rank or recipe.adapter.lora_r, dtype=dtype, startup_timeout_s=v.startup_timeout_s,
         request_timeout_s=v.request_timeout_s, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
         seed=r.seed if r.seed is not None else recipe.train.seed)
+
+
+def needed_model_len(recipe) -> int:
+    """Tokens of the longest sequence a run asks the engine for: the longest prompt (``data.max_prompt_length``,
+    else ``data.max_length``) + the longest completion (``rollout.max_new_tokens``, ``eval_max_new_tokens``)."""
+    r = recipe.rollout
+    return (recipe.data.max_prompt_length or recipe.data.max_length) + max(r.max_new_tokens or 128,
+                                                                             r.eval_max_new_tokens or 0)
 
 
 def vllm_python() -> str | None:
@@ -141,8 +148,15 @@ def vllm_python() -> str | None:
     return sys.executable if importlib.util.find_spec("vllm") is not None else None
 
 
+class EngineNotInstalledError(RolloutEngineError):
+    """vLLM is not installed here: a setup problem (exit code 1, like every recipe/environment problem that
+    ``llmtune validate`` reports), not an engine that is down (69: a scheduler may retry those)."""
+
+    exit_code = EXIT_ERROR
+
+
 def not_installed_error() -> RolloutEngineError:
-    return RolloutEngineError(
+    return EngineNotInstalledError(
         "rollout.engine: vllm, but vLLM is not installed: `bash scripts/setup.sh` sets it up in .venv-vllm (or set "
         "LLMTUNE_VLLM_PYTHON to a python with vllm, LLMTUNE_VLLM_VENV to its venv), or use rollout.engine: hf")
 
@@ -300,19 +314,33 @@ class VLLMClient:
             f"the rollout engine at {self.url} was not healthy within rollout.vllm.startup_timeout_s = {timeout_s:g} s "
             f"(last: {last}){where}; start it / raise startup_timeout_s, then rerun the same command")
 
-    def push_adapter(self, version: int, adapter_dir: Path) -> None:
-        body = {"version": version,
-                "adapter_config": json.loads((adapter_dir / "adapter_config.json").read_text()),
-                "adapter_model": base64.b64encode((adapter_dir / "adapter_model.safetensors").read_bytes()).decode()}
+    def push_adapter(self, version: int, adapter_id: str, adapter_config: dict, adapter_model: bytes) -> dict:
+        """Upload an adapter as ``adapter_id`` at ``version``; returns the server's ``{"adapter_id", "version",
+        "sha256"}`` after checking that it holds exactly these bytes.
+
+        Raises:
+            RolloutEngineError: the server refused it, or states another adapter / digest than the one sent.
+        """
+        digest = hashlib.sha256(adapter_model).hexdigest()
+        body = {"version": version, "adapter_id": adapter_id, "sha256": digest, "adapter_config": adapter_config,
+                "adapter_model": base64.b64encode(adapter_model).decode()}
         try:
-            self._request("POST", "/adapter", body)
+            answer = self._request("POST", "/adapter", body)
         except _HTTPStatus as err:
             raise RolloutEngineError(f"the rollout engine {self.url} refused the adapter of version {version}: "
                                      f"{err.message}") from None
+        if not isinstance(answer, dict) or (answer.get("adapter_id"), answer.get("sha256"), answer.get("version")) \
+                != (adapter_id, digest, version):
+            raise RolloutEngineError(f"the rollout engine {self.url} answered the push of adapter {adapter_id} "
+                                     f"(version {version}, sha256 {digest[:12]}) with {str(answer)[:200]}: it does not "
+                                     "serve what this run pushed; is it an llmtune rollout server of this version?")
+        return answer
 
-    def generate(self, prompts: list[list[int]], version: int, sampling: dict) -> dict:
+    def generate(self, prompts: list[list[int]], version: int, sampling: dict, adapter_id: str | None = None
+                 ) -> dict:
         try:
-            return self._request("POST", "/generate", {"version": version, "prompts": prompts, "sampling": sampling})
+            return self._request("POST", "/generate", {"version": version, "adapter_id": adapter_id,
+                                                       "prompts": prompts, "sampling": sampling})
         except _HTTPStatus as err:
             if err.code == 409:
                 raise RolloutEngineError(f"stale rollout weights: {err.message}") from None
@@ -448,22 +476,31 @@ class VLLMEngine:
     Args:
         client: the server's client. policy: the peft model whose adapter ``default`` is the policy.
         current_version: returns the trainer's policy version (optimizer steps applied).
-        eos_ids: ids that end a completion. pad_id: written after it.
+        eos_ids: THE stop set (:func:`llmtune.data.templates.stop_token_ids`): completions end at these ids only.
+        pad_id: written after a completion.
         settings: sampling settings and the engine's ``max_lora_rank``.
         owns_process: stop the server process at :meth:`close` (colocate).
+        health: the server's ``/health`` answer (fetched when None).
+
+    Every push has an identity of its own: ``adapter_id`` = a random token of this engine object + the version
+    (another run, or this run resumed at a step the server already holds from an earlier process, never shares
+    it), and the sha256 of the adapter bytes, which the server states back in every answer.
     """
 
     def __init__(self, client: VLLMClient, policy, current_version, eos_ids: list[int], pad_id: int,
-                 settings: VLLMSettings, owns_process: bool = False):
+                 settings: VLLMSettings, owns_process: bool = False, health: dict | None = None):
         self.client, self.policy, self.current_version = client, policy, current_version
         self.eos_ids, self.pad_id, self.s = list(eos_ids), pad_id, settings
         self.owns_process = owns_process
         self.version: int | None = None
+        self.adapter: dict | None = None  # {"adapter_id", "version", "sha256"} of the last push
+        self.token = uuid.uuid4().hex[:12]
         # colocated on a GPU: the engine sleeps (KV cache freed, weights off the device) between rollout batches
         self.sleeps = owns_process and settings.enable_sleep_mode and torch.cuda.is_available()
         self.asleep = False
-        health = client.health()
+        health = client.health() if health is None else health
         self.max_lora_rank = int(health["max_lora_rank"])
+        self.vocab_size = int(getattr(getattr(policy, "config", None), "vocab_size", 0) or 0)
 
     def check_adapter(self) -> None:
         """Refuse an adapter the engine cannot hold (before anything is pushed).
@@ -485,12 +522,19 @@ class VLLMEngine:
             self.asleep = False
 
     def sync(self, version: int) -> None:
-        """Upload the policy adapter as version ``version`` (the trainer's optimizer steps applied)."""
+        """Upload the policy adapter as version ``version`` (the trainer's optimizer steps applied), unless the
+        engine already holds exactly these bytes at this version (an evaluation right after a rollout batch)."""
         self.check_adapter()
         self._wake()
         with tempfile.TemporaryDirectory(prefix="llmtune-adapter-") as tmp:
             self.policy.save_pretrained(tmp, selected_adapters=["default"], safe_serialization=True)
-            self.client.push_adapter(version, Path(tmp))
+            config = json.loads((Path(tmp) / "adapter_config.json").read_text())
+            weights = (Path(tmp) / "adapter_model.safetensors").read_bytes()
+        digest = hashlib.sha256(weights).hexdigest()
+        if self.adapter is not None and (self.adapter["version"], self.adapter["sha256"]) == (version, digest):
+            self.version = version
+            return
+        self.adapter = self.client.push_adapter(version, f"{self.token}-v{version}", config, weights)
         self.version = version
 
     @torch.no_grad()
@@ -504,15 +548,17 @@ class VLLMEngine:
 
         Returns:
             ``(sequences, engine_logps)``: (B, P + N) long (prompt columns as given, then the completions padded
-            with ``pad_id``) and (B, N) fp32 log-probs of the sampled tokens under the engine's temperature-scaled
-            distribution (0 at padding; None for greedy).
+            with ``pad_id``) and (B, N) fp32 log-probs of the sampled tokens under the engine's sampling
+            distribution (temperature, then top-k/top-p truncation, renormalised; 0 at padding; NaN where the
+            engine's value is not finite; None for greedy).
 
         Raises:
-            RolloutEngineError: the engine does not hold the trainer's current policy version (a skipped sync),
-                or it cannot be reached.
+            RolloutEngineError: the engine does not hold this run's adapter at the trainer's current policy version
+                (a skipped sync, another run's push), it cannot be reached, or its answer is malformed
+                (:func:`check_completions`).
         """
         want = int(self.current_version())
-        if self.version != want:
+        if self.version != want or self.adapter is None:
             raise RolloutEngineError(
                 f"stale rollout weights: the trainer is at policy version {want} (optimizer steps applied) but the "
                 f"engine was last synced to version {self.version}; sync(version) must follow every optimizer step "
@@ -523,22 +569,26 @@ class VLLMEngine:
                     "top_k": 0 if greedy else self.s.top_k, "max_tokens": max_new_tokens,
                     "stop_token_ids": self.eos_ids, "seeds": seeds}
         self._wake()
-        answer = self.client.generate(prompts, want, sampling)
+        answer = self.client.generate(prompts, want, sampling, adapter_id=self.adapter["adapter_id"])
         if self.sleeps:  # the trainer trains next: give the device back
             self.client._request("POST", "/sleep", {})
             self.asleep = True
-        if answer.get("version") != want:
-            raise RolloutEngineError(f"stale rollout weights: asked the engine for policy version {want}, it answered "
-                                     f"with version {answer.get('version')}")
-        completions = answer["completions"]
-        width = max([len(c["token_ids"]) for c in completions] + [1])
+        served = (answer.get("version"), answer.get("adapter_id"), answer.get("sha256")) \
+            if isinstance(answer, dict) else None
+        if served != (want, self.adapter["adapter_id"], self.adapter["sha256"]):
+            raise RolloutEngineError(
+                f"stale rollout weights: asked the engine {self.client.url} for this run's adapter "
+                f"{self.adapter['adapter_id']} (policy version {want}, sha256 {self.adapter['sha256'][:12]}), it "
+                f"answered with {served}")
+        ids_list, logps_list = check_completions(answer, len(prompts), max_new_tokens, self.vocab_size,
+                                                 with_logprobs=not greedy, url=self.client.url)
+        width = max([len(ids) for ids in ids_list] + [1])
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         logps = torch.zeros(len(prompts), width, dtype=torch.float32)
-        for b, c in enumerate(completions):
-            n = len(c["token_ids"])
-            ids[b, :n] = torch.tensor(c["token_ids"], dtype=torch.long)
-            if c.get("logprobs"):
-                logps[b, :len(c["logprobs"])] = torch.tensor(c["logprobs"], dtype=torch.float32)
+        for b, row in enumerate(ids_list):
+            ids[b, :len(row)] = torch.tensor(row, dtype=torch.long)
+            if logps_list is not None:
+                logps[b, :len(row)] = torch.tensor(logps_list[b], dtype=torch.float32)
         sequences = torch.cat([input_ids, ids.to(input_ids.device)], dim=1)
         return sequences, None if greedy else logps.to(input_ids.device)
 
@@ -546,6 +596,93 @@ class VLLMEngine:
         """Stop the engine process when this engine started it (colocate); a server of its own keeps running."""
         if self.owns_process:
             _stop(self.client.process)
+
+
+def check_completions(answer: dict, n: int, max_new_tokens: int, vocab_size: int, with_logprobs: bool, url: str
+                      ) -> tuple[list[list[int]], list[list[float]] | None]:
+    """The completions of a ``/generate`` answer, checked: nothing the engine says is trusted blindly.
+
+    A malformed answer is an engine error (exit code 69; the checkpoint is intact): not ``n`` completions, a
+    completion without a ``token_ids`` list of ints in ``[0, vocab_size)``, more than ``max_new_tokens`` tokens, or
+    (sampling) a ``logprobs`` list whose length differs from its ``token_ids`` (it used to be zero-padded) or that
+    holds something other than numbers. A log-prob that is a number but not finite (NaN, +-inf; JSON ``NaN`` /
+    ``Infinity`` or null) is kept as NaN: the trainer recomputes every log-prob it trains on, so the token stays,
+    and its engine importance weight is 0 and it is counted (``rollout/engine_logp_nonfinite_fraction``;
+    :meth:`llmtune.rl.trainer.OnlineRLTrainer.engine_correction`).
+
+    Args:
+        answer: the JSON answer. n: prompts sent. max_new_tokens: the request's ``max_tokens``.
+        vocab_size: the policy's vocabulary (0 = unknown: not checked). with_logprobs: sampling (not greedy).
+        url: the server, for the message.
+
+    Returns:
+        ``(token_ids, logprobs)``: n lists of ids, and n lists of floats (NaN where not finite) or None (greedy).
+
+    Raises:
+        RolloutEngineError: the answer is malformed (the message names the completion and the field).
+    """
+    import math
+
+    def bad(what: str) -> RolloutEngineError:
+        return RolloutEngineError(f"the rollout engine {url} sent a malformed answer: {what}; is it an llmtune rollout "
+                                  f"server of this version (protocol {PROTOCOL})? The newest checkpoint is intact: "
+                                  "fix the server, then rerun the same command")
+
+    completions = answer.get("completions") if isinstance(answer, dict) else None
+    if not isinstance(completions, list) or len(completions) != n:
+        got = f"{len(completions)} completions" if isinstance(completions, list) else "no 'completions' list"
+        raise bad(f"{got} for {n} prompts")
+    ids_out, logps_out = [], [] if with_logprobs else None
+    for b, c in enumerate(completions):
+        ids = c.get("token_ids") if isinstance(c, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise bad(f"completion {b} has no 'token_ids' list of integers")
+        if len(ids) > max_new_tokens:
+            raise bad(f"completion {b} has {len(ids)} tokens, more than max_tokens {max_new_tokens}")
+        if vocab_size and any(i < 0 or i >= vocab_size for i in ids):
+            raise bad(f"completion {b} holds token ids outside the vocabulary [0, {vocab_size})")
+        ids_out.append(ids)
+        if logps_out is None:
+            continue
+        logps = c.get("logprobs")
+        if not isinstance(logps, list) or len(logps) != len(ids):
+            got = f"{len(logps)} log-probs" if isinstance(logps, list) else "no 'logprobs' list"
+            raise bad(f"completion {b} has {got} for {len(ids)} tokens")
+        row = []
+        for t, v in enumerate(logps):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise bad(f"completion {b}: log-prob {t} is {v!r}, not a number")
+            row.append(float(v) if v is not None and math.isfinite(v) else math.nan)
+        logps_out.append(row)
+    return ids_out, logps_out
+
+
+def check_server(health: dict, url: str, needed_len: int) -> None:
+    """Refuse a rollout server this trainer cannot use, at connect time: another protocol (a server script copied
+    from another llmtune version) or a context shorter than this run's prompts + completions (vLLM would cut every
+    longer completion at its ``max_model_len`` without a word).
+
+    Args:
+        health: its ``/health`` answer. url: its address. needed_len: longest prompt + longest completion of the run
+            (:func:`needed_model_len`).
+
+    Raises:
+        RolloutEngineError: naming the fix.
+    """
+    protocol = health.get("protocol")
+    if protocol != PROTOCOL:
+        raise RolloutEngineError(
+            f"the rollout server {url} speaks protocol {protocol} (vLLM {health.get('vllm_version')}), this llmtune "
+            f"speaks {PROTOCOL}: start it with this llmtune's `llmtune rollout-server RECIPE` (or copy this version's "
+            "llmtune/rl/vllm_server.py to the rollout node), then rerun the same command")
+    served = health.get("max_model_len")
+    if not isinstance(served, int) or served < needed_len:
+        raise RolloutEngineError(
+            f"the rollout server {url} serves sequences of at most {served} tokens (its --max-model-len), but this run "
+            f"needs {needed_len} (the longest prompt, data.max_prompt_length or data.max_length, + rollout."
+            "max_new_tokens / eval_max_new_tokens): vLLM would cut longer completions silently. Restart the server "
+            f"with --max-model-len {needed_len} (rollout.vllm.max_model_len: {needed_len} in its recipe), or lower "
+            "the prompt / completion lengths")
 
 
 def build_vllm_engine(trainer, recipe) -> VLLMEngine:
@@ -572,7 +709,9 @@ def build_vllm_engine(trainer, recipe) -> VLLMEngine:
             raise RolloutEngineError("rollout.vllm.mode: server needs rollout.vllm.url (http://host:port of a running "
                                      "`llmtune rollout-server RECIPE`)")
         client = VLLMClient(s.url, s.request_timeout_s)
-        check_base(client.wait_healthy(s.startup_timeout_s), base_identity(recipe), s.url)
+        health = client.wait_healthy(s.startup_timeout_s)
+        check_server(health, s.url, needed_model_len(recipe))
+        check_base(health, base_identity(recipe), s.url)
         owns = False
     else:
         if vllm_python() is None:
@@ -582,9 +721,12 @@ def build_vllm_engine(trainer, recipe) -> VLLMEngine:
         index = device.index if device.type == "cuda" and device.index is not None else None
         client = start_colocated(base, s, Path(trainer.run_dir) / f"rollout_rank{trainer.args.process_index}"
                                  if trainer.args.world_size > 1 else Path(trainer.run_dir), index)
+        health = client.health()
+        check_server(health, client.url, needed_model_len(recipe))
         owns = True
     policy = trainer.accelerator.unwrap_model(trainer.model).policy
-    engine = VLLMEngine(client, policy, lambda: trainer.state.global_step, trainer.eos_ids, trainer.pad_id, s, owns)
+    engine = VLLMEngine(client, policy, lambda: trainer.state.global_step, trainer.eos_ids, trainer.pad_id, s, owns,
+                        health)
     try:
         engine.check_adapter()  # before training: the trainer syncs before every rollout batch and evaluation
     except BaseException:

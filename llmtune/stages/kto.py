@@ -116,8 +116,8 @@ class KTOStage(DPOStage):
     held_out_metrics = (HeldOutMetric("eval_rewards/margins", HIGHER), HeldOutMetric("eval_loss", LOWER))
     eval_keys = ("logps", "ref_logps", "kl_logps", "kl_ref_logps", "label", "pair_index", "trained")
 
-    def __init__(self, recipe: Recipe):
-        super(DPOStage, self).__init__(recipe)  # DPO's precompute_ref_logps rule does not apply: KTO has none
+    def __init__(self, recipe: Recipe, recipe_dir=None):
+        super(DPOStage, self).__init__(recipe, recipe_dir)  # DPO's precompute_ref_logps rule does not apply: KTO has none
         if recipe.adapter.type == "none":
             raise RecipeError([("adapter.type", "KTO's reference model is the policy with its adapter disabled; full "
                                 "fine-tuning (adapter.type: none) has none. Use adapter.type: lora")])

@@ -42,8 +42,8 @@ class ReferenceFreeStage(DPOStage):
 
     eval_keys: ClassVar[tuple[str, ...]] = ("chosen_logps", "rejected_logps", "chosen_tokens", "rejected_tokens")
 
-    def __init__(self, recipe: Recipe):
-        PairwiseStage.__init__(self, recipe)  # DPO's check (full fine-tuning needs stored reference log-probs) is moot
+    def __init__(self, recipe: Recipe, recipe_dir=None):
+        PairwiseStage.__init__(self, recipe, recipe_dir)  # DPO's check (full fine-tuning needs stored reference log-probs) is moot
 
     def pair_losses(
         self, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_tokens: torch.Tensor,

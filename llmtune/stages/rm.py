@@ -69,8 +69,8 @@ class RMStage(PairwiseStage):
     model_head = "score"
     eval_keys = ("chosen", "rejected")
 
-    def __init__(self, recipe: Recipe):
-        super().__init__(recipe)
+    def __init__(self, recipe: Recipe, recipe_dir=None):
+        super().__init__(recipe, recipe_dir)
         adapter = recipe.adapter
         if adapter.type == "lora" and "score" not in adapter.modules_to_save:
             adapter.modules_to_save = [*adapter.modules_to_save, "score"]  # recorded in recipe.resolved.yaml

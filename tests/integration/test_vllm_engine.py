@@ -20,9 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from llmtune.rl import ops
+from llmtune.rl.model import PolicyModel
 from llmtune.rl.rollout import join, response_token_logps, split_generation
-from llmtune.rl.vllm_engine import (RolloutEngineError, VLLMClient, VLLMEngine, VLLMSettings, start_colocated,
-                                    vllm_python)
+from llmtune.rl.vllm_engine import (RolloutEngineError, VLLMClient, VLLMEngine, VLLMSettings, check_server,
+                                    start_colocated, vllm_python)
 
 pytestmark = pytest.mark.skipif(vllm_python() is None, reason="vLLM is not installed (bash scripts/setup.sh sets up "
                                 ".venv-vllm; LLMTUNE_VLLM_PYTHON names its python)")
@@ -53,11 +55,26 @@ def _perturb(policy, seed: int, scale: float = 0.3) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
 
 
+STOP_PROMPT = [5, 6, 7, 8, 9, 10]
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
+    """The tiny model, whose generation_config.json lists a second EOS id besides the tokenizer's (as Qwen2.5-Instruct
+    lists <|im_end|> and <|endoftext|>): the token the bare model emits second, greedily, after STOP_PROMPT."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
     from llmtune.models.tiny import save_tiny_model
 
-    return save_tiny_model(tmp_path_factory.mktemp("vllm") / "model", hidden_size=128)
+    path = save_tiny_model(tmp_path_factory.mktemp("vllm") / "model", hidden_size=128)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([STOP_PROMPT]), max_new_tokens=12, do_sample=False,
+                             eos_token_id=[EOS], pad_token_id=PAD)[0, len(STOP_PROMPT):].tolist()
+    # the first greedy token that is not a repeat of an earlier one (a random model repeats itself)
+    stop = next(t for i, t in enumerate(out) if i > 0 and t not in out[:i] and t != EOS)
+    GenerationConfig(eos_token_id=[EOS, stop], pad_token_id=PAD).save_pretrained(path)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +158,8 @@ def test_skipped_sync_is_detected_and_would_have_mattered(server, model_dir):
     prompts = [[5, 6, 7]]
     sampling = {"temperature": TEMPERATURE, "top_p": 1.0, "top_k": 0, "max_tokens": 8, "stop_token_ids": [EOS],
                 "seeds": [0]}
-    with pytest.raises(RolloutEngineError, match="stale rollout weights.*holds policy version 5.*version 6"):
+    with pytest.raises(RolloutEngineError, match=r"stale rollout weights.*does not hold adapter None at policy "
+                       r"version 6 \(it holds: .*v5\)"):
         client.generate(prompts, 6, sampling)
     # what the stale engine would have sampled with: its log-probs are far from the trainer's current policy
     engine.version = version.value = 5  # bypass the check on purpose
@@ -169,15 +187,124 @@ def test_greedy_matches_hf_generate(server, model_dir):
     assert torch.equal(got[:, :n], want[:, :n])
 
 
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 5, 1.0), (1.0, 0, 0.7), (1.3, 8, 0.9), (0.7, 0, 1.0)])
+def test_on_policy_importance_weights_are_one_under_truncated_sampling(server, model_dir, temperature, top_k, top_p):
+    """Issue 30: vLLM's log-probs are under the truncated (top-k / top-p) distribution; the trainer's side of the
+    ratio is taken under the same truncation (PolicyModel.response_logps(truncation=...)), so the on-policy weight
+    is 1, not the kept probability mass (what the full-vocabulary log-prob gives)."""
+    from dataclasses import replace
+
+    client, settings = server
+    version = Version()
+    policy = _peft_model(model_dir, r=4, seed=11)
+    engine = VLLMEngine(client, policy, version, [EOS], PAD,
+                        replace(settings, temperature=temperature, top_k=top_k, top_p=top_p))
+    engine.sync(0)
+    ids, mask = _prompts()
+    torch.manual_seed(3)
+    sequences, engine_logps = engine.generate(ids, mask, max_new_tokens=16, greedy=False)
+    responses, rmask, _ = split_generation(sequences, ids.shape[1], [EOS], PAD)
+    inputs = join(ids, mask, responses, rmask)
+    with torch.no_grad():
+        out = PolicyModel(policy).response_logps(**inputs, responses=responses, response_mask=rmask,
+                                                 temperature=temperature, truncation=(top_k, top_p))
+    real = rmask.bool()
+    assert real.sum() > 20
+    weights = ops.truncated_is_weights(out.sampling_logps, engine_logps, rmask.float(), cap=2.0)[real]
+    assert (weights - 1).abs().max() < TOL, (weights - 1).abs().max()
+    assert (out.sampling_logps - engine_logps)[real].abs().max() < TOL
+    full_weights = torch.exp(out.logps - engine_logps)[real]
+    if top_k or top_p < 1:  # the old ratio: the kept mass, well below 1
+        assert float(full_weights.mean()) < 0.95
+    else:
+        torch.testing.assert_close(out.sampling_logps, out.logps)
+        assert (full_weights - 1).abs().max() < TOL
+
+
+def test_two_runs_at_the_same_version_each_sample_their_own_adapter(server, model_dir):
+    """Issue 30: a version number is not an identity. Two trainers share the server and push version 3 each;
+    each samples its own weights (the old server named both `policy-v3` with LoRA id 4 and kept the first)."""
+    client, settings = server
+    ids, mask = _prompts()
+    runs = []
+    for seed in (21, 22):
+        version = Version()
+        version.value = 3
+        policy = _peft_model(model_dir, r=4, seed=seed)
+        engine = VLLMEngine(client, policy, version, [EOS], PAD, settings)
+        engine.sync(3)
+        runs.append((policy, engine))
+    assert runs[0][1].adapter["adapter_id"] != runs[1][1].adapter["adapter_id"]
+    assert runs[0][1].adapter["sha256"] != runs[1][1].adapter["sha256"]
+    for policy, engine in runs:
+        torch.manual_seed(0)
+        sequences, engine_logps = engine.generate(ids, mask, max_new_tokens=12, greedy=False)
+        trainer_logps, rmask = _trainer_logps(policy, ids, mask, sequences)
+        assert ((engine_logps - trainer_logps).abs() * rmask).max() < TOL
+    health = client.health()
+    assert health["protocol"] == 2 and health["vllm_version"] == "0.32.0"
+    assert set(health["adapters"]) >= {runs[1][1].adapter["adapter_id"]}
+
+
+def test_the_engine_stops_where_the_trainer_stops(server, model_dir):
+    """Issue 30: vLLM used to merge generation_config.json's EOS list into every request, so it stopped at an id the
+    trainer's stop list did not hold (and the trainer read the padding after it as sampled tokens). Now the engine
+    stops on the ids it is sent, and the trainer's stop set includes the generation config's list."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from llmtune.data.templates import stop_token_ids
+    from llmtune.models.tiny import make_tiny_tokenizer
+
+    client, settings = server
+    second = GenerationConfig.from_pretrained(model_dir).eos_token_id[1]
+    tokenizer = make_tiny_tokenizer()
+    stops = stop_token_ids(tokenizer, GenerationConfig.from_pretrained(model_dir))
+    assert stops == sorted({EOS, second})
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    policy = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")).eval()  # B = 0
+    ids, mask = torch.tensor([STOP_PROMPT]), torch.ones(1, len(STOP_PROMPT), dtype=torch.long)
+    # told only the tokenizer's EOS, the engine does not stop at the generation config's other id
+    engine = VLLMEngine(client, policy, Version(), [EOS], PAD, settings)
+    engine.sync(0)
+    sequences, _ = engine.generate(ids, mask, max_new_tokens=12, greedy=True)
+    completion = sequences[0, len(STOP_PROMPT):].tolist()
+    at = completion.index(second)  # where the greedy completion first emits it
+    assert len(completion) > at + 1
+    # told the whole stop set, it stops there, and the split agrees: ended, at + 1 real tokens
+    engine = VLLMEngine(client, policy, Version(), stops, PAD, settings)
+    engine.sync(0)
+    sequences, _ = engine.generate(ids, mask, max_new_tokens=12, greedy=True)
+    responses, rmask, ended = split_generation(sequences, len(STOP_PROMPT), stops, PAD)
+    assert bool(ended[0]) and int(rmask.sum()) == at + 1 and int(responses[0, at]) == second
+    assert sequences.shape[1] == len(STOP_PROMPT) + at + 1  # nothing after the stop
+    with torch.no_grad():  # transformers' generate with the same explicit set stops at the same token
+        ref = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                              eos_token_id=stops, pad_token_id=PAD)
+    assert torch.equal(ref, sequences)
+
+
+def test_a_server_whose_context_is_too_short_is_refused_at_connect(server):
+    client, _ = server
+    health = client.health()
+    check_server(health, client.url, health["max_model_len"])  # exactly enough: fine
+    with pytest.raises(RolloutEngineError, match=r"serves sequences of at most 128 tokens .* needs 200 .* "
+                       r"--max-model-len 200") as err:
+        check_server(health, client.url, 200)
+    assert err.value.exit_code == 69
+    with pytest.raises(RolloutEngineError, match="speaks protocol 1 .* this llmtune speaks 2"):
+        check_server({**health, "protocol": 1}, client.url, 10)
+
+
 def test_rank_above_max_lora_rank_is_refused_before_pushing(server, model_dir):
     client, settings = server
-    before = client.health()["version"]
+    before = client.health()["adapters"]
     policy = _peft_model(model_dir, r=16, seed=5)  # the engine was started with max_lora_rank 4 -> 8
     engine = VLLMEngine(client, policy, Version(), [EOS], PAD, settings)
     with pytest.raises(RolloutEngineError, match=r"LoRA rank 16 .* above the rollout engine's max_lora_rank 8.*"
                        r"rollout.vllm.max_lora_rank: 16"):
         engine.sync(0)
-    assert client.health()["version"] == before  # nothing was pushed
+    assert client.health()["adapters"] == before  # nothing was pushed
 
 
 def _free_port() -> int:

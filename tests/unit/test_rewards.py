@@ -96,17 +96,17 @@ def test_load_reward_function_errors(spec, message):
 
 
 def test_load_reward_function_from_files(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "path", list(sys.path))  # load_reward_function adds base_dir to sys.path
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load_reward_function adds recipe_dir to sys.path
     monkeypatch.setattr(sys, "modules", dict(sys.modules))
     (tmp_path / "my_reward_mod.py").write_text(
         "def score(prompts, completions):\n    return [len(c) for c in completions]\n"
     )
     (tmp_path / "broken_reward_mod.py").write_text("import not_installed_pkg_xyz\n")
-    fn = load_reward_function("my_reward_mod:score", base_dir=tmp_path)  # a module next to the recipe
+    fn = load_reward_function("my_reward_mod:score", recipe_dir=tmp_path)  # a module next to the recipe
     assert fn(["p"], ["abc"]) == [3]
-    assert load_reward_function("my_reward_mod.py:score", base_dir=tmp_path)(["p"], ["ab"]) == [2]
+    assert load_reward_function("my_reward_mod.py:score", recipe_dir=tmp_path)(["p"], ["ab"]) == [2]
     with pytest.raises(RewardFunctionError, match="No module named 'not_installed_pkg_xyz'"):
-        load_reward_function("broken_reward_mod:score", base_dir=tmp_path)
+        load_reward_function("broken_reward_mod:score", recipe_dir=tmp_path)
 
 
 def test_call_passes_references_only_when_accepted():
@@ -188,3 +188,32 @@ def test_reward_sources_add_what_did_not_abstain():
     assert math.isnan(per_source["a"][1]) and per_source["b"][1] == 4.0
     with pytest.raises(RewardFunctionError, match="every reward source abstained .* on completion 2 \\(1 of 4\\)"):
         sources(None, None, responses, torch.ones(4, 2), [{}] * 4)  # PPO needs a reward for every rollout
+
+
+def test_a_signature_that_cannot_take_prompts_and_completions_is_refused_at_load(tmp_path, monkeypatch):
+    """Issue 30: TRL's fn(completions, **kwargs) failed only at the first rollout with a bare TypeError."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    (tmp_path / "sigs.py").write_text(
+        "def trl(completions, **kwargs):\n    return [0.0] * len(completions)\n"
+        "def three(prompts, completions, extra):\n    return [0.0] * len(completions)\n"
+        "def ok_refs(prompts, completions, references=None):\n    return [0.0] * len(completions)\n"
+        "def ok_kw(prompts, completions, **kw):\n    return [0.0] * len(completions)\n"
+        "class Scorer:\n    def __call__(self, prompts, completions):\n        return [1.0] * len(completions)\n"
+        "scorer = Scorer()\n")
+    with pytest.raises(RewardFunctionError, match=r"'sigs.py:trl' has the signature trl\(completions, \*\*kwargs\), "
+                       r"which cannot be called as fn\(prompts, completions\[, references=...\]\)"):
+        load_reward_function("sigs.py:trl", recipe_dir=tmp_path)
+    with pytest.raises(RewardFunctionError, match=r"three\(prompts, completions, extra\)"):
+        load_reward_function("sigs.py:three", recipe_dir=tmp_path)
+    for ok in ("ok_refs", "ok_kw", "scorer"):
+        load_reward_function(f"sigs.py:{ok}", recipe_dir=tmp_path)
+
+
+def test_gsm8k_reward_without_references_says_which_data_carries_them():
+    with pytest.raises(ValueError, match=r"references None\. The reference of a prompt row is its answer: builtin:gsm8k "
+                       r"\(the `answer` column"):
+        gsm8k_reward(["q"], ["#### 1"], None)
+    with pytest.raises(ValueError, match=r"reference 0 has no final answer .*: none \(the prompt data gives no "
+                       r"reference\)\. The reference of a prompt row is its answer.*A bare \{prompt\} row has none"):
+        gsm8k_reward(["q"], ["#### 1"], [None])

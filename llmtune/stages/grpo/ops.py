@@ -279,10 +279,15 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: t
       ``importance_sampling_level="sequence"``; with ``aggregation: sequence_mean`` the loss is GSPO's objective
       ``-(1/G) sum_i min(s_i A_i, clip(s_i) A_i)`` exactly (other aggregations weight a completion's term by its
       length, as TRL's loss types do);
-    * ``KL_t`` the ``kl_estimator`` estimate of KL(policy || reference) (Schulman 2020; GRPO uses k3) and ``c`` its
+    * ``KL_t`` the ``kl_estimator`` estimate of KL(policy || reference) (Schulman 2020; GRPO uses k3) and ``c_t`` its
       importance weight: the samples come from the old policy, so when ``old_logps`` are given (the policy moved
-      since sampling) ``c = r`` (the same ``r``, with its gradient; DeepSeek-V3.2's unbiased KL estimate, TRL's
-      ``use_bias_correction_kl``: ``per_token_kl * coef_1``); ``c = 1`` on policy (``old_logps`` None);
+      since sampling) ``c_t = exp(logp_t - old_logp_t)``, the PER-TOKEN ratio with its gradient, unclipped, at
+      both importance-sampling levels (DeepSeek-V3.2's unbiased KL estimate; TRL's ``use_bias_correction_kl``).
+      ``KL_t`` is a statement about token t's conditional distribution given its prefix:
+      ``E_{y_t ~ pi_old}[pi(y_t) / pi_old(y_t) * k(y_t)] = E_{y_t ~ pi}[k(y_t)]``, whose weight is token t's own
+      ratio; the length-normalised sequence ratio ``s`` of GSPO is a geometric mean over the whole completion and
+      belongs to the clipped surrogate only (weighting ``KL_t`` by ``s`` would let every other token's drift
+      rescale it; TRL main does that). ``c_t = 1`` on policy (``old_logps`` None);
     * ``w_t`` = ``is_weights`` (detached truncated importance weights of the sampling engine vs the trainer), 1 when
       None; they multiply the surrogate, never the KL term.
 
@@ -314,7 +319,8 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: t
     mask = mask.float()
     adv = advantages.float()[:, None]  # (B, 1)
     on_policy = old_logps is None
-    log_ratio = (logps - (logps.detach() if on_policy else old_logps)) * mask  # (B, N)
+    token_log_ratio = (logps - (logps.detach() if on_policy else old_logps)) * mask  # (B, N)
+    log_ratio = token_log_ratio
     if importance_sampling_level == "sequence":
         log_ratio = (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(mask)
     ratio = torch.exp(log_ratio)
@@ -325,8 +331,8 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: t
     kl = torch.zeros_like(per_token)
     if ref_logps is not None:
         kl = kl_estimate(logps, ref_logps, kl_estimator) * mask
-        if not on_policy:
-            kl = kl * ratio
+        if not on_policy:  # the per-token ratio at both levels (see the docstring)
+            kl = kl * torch.exp(token_log_ratio)
     if beta > 0:
         per_token = per_token + beta * kl
     if aggregation == "token_mean":

@@ -28,6 +28,10 @@ from llmtune.rl.ops import kl_estimate, masked_mean
 from llmtune.rl.rollout import decode_responses, join, trim
 from llmtune.rl.trainer import OnlineRLTrainer
 from llmtune.stages.grpo import ops
+from llmtune.utils import get_logger
+
+log = get_logger("grpo")
+IDLE_ITERATIONS_WARN = 2  # iterations in a row without a learning signal before the warning
 
 
 class GRPOTrainer(OnlineRLTrainer):
@@ -165,6 +169,7 @@ class GRPOTrainer(OnlineRLTrainer):
         advantages = ops.compute_advantages(g.advantage_estimator, reward, group_ids, keep, g.scale_rewards, stats,
                                             tokens)
         loss_mask = mask * keep[:, None].long()
+        self._check_signal(iteration, groups["abstained"], keep & (advantages != 0))
 
         width = groups["query_ids"].shape[1]
         inputs = join(groups["query_ids"], groups["query_mask"], responses, mask)
@@ -175,13 +180,14 @@ class GRPOTrainer(OnlineRLTrainer):
         kl_rollout, fwd = None, {}
         if self.needs_old_logps or g.beta > 0:
             fwd = self.forward_chunks(inputs, responses, with_values=False, reference=g.beta > 0,
-                                      temperature=self.rollout.temperature, policy=True)
+                                      temperature=self.rollout.temperature, policy=True,
+                                      truncation=self.correction_truncation(groups["engine_logps"]))
             if self.needs_old_logps:
                 experience["old_logps"] = fwd["logps"] * mask
             if g.beta > 0:
                 experience["ref_logps"] = fwd["ref_logps"] * mask
                 kl_rollout = masked_mean(kl_estimate(fwd["logps"], fwd["ref_logps"], g.kl_estimator), mask.float())
-        self.engine_correction(experience, inputs, responses, mask, groups["engine_logps"], fwd.get("logps"))
+        self.engine_correction(experience, inputs, responses, mask, groups["engine_logps"], fwd)
 
         self.add_metrics(self._rollout_metrics(groups, silent_first, silent, keep, rounds, kl_rollout))
         if iteration % g.sample_every == 0:
@@ -208,6 +214,42 @@ class GRPOTrainer(OnlineRLTrainer):
                 steps.append([trim(experience, idx[m:m + micro].to(responses.device), width)
                               for m in range(0, len(idx), micro)])
         return steps
+
+    def _check_signal(self, iteration: int, abstained: torch.Tensor, informative: torch.Tensor) -> None:
+        """A run that learns nothing says so (issue 30; the docs promise "never a silent 0").
+
+        Raises:
+            RewardFunctionError: every reward source abstained (returned None) on every completion of the rollout
+                batch on all ranks: nothing could train, so the run stops instead of finishing "done" with loss 0.
+
+        Warns once per streak when no completion carried a learning signal (every group's trainable rewards equal)
+        (no trained row with a non-zero advantage, whatever the estimator) for ``IDLE_ITERATIONS_WARN`` iterations in
+        a row, naming the likely causes.
+        """
+        counts = torch.tensor([float(abstained.sum()), float(abstained.numel()), float(informative.sum())],
+                              device=self.args.device)
+        if self.args.world_size > 1:
+            counts = self.accelerator.reduce(counts, reduction="sum")
+        n_abstained, rows, n_informative = (int(x) for x in counts.tolist())
+        if rows and n_abstained == rows:
+            from llmtune.rewards import RewardFunctionError
+
+            names = ", ".join(self.rewards.names)
+            raise RewardFunctionError(
+                f"iteration {iteration} (step {self.state.global_step}): every reward source ({names}) abstained "
+                f"(returned None) on all {rows} completions, so nothing can train (the loss would be 0). Check the "
+                "reward functions on the completions in samples.jsonl (a parser that never matches this model's "
+                "output format? data without the references the function needs?); the newest checkpoint is intact")
+        self._idle_iterations = 0 if n_informative else getattr(self, "_idle_iterations", 0) + 1
+        if self._idle_iterations == IDLE_ITERATIONS_WARN:
+            log.warning(
+                "GRPO trained nothing in the last %d iterations (up to step %d): every advantage was 0 (in every group "
+                "the rewards of the trainable completions were equal). Likely causes: a reward that is constant "
+                "on these completions (see rewards/<name>_std in metrics.jsonl and the completions in samples.jsonl), "
+                "a task always solved or never solved by this model (try easier/harder prompts or a partial-credit "
+                "reward), sampling with too little variety (rollout.temperature, top_p, top_k), or "
+                "grpo.num_generations too small; grpo.dynamic_sampling: resample replaces such groups",
+                self._idle_iterations, self.state.global_step)
 
     def _rollout_metrics(self, groups, silent_first, silent, keep, rounds, kl) -> dict[str, float]:
         """Means over all ranks' completions of this iteration; rewards over the rows that have one (per source:

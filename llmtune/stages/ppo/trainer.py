@@ -82,8 +82,8 @@ class PolicyValueModel(PolicyModel):
             entropy None without ``with_entropy``).
         """
         if responses is not None:
-            logps, entropy = self.response_logps(input_ids, attention_mask, position_ids, responses, response_mask,
-                                                 temperature, with_entropy=with_entropy)
+            logps, entropy, _ = self.response_logps(input_ids, attention_mask, position_ids, responses,
+                                                    response_mask, temperature, with_entropy=with_entropy)
             return logps, self.values(input_ids, attention_mask, position_ids, response_width) if with_values \
                 else None, entropy
         logits = self.policy_logits(input_ids, attention_mask, position_ids, response_width)
@@ -138,7 +138,8 @@ class PPOTrainer(OnlineRLTrainer):
         responses, mask, ended, engine_logps = self.sample(batch)
         inputs = join(batch["input_ids"], batch["attention_mask"], responses, mask)
         fwd = self.forward_chunks(inputs, responses, with_values=True, reference=True,
-                                   temperature=self.rollout.temperature)
+                                  temperature=self.rollout.temperature,
+                                  truncation=self.correction_truncation(engine_logps))
         maskf = mask.float()
         logps, ref_logps, values = fwd["logps"] * maskf, fwd["ref_logps"] * maskf, fwd["values"] * maskf
         raw_scores = self.rewards(batch["input_ids"], batch["attention_mask"], responses, mask, rows).to(maskf.device)
@@ -172,7 +173,7 @@ class PPOTrainer(OnlineRLTrainer):
             "advantages": advantages, "returns": returns,
             ROW_KEY: torch.tensor(indices, dtype=torch.long, device=responses.device),  # (B,) prompt rows (guard)
         }
-        self.engine_correction(experience, inputs, responses, mask, engine_logps, fwd["logps"])  # vLLM: is_weights
+        self.engine_correction(experience, inputs, responses, mask, engine_logps, fwd)  # vLLM: is_weights
         minibatches = []
         gen = torch.Generator().manual_seed(self.args.seed + 1_000_003 * iteration + self.args.process_index)
         micro = self.args.per_device_train_batch_size

@@ -124,9 +124,13 @@ def test_a_dataset_with_one_label_class_is_an_error_naming_the_missing_class(tok
     """Issue 21 bug 2: old code trained to the end with a warning."""
     rows = [{"prompt": f"Q{i}", "completion": f"A{i}", "label": label} for i in range(4)]
     missing = "undesirable (label false)" if label else "desirable (label true)"
-    with pytest.raises(DataError, match=rf"all {'desirable' if label else 'undesirable'}: no {re.escape(missing)} "
-                                        r"row.*Add .* rows \(check the label column"):
-        build_unpaired_data(cfg({"path": str(write("kto.jsonl", rows))}, val_size=0), tok)
+    path = write("kto.jsonl", rows)
+    counts = "4 desirable, 0 undesirable" if label else "0 desirable, 4 undesirable"
+    # issue 30: the message names the file (and what it holds), not only the key
+    with pytest.raises(DataError, match=rf"KTO data \(data.datasets\[0\] {re.escape(str(path))}: {counts} rows\): "
+                                        rf"the 4 train row\(s\) are all {'desirable' if label else 'undesirable'}: "
+                                        rf"no {re.escape(missing)} row.*Add .* rows \(check the label column"):
+        build_unpaired_data(cfg({"path": str(path)}, val_size=0), tok)
 
 
 def _completion(row):

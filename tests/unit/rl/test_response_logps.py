@@ -61,7 +61,7 @@ def test_response_logps_match_the_full_logits_path(tok, temperature, reference):
 
     model.zero_grad()
     if reference:
-        logps, entropy = model.response_logps(**inputs, responses=responses, response_mask=mask,
+        logps, entropy, _ = model.response_logps(**inputs, responses=responses, response_mask=mask,
                                               temperature=temperature, reference=True, with_entropy=True)
     else:  # through forward, as the GRPO loss calls it
         logps, entropy = model(**inputs, response_width=5, responses=responses, response_mask=mask,
@@ -77,7 +77,7 @@ def test_response_logps_match_the_full_logits_path(tok, temperature, reference):
     assert float(full.detach().abs().max()) > 1.0  # real log-probs, not a degenerate batch
     if reference:
         assert not logps.requires_grad and not grads
-        policy, _ = model.response_logps(**inputs, responses=responses, response_mask=mask, temperature=temperature)
+        policy = model.response_logps(**inputs, responses=responses, response_mask=mask, temperature=temperature).logps
         assert float((policy.detach() - logps).abs().max()) > 1e-2  # the adapter was really disabled
     else:
         assert full_grads.keys() == grads.keys() and len(grads) > 0
@@ -91,8 +91,8 @@ def test_temperature_changes_the_log_probs(tok):
     model = policy_model(tok)
     inputs, responses, mask = rollout_batch(len(tok))
     with torch.no_grad():
-        cold, _ = model.response_logps(**inputs, responses=responses, response_mask=mask, temperature=0.5)
-        warm, _ = model.response_logps(**inputs, responses=responses, response_mask=mask, temperature=1.0)
+        cold = model.response_logps(**inputs, responses=responses, response_mask=mask, temperature=0.5).logps
+        warm = model.response_logps(**inputs, responses=responses, response_mask=mask, temperature=1.0).logps
     assert float(((cold - warm) * mask).abs().max()) > 0.1
 
 
@@ -159,7 +159,7 @@ def test_shared_prompts_give_the_values_and_gradients_of_separate_rows(tok, atte
         (full * weights).sum().backward()
     full_grads = lora_grads(model)
     model.zero_grad()
-    logps, entropy = model.response_logps(**inputs, responses=responses, response_mask=mask, temperature=0.7,
+    logps, entropy, _ = model.response_logps(**inputs, responses=responses, response_mask=mask, temperature=0.7,
                                           reference=reference, with_entropy=True)
     if not reference:
         (logps * weights).sum().backward()

@@ -35,19 +35,19 @@ def test_truncated_weights_by_hand():
 def test_mismatch_stats_and_metrics_by_hand():
     stats = ops.engine_mismatch_stats(TRAINER, ENGINE, MASK, cap=2.5)
     # |delta| = ln2 (0.5 vs 0.25), ln2 (0.2 vs 0.4), 0 | ln3, 0 ; weights 2, .5, 1, 2.5, 1 ; one ratio (3) > 2.5
-    torch.testing.assert_close(stats, torch.tensor([2 * LN2 + math.log(3.0), math.log(3.0), 5.0, 7.0, 1.0]))
+    torch.testing.assert_close(stats, torch.tensor([2 * LN2 + math.log(3.0), math.log(3.0), 5.0, 7.0, 1.0, 0.0]))
     m = ops.engine_mismatch_metrics(stats[None])
     assert m["rollout/logprob_diff_mean"] == pytest.approx((2 * LN2 + math.log(3.0)) / 5)
     assert m["rollout/logprob_diff_max"] == pytest.approx(math.log(3.0))
     assert m["rollout/is_weight_mean"] == pytest.approx(7.0 / 5)
     assert m["rollout/is_clipped_fraction"] == pytest.approx(1 / 5)
     # two ranks: sums add, the max is the max of the ranks' maxima
-    other = torch.tensor([0.5, 0.5, 1.0, 1.0, 0.0])
+    other = torch.tensor([0.5, 0.5, 1.0, 1.0, 0.0, 0.0])
     both = ops.engine_mismatch_metrics(torch.stack([stats, other]))
     assert both["rollout/logprob_diff_mean"] == pytest.approx((2 * LN2 + math.log(3.0) + 0.5) / 6)
     assert both["rollout/logprob_diff_max"] == pytest.approx(math.log(3.0))
     empty = ops.engine_mismatch_stats(TRAINER, ENGINE, torch.zeros_like(MASK), cap=2.0)
-    assert empty.tolist() == [0.0] * 5 and ops.engine_mismatch_metrics(empty)["rollout/is_weight_mean"] == 1.0
+    assert empty.tolist() == [0.0] * 6 and ops.engine_mismatch_metrics(empty)["rollout/is_weight_mean"] == 1.0
 
 
 def test_ppo_policy_loss_is_weighted_per_token():
@@ -74,12 +74,12 @@ def _fake_trainer(correction: bool, world_size: int = 1):
                                                                        "importance_sampling_correction": correction}}})
     logged, forwards = [], []
 
-    def forward_chunks(inputs, responses, with_values, reference, temperature):
+    def forward_chunks(inputs, responses, with_values, reference, temperature, truncation=None):
         forwards.append(temperature)
         return {"logps": TRAINER}
 
     fake = SimpleNamespace(rollout=recipe.rollout, args=SimpleNamespace(world_size=world_size),
-                           add_metrics=logged.append, forward_chunks=forward_chunks,
+                           add_metrics=logged.append, forward_chunks=forward_chunks, sampling_truncation=None,
                            accelerator=SimpleNamespace(gather=lambda t: torch.cat([t, t])))
     return fake, logged, forwards
 
@@ -97,7 +97,7 @@ def test_engine_correction_puts_weights_and_metrics():
     fake, logged, forwards = _fake_trainer(correction=False, world_size=2)
     experience = {}
     OnlineRLTrainer.engine_correction(fake, experience, {}, torch.zeros(2, 3, dtype=torch.long), MASK.long(),
-                                      ENGINE * MASK, trainer_logps=TRAINER)
+                                      ENGINE * MASK, fwd={"logps": TRAINER})
     assert "is_weights" not in experience and forwards == []  # off: measured only; given logps reused
     assert logged[0]["rollout/logprob_diff_mean"] == pytest.approx((2 * LN2 + math.log(3.0)) / 5)  # 2 equal ranks
 
@@ -105,3 +105,71 @@ def test_engine_correction_puts_weights_and_metrics():
     experience = {}
     OnlineRLTrainer.engine_correction(fake, experience, {}, torch.zeros(2, 3, dtype=torch.long), MASK.long(), None)
     assert experience == {} and logged == [] and forwards == []  # hf: no engine log-probs, nothing to do
+
+
+# ---- the engine's sampling distribution: top-k / top-p truncation on the trainer's side (issue 30) -------------
+@pytest.mark.parametrize("top_k,top_p,temperature", [(0, 1.0, 1.0), (3, 1.0, 1.0), (0, 0.6, 0.7), (4, 0.8, 1.3),
+                                                     (1, 1.0, 1.0)])
+def test_sampling_logps_equal_transformers_warpers(top_k, top_p, temperature):
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 11, generator=gen) * 2.0 / temperature  # (M, V), already divided by T
+    warped = logits.clone()
+    if top_k:
+        warped = TopKLogitsWarper(top_k)(None, warped)
+    if top_p < 1:
+        warped = TopPLogitsWarper(top_p)(None, warped)
+    # sample tokens the truncated distribution can produce (the argmax is always kept)
+    tokens = torch.multinomial(warped.softmax(-1), 1, generator=gen).squeeze(1)
+    expected = warped.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
+    got = ops.sampling_logps(logits, tokens, top_k, top_p, chunk=4)  # chunking splits the rows
+    torch.testing.assert_close(got, expected)
+    full = logits.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
+    kept_mass = (warped > -torch.inf).float().mul(logits.softmax(-1)).sum(-1)
+    # the bias of issue 30: full-vocabulary log-prob - truncated log-prob = log(kept mass), for every token
+    torch.testing.assert_close(full - got, kept_mass.log())
+    if not top_k and top_p == 1.0:
+        torch.testing.assert_close(got, full)
+
+
+def test_sampling_logps_keep_the_sampled_token_outside_the_trainer_truncation():
+    """A token just outside the trainer's top-k (engine rounding put it inside) is kept: finite log-prob, with the
+    support = the trainer's top-k plus that token."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.999, -5.0]])
+    got = ops.sampling_logps(logits, torch.tensor([3]), top_k=3)
+    support = logits[0, :4]
+    assert float(got) == pytest.approx(float(0.999 - torch.logsumexp(support, 0)), rel=1e-6)
+    inside = ops.sampling_logps(logits, torch.tensor([0]), top_k=3)
+    assert float(inside) == pytest.approx(float(3.0 - torch.logsumexp(logits[0, :3], 0)), rel=1e-6)
+
+
+def test_engine_correction_uses_the_truncated_side_when_sampling_is_truncated():
+    fake, logged, forwards = _fake_trainer(correction=True)
+    fake.sampling_truncation = (5, 1.0)
+    experience = {}
+    # on policy under top-k: the trainer's truncated log-probs equal the engine's, the full ones are lower
+    fwd = {"logps": ENGINE - 3.0, "sampling_logps": ENGINE.clone()}
+    OnlineRLTrainer.engine_correction(fake, experience, {}, torch.zeros(2, 3, dtype=torch.long), MASK.long(),
+                                      ENGINE * MASK, fwd=fwd)
+    torch.testing.assert_close(experience["is_weights"], MASK)  # 1 on every real token, not e^-3
+    assert logged[0]["rollout/logprob_diff_max"] == 0.0
+    with pytest.raises(RuntimeError, match="truncation"):
+        OnlineRLTrainer.engine_correction(fake, {}, {}, torch.zeros(2, 3, dtype=torch.long), MASK.long(),
+                                          ENGINE * MASK, fwd={"logps": ENGINE})
+
+
+def test_a_nonfinite_engine_logp_gets_weight_zero_and_is_counted():
+    engine = ENGINE.clone()
+    engine[0, 1] = float("nan")
+    engine[1, 0] = float("-inf")
+    w = ops.truncated_is_weights(TRAINER, engine, MASK, cap=2.5)
+    torch.testing.assert_close(w, torch.tensor([[2.0, 0.0, 1.0], [0.0, 1.0, 0.0]]))  # never NaN
+    stats = ops.engine_mismatch_stats(TRAINER, engine, MASK, cap=2.5)
+    # finite tokens: ln2 (0.5 vs 0.25), 0, 0 -> 3 tokens, weights 2 + 1 + 1; 2 non-finite
+    torch.testing.assert_close(stats, torch.tensor([LN2, LN2, 3.0, 4.0, 0.0, 2.0]))
+    m = ops.engine_mismatch_metrics(stats[None])
+    assert m["rollout/engine_logp_nonfinite_fraction"] == pytest.approx(2 / 5)
+    assert m["rollout/logprob_diff_mean"] == pytest.approx(LN2 / 3) and math.isfinite(m["rollout/is_weight_mean"])
+    assert "rollout/engine_logp_nonfinite_fraction" not in ops.engine_mismatch_metrics(
+        ops.engine_mismatch_stats(TRAINER, ENGINE, MASK, cap=2.5)[None])

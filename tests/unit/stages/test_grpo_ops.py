@@ -267,11 +267,16 @@ def test_kl_is_importance_weighted_when_the_policy_has_moved(level):
     ref = torch.tensor([[-1.5, -2.5]])
     mask = torch.ones(1, 2)
     k3 = torch.exp(ref - logps) - (ref - logps) - 1
-    ratio = torch.exp(logps - old) if level == "token" else torch.exp((logps - old).mean()).expand(1, 2)
+    # the KL of token t is weighted by token t's own ratio at BOTH levels (issue 30: GSPO weighted it by the
+    # sequence ratio): token 0 by e^0.2, token 1 by e^0 = 1 (the sequence ratio would be e^0.1 for both)
+    ratio = torch.exp(logps - old)
+    assert ratio.tolist()[0] == pytest.approx([math.exp(0.2), 1.0])
     moved = ops.grpo_loss(logps, old, torch.tensor([0.0]), mask, 0.2, 0.2, "token_mean", 2, beta=0.1,
                           ref_logps=ref, importance_sampling_level=level)
     assert float(moved.kl_sum) == pytest.approx(float((ratio * k3).sum()), rel=1e-6)
     assert float(moved.loss_sum) == pytest.approx(0.1 * float((ratio * k3).sum()), rel=1e-6)
+    hand = 0.1 * (math.exp(0.2) * (math.exp(-0.5) + 0.5 - 1) + 1.0 * (math.exp(-0.5) + 0.5 - 1))
+    assert float(moved.loss_sum) == pytest.approx(hand, rel=1e-6)
     on_policy = ops.grpo_loss(logps, None, torch.tensor([0.0]), mask, 0.2, 0.2, "token_mean", 2, beta=0.1,
                               ref_logps=ref, importance_sampling_level=level)
     assert float(on_policy.kl_sum) == pytest.approx(float(k3.sum()), rel=1e-6)  # sampled from this policy
