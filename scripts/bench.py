@@ -485,14 +485,22 @@ def worker(spec_path: str) -> None:
 
 
 def rollout_probe(case: Case) -> RolloutProbe:
-    """The :class:`RolloutProbe` of a GRPO case: its max_new_tokens and the template's end-of-turn ids (where
+    """The :class:`RolloutProbe` of a GRPO case: its max_new_tokens and llmtune's stop set (the template's end of
+    turn, the tokenizer's and the model's generation-config EOS: :func:`llmtune.data.templates.stop_token_ids`, where
     llmtune stops a completion; TRL is given the same ids)."""
+    from transformers import GenerationConfig
+
     from llmtune.config import load_recipe
     from llmtune.core.stage import prepare_tokenizer
-    from llmtune.data.templates import template_eos_ids
+    from llmtune.data.templates import stop_token_ids
+    from llmtune.models.load import resolve_model_source
 
     recipe = load_recipe(raw=case.recipe(tempfile.mkdtemp()))
-    return RolloutProbe(recipe.rollout.max_new_tokens, template_eos_ids(prepare_tokenizer(recipe)))
+    try:
+        generation = GenerationConfig.from_pretrained(resolve_model_source(recipe.model).path)
+    except OSError:  # no generation_config.json: the tokenizer and template only
+        generation = None
+    return RolloutProbe(recipe.rollout.max_new_tokens, stop_token_ids(prepare_tokenizer(recipe), generation))
 
 
 # ---- driver ----------------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Rollout generation speed: transformers' ``generate`` (the ``hf`` engine, adapter unmerged, as the RL stages sample)
-beside the vLLM rollout engine (``llmtune.rl.vllm_engine``, the adapter as a LoRA request), on the same model, LoRA
+beside the vLLM rollout engine (``llmtune.rl.engines.vllm_engine``, the adapter as a LoRA request), on the same model, LoRA
 adapter, prompts, sampling settings and max tokens.
 
     python scripts/bench_generation.py --cpu            # SmolLM2-135M (builtin), LoRA r16, 16 GSM8K prompts x 128
@@ -67,34 +67,38 @@ def generation_rates(tiny: bool = False, n_prompts: int = 16, max_new_tokens: in
     """Completion tokens per second of sampling with each engine (see the module docstring)."""
     import torch
 
-    from llmtune.rl.rollout import split_generation
-    from llmtune.rl.vllm_engine import VLLMEngine, VLLMSettings, _stop, start_colocated
+    from llmtune.rl.engines import Policy
+    from llmtune.rl.engines.hf import HFEngine
+    from llmtune.rl.engines.vllm_client import _stop, start_colocated
+    from llmtune.rl.engines.vllm_engine import VLLMEngine, VLLMSettings
+    from llmtune.rl.types import SamplingParams
 
     work = Path(tempfile.mkdtemp(prefix="llmtune-bench-gen-"))
     model_dir, policy, ids, mask, eos_ids, pad = _setup(tiny, work, n_prompts)
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    sampling = SamplingParams(max_new_tokens, tuple(eos_ids), temperature=temperature)
+    handle = Policy(policy, "default", lambda: 0)
     out = {}
-    with torch.no_grad():  # warm-up, as for vLLM below
-        policy.generate(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=4, do_sample=True, pad_token_id=pad)
+    hf = HFEngine(handle, pad)
+    hf.generate(prompts[:1], SamplingParams(4, tuple(eos_ids)))  # warm-up, as for vLLM below
     torch.manual_seed(0)
     start = time.perf_counter()
-    with torch.no_grad():
-        seq = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=True,
-                              temperature=temperature, top_k=0, eos_token_id=eos_ids, pad_token_id=pad)
+    completions = hf.generate(prompts, sampling)
     seconds = time.perf_counter() - start
-    out["hf"] = float(split_generation(seq, ids.shape[1], eos_ids, pad)[1].sum()) / seconds
+    out["hf"] = sum(len(c.token_ids) for c in completions) / seconds
     settings = VLLMSettings(max_model_len=ids.shape[1] + max_new_tokens, max_lora_rank=16, dtype="float32",
                             temperature=temperature, startup_timeout_s=900)
     start = time.perf_counter()
     client = start_colocated(Path(model_dir), settings, work)
     out["vllm_startup_s"] = time.perf_counter() - start
     try:
-        engine = VLLMEngine(client, policy, lambda: 0, eos_ids, pad, settings)
+        engine = VLLMEngine(client, handle, settings)
         engine.sync(0)
-        engine.generate(ids[:1], mask[:1], max_new_tokens=4, greedy=False)  # first request: kernels, LoRA slots
+        engine.generate(prompts[:1], SamplingParams(4, tuple(eos_ids)))  # first request: kernels, LoRA slots
         start = time.perf_counter()
-        seq, _ = engine.generate(ids, mask, max_new_tokens=max_new_tokens, greedy=False)
+        completions = engine.generate(prompts, sampling)
         seconds = time.perf_counter() - start
-        out["vllm"] = float(split_generation(seq, ids.shape[1], eos_ids, pad)[1].sum()) / seconds
+        out["vllm"] = sum(len(c.token_ids) for c in completions) / seconds
     finally:
         _stop(client.process)
     return out

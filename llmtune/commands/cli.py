@@ -14,7 +14,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from llmtune.config.options import recipe_options, stage_names, type_name  # noqa: F401 (type_name: re-exported)
+from llmtune.config.options import recipe_options, stage_names
 
 EXIT_USAGE = 2
 
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return chat_command(args.model, args.prompt, args.max_new_tokens, args.system)
         if args.command == "rollout-server":
-            from llmtune.rl.vllm_serve import rollout_server_command
+            from llmtune.commands.rollout_server import rollout_server_command
 
             return rollout_server_command(args.recipe, args.overrides, args.host, args.port, args.print_only)
         from llmtune.core.launch import launch_overrides

@@ -64,7 +64,7 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
     source = resolve_model_source(recipe.model, convert=False)
     console.print(f"model: {recipe.model.name_or_path} ({source.kind})")
     if stage_name in ("ppo", "grpo"):
-        from llmtune.rl.generation import select_engine
+        from llmtune.rl.engines import select_engine
 
         engine, reason = select_engine(recipe)
         console.print(f"rollout engine: {engine} ({reason})")

@@ -87,7 +87,7 @@ class Stage:
     def __init__(self, recipe: Recipe, recipe_dir: str | Path | None = None):
         """Args: recipe: the validated recipe. recipe_dir: the directory of the recipe file (None: a recipe
         without a file): reward modules are looked for there after the working directory
-        (:func:`llmtune.rewards.reward_search_dirs`)."""
+        (:func:`llmtune.rewards.functions.reward_search_dirs`)."""
         self.recipe = recipe
         self.recipe_dir = Path(recipe_dir) if recipe_dir is not None else None
 

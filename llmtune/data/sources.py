@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from llmtune.config.paths import LOCAL_SUFFIXES, local_path, missing_local_file  # noqa: F401 (LOCAL_SUFFIXES: re-export)
+from llmtune.config.paths import local_path, missing_local_file
 from llmtune.config.schema import DatasetConfig
 from llmtune.data.errors import DataError, RowError
 from llmtune.data.jsonstream import Event, ReadState, TextWindow, first_char, read_json_array, read_json_lines

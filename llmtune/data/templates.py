@@ -171,7 +171,7 @@ def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
     Engines are given this set explicitly and nothing else: transformers' ``generate(eos_token_id=...)`` and vLLM's
     ``stop_token_ids`` with ``ignore_eos`` (vLLM would otherwise merge the generation config's EOS list into every
     request on its own, and the trainer would read the padding after such a stop as sampled tokens). The completion
-    split (``llmtune.rl.rollout.split_generation``), the on-policy pairs step and ``llmtune chat`` use the same set.
+    split (``llmtune.rl.engines.hf.cut_completions``, the vLLM engine's answer check), the on-policy pairs step and ``llmtune chat`` use the same set.
 
     Args:
         tokenizer: the policy's tokenizer (with its chat template).

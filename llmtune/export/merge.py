@@ -39,9 +39,9 @@ import yaml
 
 from llmtune.config import Recipe, load_recipe
 from llmtune.core import rundir as rd
-from llmtune.data.templates import template_eos_ids  # noqa: F401  (re-exported: export/chat users)
+from llmtune.data.templates import stop_token_ids, template_eos_ids
 from llmtune.models.heads import use_dedicated_pad
-from llmtune.models.quant import compute_dtype_4bit, dequantize_to_fp32  # noqa: F401  (re-exported)
+from llmtune.models.quant import compute_dtype_4bit, dequantize_to_fp32
 from llmtune.utils import get_logger, setup_logging, write_json
 from llmtune.errors import LlmtuneError
 
@@ -434,7 +434,7 @@ def export_run(run_dir: str | Path, dtype: str = "auto", out_dir: str | Path | N
     refuse_nonfinite_weights(model, run_dir)
     quantized = is_quantized(model)
     inputs = sample_inputs(tokenizer) if head == "causal_lm" else score_inputs(tokenizer)
-    eos_ids = template_eos_ids(tokenizer)
+    eos_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))  # the one stop set
     reference = _outputs(model, inputs, head)  # the adapter model, unmerged (quantized base for QLoRA)
     ref_gens = _generate(model, inputs, eos_ids, tokenizer.pad_token_id, max_new_tokens) if head == "causal_lm" else []
     reference_compute = compute_dtype_4bit(model)  # what the 4-bit layers really computed in (CPU packed: bf16)

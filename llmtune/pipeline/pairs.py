@@ -134,60 +134,54 @@ def load_policy(run_dir: Path):
     return model.eval(), AutoTokenizer.from_pretrained(run_dir / rd.ADAPTER)
 
 
-class RewardModelScorer:
-    """Scores (prompt messages, completion texts) with a finished ``llmtune rm`` run
-    (:class:`llmtune.models.reward.RewardModel`: tokenized as the RM's training pairs, read at the last real token).
-
-    Raises:
-        ModelLoadError: the run is not a reward model (``model_head`` is not ``score``) or cannot be loaded.
-    """
-
-    def __init__(self, run_dir: Path, batch_size: int):
-        from llmtune.models.reward import RewardModel
-
-        self.rm = RewardModel(run_dir, batch_size=batch_size)
-
-    def __call__(self, prompts: list[list[dict]], completions: list[str]) -> list[float]:
-        """B prompts (message lists) and B completion texts -> B scores (fp32 floats)."""
-        return self.rm.score_texts(prompts, completions).tolist()
-
-
-def sample_completions(model, tokenizer, batch: dict, cfg: PairsConfig) -> tuple[list[str], list[bool]]:
-    """Sample ``cfg.k`` completions for each of B left-padded prompts (``model.generate``).
+def sample_completions(model, tokenizer, rows: list[dict], cfg: PairsConfig) -> tuple[list[str], list[bool]]:
+    """Sample ``cfg.k`` completions for each of B prompt rows through the ``hf`` rollout engine
+    (:class:`llmtune.rl.engines.hf.HFEngine`, the same engine online RL samples with; the one stop set of
+    :func:`llmtune.data.templates.stop_token_ids`).
 
     Args:
-        batch: from :class:`llmtune.data.prompts.PromptCollator`: ``input_ids``/``attention_mask`` (B, T).
+        model: the policy (its adapter chain merged). rows: B prompt rows (``input_ids``).
 
     Returns:
         B x k texts, prompt-major (completion j of prompt b at ``b * k + j``), decoded without special tokens and
-        stripped, and for each whether it stopped at an EOS (else it hit ``max_new_tokens``).
+        stripped, and for each whether it stopped at a stop token (else it hit ``max_new_tokens``).
     """
-    import torch
-
+    from llmtune.data.prompts import PromptCollator
     from llmtune.data.templates import stop_token_ids
+    from llmtune.rl.engines import Policy
+    from llmtune.rl.engines.hf import HFEngine
+    from llmtune.rl.types import STOP, SamplingParams
 
-    eos = stop_token_ids(tokenizer, model.generation_config)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], do_sample=True,
-            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
-            num_return_sequences=cfg.k, eos_token_id=eos, pad_token_id=pad, use_cache=True,
-        )  # (B * k, T + N)
-    new = out[:, batch["input_ids"].shape[1]:]  # (B * k, N)
-    ended = torch.isin(new, torch.tensor(eos)).any(-1).tolist()
-    return [t.strip() for t in tokenizer.batch_decode(new, skip_special_tokens=True)], ended
+    stop = stop_token_ids(tokenizer, model.generation_config)
+    engine = HFEngine(Policy(model, None, lambda: 0, device=model.device), PromptCollator(tokenizer).pad_token_id)
+    prompts = [[int(i) for i in row["input_ids"]] for row in rows for _ in range(cfg.k)]
+    completions = engine.generate(prompts, SamplingParams(cfg.max_new_tokens, tuple(stop), cfg.temperature, cfg.top_p,
+                                                          cfg.top_k))
+    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True).strip() for c in completions]
+    return texts, [c.finish_reason == STOP for c in completions]
 
 
 def _scorer(cfg: PairsConfig, base_dir: Path, source_dir: Path) -> Callable[[list[dict], list[str], list], list]:
-    """``score(rows, texts, references) -> floats`` from the reward function or the reward-model run."""
-    from llmtune.rewards import call_reward_function, load_reward_function
+    """``score(rows, texts, references) -> floats`` from the reward function or the reward-model run (one
+    :mod:`llmtune.rewards.sources` source, the kind online RL uses)."""
+    from llmtune.rewards.functions import RewardFunctionError
+    from llmtune.rewards.sources import FunctionScorer, RewardModelScorer, Scored
 
     if cfg.reward.function:
-        fn = load_reward_function(cfg.reward.function, recipe_dir=source_dir)
-        return lambda rows, texts, refs: call_reward_function(fn, [r["prompt"] for r in rows], texts, refs).tolist()
-    rm = RewardModelScorer(base_dir / cfg.reward.from_run, cfg.reward.batch_size)
-    return lambda rows, texts, refs: rm([json.loads(r["messages"]) for r in rows], texts)
+        source = FunctionScorer(cfg.reward.function, recipe_dir=source_dir)
+    else:
+        source = RewardModelScorer(base_dir / cfg.reward.from_run, batch_size=cfg.reward.batch_size)
+
+    def score(rows: list[dict], texts: list[str], refs: list) -> list[float]:
+        values = source(Scored(rows, texts)).tolist()
+        missing = [b for b, v in enumerate(values) if v != v]
+        if missing:
+            raise RewardFunctionError(f"the pairs step needs a score for every completion, but the reward function "
+                                      f"abstained (returned None) on completion {missing[0]} ({len(missing)} of "
+                                      f"{len(values)}): return a number there")
+        return values
+
+    return score
 
 
 def build_pairs(cfg: PairsConfig, out: Path, policy_dir: Path, *, base_dir: Path = Path("."),
@@ -211,7 +205,7 @@ def build_pairs(cfg: PairsConfig, out: Path, policy_dir: Path, *, base_dir: Path
     """
     import torch
 
-    from llmtune.data.prompts import PromptCollator, build_prompt_data
+    from llmtune.data.prompts import build_prompt_data
 
     t0 = time.perf_counter()
     model, tokenizer = load_policy(policy_dir)
@@ -222,13 +216,13 @@ def build_pairs(cfg: PairsConfig, out: Path, policy_dir: Path, *, base_dir: Path
     done = read_samples(out / SAMPLES)
     done = done[: len(done) // cfg.batch_size * cfg.batch_size]  # whole batches only: same seeds on resume
     (out / SAMPLES).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in done))
-    collate, n, k = PromptCollator(tokenizer), len(prompts), cfg.k
+    n, k = len(prompts), cfg.k
     if done:
         log.info("pairs: %d of %d prompts already sampled; continuing", len(done), n)
     for start in range(len(done), n, cfg.batch_size):
         rows = [prompts[j] for j in range(start, min(start + cfg.batch_size, n))]
         torch.manual_seed(cfg.seed + start)
-        texts, ended = sample_completions(model, tokenizer, collate(rows), cfg)
+        texts, ended = sample_completions(model, tokenizer, rows, cfg)
         refs = [r["reference"] for r in rows]
         with_ref = [b for b, ref in enumerate(refs) if ref is not None]  # references are scored after the B*k
         scores = score([r for r in rows for _ in range(k)] + [rows[b] for b in with_ref],

@@ -398,7 +398,7 @@ def _stage_step(entry, i, name, pipe, known, later, cli, problems, where, stages
 
 def _pairs_step(entry, i, name, pipe, known, later, problems, where) -> Step | None:
     """Validate one pairs step: its config, its policy step, its reward source (the function is imported)."""
-    from llmtune.rewards import RewardFunctionError, load_reward_function
+    from llmtune.rewards.functions import RewardFunctionError, load_reward_function
 
     deps: set[str] = set()
     _apply_when_missing(entry, pipe.base_dir, where, pipe.notes, problems)

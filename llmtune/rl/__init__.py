@@ -1,3 +1,6 @@
-"""What the online-RL stages (PPO, GRPO) share: the trainer that feeds rollouts into transformers' loop, the
-generation backend, per-token log-probs of the policy and the reference, reward sources, KL estimators, sample logs
-and the greedy evaluation. Import direction: ``stages > rl > core, data, models``."""
+"""Online RL (PPO, GRPO), in the order data flows: prompt rows -> a rollout engine (:mod:`llmtune.rl.engines`: token
+ids in, token ids + log-probs + a finish reason out) -> typed trajectories and a padded rollout batch
+(:mod:`llmtune.rl.types`) -> rewards (:mod:`llmtune.rewards.sources`) -> the stage's experience (advantages, and the
+rollout forwards of :mod:`llmtune.rl.forward`) -> the learner (:mod:`llmtune.rl.trainer`, transformers' loop) ->
+``stage.loss``; weights reach an engine only through ``engine.sync(version)``. Import direction: ``stages > rl,
+rewards > core, data, models``."""

@@ -14,19 +14,23 @@ from llmtune.models.adapters import adapter_scope
 POLICY = "default"
 
 
-class ResponseLogps(NamedTuple):
-    """What :meth:`PolicyModel.response_logps` returns, each (B, N) fp32 and exactly 0 where ``response_mask`` is 0.
+class PolicyOutput(NamedTuple):
+    """What the policy models' ``forward`` and :meth:`PolicyModel.response_logps` return (one shape for all), each
+    (B, N) fp32, exactly 0 where ``response_mask`` is 0.
 
     Attributes:
         logps: log-probs of the response tokens under ``softmax(logits / temperature)`` (differentiable).
         entropy: that distribution's entropy (detached, nats), or None when not asked for.
         sampling_logps: log-probs under the distribution a rollout engine samples from (``top_k``/``top_p``
             truncation, renormalised; :func:`llmtune.rl.ops.sampling_logps`; detached), or None when not asked for.
+        values: the value model's values of the state before each response token (PPO's
+            :class:`~llmtune.stages.ppo.trainer.PolicyValueModel`), or None.
     """
 
     logps: torch.Tensor
     entropy: torch.Tensor | None = None
     sampling_logps: torch.Tensor | None = None
+    values: torch.Tensor | None = None
 
 
 class PolicyModel(nn.Module):
@@ -50,7 +54,7 @@ class PolicyModel(nn.Module):
         """(B, N, V) logits of the policy adapter; position t predicts response token t.
 
         Args:
-            input_ids, attention_mask, position_ids: (B, P + N) prompt + response (see ``rollout.join``).
+            input_ids, attention_mask, position_ids: (B, P + N) prompt + response (``RolloutBatch.model_inputs``).
             response_width: N.
         """
         with adapter_scope(self.policy, POLICY):
@@ -58,32 +62,27 @@ class PolicyModel(nn.Module):
                                use_cache=False, logits_to_keep=response_width + 1).logits[:, :-1]
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                response_width: int, with_values: bool = False, responses: torch.Tensor | None = None,
-                response_mask: torch.Tensor | None = None, temperature: float = 1.0, with_entropy: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(logits, None)``: (B, N, V) policy logits (see :meth:`policy_logits`); no value model here. With
-        ``responses`` and ``response_mask``: ``(logps, entropy)`` of :meth:`response_logps` instead (through
-        ``forward``, so that DDP/DeepSpeed see the forward)."""
-        if responses is not None:
-            out = self.response_logps(input_ids, attention_mask, position_ids, responses, response_mask,
-                                      temperature, with_entropy=with_entropy)
-            return out.logps, out.entropy
-        return self.policy_logits(input_ids, attention_mask, position_ids, response_width), None
+                responses: torch.Tensor, response_mask: torch.Tensor, temperature: float = 1.0,
+                with_entropy: bool = False) -> PolicyOutput:
+        """:meth:`response_logps` of the policy, through ``forward`` so that DDP/DeepSpeed see the forward (the
+        losses call the model; the rollout forwards and the evaluation call the methods)."""
+        return self.response_logps(input_ids, attention_mask, position_ids, responses, response_mask, temperature,
+                                   with_entropy=with_entropy)
 
     def response_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                        responses: torch.Tensor, response_mask: torch.Tensor, temperature: float = 1.0,
                        reference: bool = False, with_entropy: bool = False,
-                       truncation: tuple[int, float] | None = None) -> ResponseLogps:
+                       truncation: tuple[int, float] | None = None) -> PolicyOutput:
         """Log-probs of the real response tokens under ``softmax(logits / temperature)`` of the policy (or the
         reference), with the LM head applied at the positions that predict them only and no (B, N, V) fp32 logits
         (:mod:`llmtune.core.lm_head`: the masked head and :class:`~llmtune.core.lm_head.TokenLogps`, one (M, V)
         buffer); rows that share a prompt (GRPO's groups) compute it once (:func:`shared_prompt_batch`). The same
-        values and gradients as :func:`llmtune.rl.rollout.response_token_logps` of
+        values and gradients as :func:`llmtune.rl.forward.response_token_logps` of
         :meth:`policy_logits` up to fp32 rounding (tests/unit/rl/test_response_logps.py), without the padding
         positions and the (B, N, V) temporaries of the upcast, the division, the log-softmax and the entropy.
 
         Args:
-            input_ids, attention_mask, position_ids: (B, P + N) prompt + response (``rollout.join``).
+            input_ids, attention_mask, position_ids: (B, P + N) prompt + response (``RolloutBatch.model_inputs``).
             responses: (B, N) sampled ids. response_mask: (B, N), 1 on the real response tokens.
             temperature: the sampling temperature (the logits are divided by it). reference: adapters disabled.
             with_entropy: also return the (B, N) entropy of that distribution (detached, nats).
@@ -91,8 +90,8 @@ class PolicyModel(nn.Module):
                 sampling distribution (``sampling_logps``, for the engine importance weights); None = not needed.
 
         Returns:
-            :class:`ResponseLogps` (``logps`` differentiable, exactly 0 where ``response_mask`` is 0; ``entropy`` and
-            ``sampling_logps`` when asked, else None).
+            :class:`PolicyOutput` (``logps`` differentiable, exactly 0 where ``response_mask`` is 0; ``entropy`` and
+            ``sampling_logps`` when asked, else None; ``values`` None).
         """
         from llmtune.core.lm_head import TokenLogps, masked_logits
 
@@ -120,7 +119,7 @@ class PolicyModel(nn.Module):
                 real, sampling_logps(logits, responses[real], *truncation))
         flat = TokenLogps.apply(logits, responses[real])  # turns the logits into its softmax in place
         logps = torch.zeros(real.shape, dtype=torch.float32, device=real.device).masked_scatter(real, flat)
-        return ResponseLogps(logps, entropy, sampling)
+        return PolicyOutput(logps, entropy, sampling)
 
     def reference_logits(self, input_ids, attention_mask, position_ids, response_width: int) -> torch.Tensor:
         """(B, N, V) logits of the reference = the base with every adapter disabled."""

@@ -116,7 +116,7 @@ def truncated_is_weights(trainer_logps: torch.Tensor, engine_logps: torch.Tensor
     Args:
         trainer_logps: (B, N) log-probs of the sampled tokens under the trainer's policy at sampling time.
         engine_logps: (B, N) the engine's log-probs of the same tokens (its sampling distribution); NaN where the
-            engine's value was not finite (:func:`llmtune.rl.vllm_engine.check_completions`).
+            engine's value was not finite (:func:`llmtune.rl.engines.vllm_engine.check_completions`).
         mask: (B, N) 1 on real response tokens. cap: C >= 1.
 
     Returns:

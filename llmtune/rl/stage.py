@@ -37,7 +37,7 @@ class OnlineRLStage(Stage):
                 if lineage.get("model_head") != "score":
                     problems.append(("reward.from_run", f"{reward.from_run} is a {lineage.get('stage')} run, not a "
                                      "reward model; point it to an `llmtune rm` run"))
-        from llmtune.rewards import RewardFunctionError, load_reward_function
+        from llmtune.rewards.functions import RewardFunctionError, load_reward_function
 
         specs = ([("reward.function", reward.function)] if reward.function else []) + [
             (f"reward.functions.{i}.function", f.function) for i, f in enumerate(reward.functions)]
@@ -55,7 +55,7 @@ class OnlineRLStage(Stage):
         rollout = self.recipe.rollout
         if rollout.engine != "vllm" or rollout.vllm.mode != "colocate":
             return []
-        from llmtune.rl.generation import vllm_installed
+        from llmtune.rl.engines import vllm_installed
 
         if vllm_installed():
             return []

@@ -8,11 +8,15 @@ stage's :meth:`make_experience`) when the last one is used up. Gradient accumula
 stages: the loss of a micro-batch is its sum divided by the stage's item count of the whole optimizer step over all
 ranks (:meth:`CoreTrainer._get_num_items_in_batch`).
 
-Shared here: prompt order, seeding, sampling through the rollout engine (:func:`llmtune.rl.generation.build_engine`:
-``hf`` or vLLM, synced to the policy before every rollout batch and evaluation, closed with :meth:`close`), the
-engine/trainer log-prob mismatch and its truncated importance weights (:meth:`engine_correction`), response
-log-probs of the policy and the reference in chunks, reward sources (:mod:`llmtune.rl.scoring`), sample logs,
-the greedy evaluation, adapter checkpoints, and the time split between generation and training.
+Shared here, in the order data flows: prompt order and seeding; sampling through the rollout engine
+(:func:`llmtune.rl.engines.build_engine`: ``hf`` or vLLM, built from the policy (:class:`llmtune.rl.engines.Policy`),
+synced to it before every rollout batch and evaluation, the only way weights reach it; closed with :meth:`close`)
+into typed trajectories and a :class:`~llmtune.rl.types.RolloutBatch` (:meth:`sample`); rewards
+(:mod:`llmtune.rewards.sources`); the rollout forwards (:func:`llmtune.rl.forward.rollout_forward`); the engine/trainer
+log-prob mismatch and its truncated importance weights (:meth:`engine_correction`); the stage's experience
+(:class:`~llmtune.rl.types.Experience`, made by its :meth:`make_experience`) cut into the micro-batches of each
+optimizer step; sample logs, the greedy evaluation, adapter checkpoints, and the time split between generation and
+training.
 
 Resume: a checkpoint is only written at the end of an iteration (one rollout batch; save_steps is a multiple of
 it), so a resumed run starts with a fresh rollout. Sampling, dropout and minibatch order are seeded from (seed,
@@ -22,6 +26,7 @@ uninterrupted run drew.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -30,34 +35,23 @@ import torch
 
 from llmtune.core.rundir import SAMPLES
 from llmtune.core.trainer import CoreTrainer
+from llmtune.data.prompts import PromptCollator
 from llmtune.data.templates import stop_token_ids
+from llmtune.rewards.sources import Scored, build_reward_sources, decode_completions
 from llmtune.rl import ops
-from llmtune.rl.generation import build_engine
-from llmtune.rl.rollout import decode_responses, join, response_token_logps, split_generation
-from llmtune.rl.scoring import build_reward_sources
+from llmtune.rl.engines import EngineSite, Policy, build_engine, sampling_from_recipe
+from llmtune.rl.forward import RolloutForward, rollout_forward
+from llmtune.rl.model import POLICY
+from llmtune.rl.types import Experience, Layout, RolloutBatch, Trajectory
 from llmtune.utils import get_logger
 
 log = get_logger("rl")
-
-LOGITS_CHUNK_BYTES = 256 * 2**20  # fp32 logits per forward of forward_chunks (rows cut to fit; at least one row)
-
-
-def _per_row(fn, *tensors: torch.Tensor) -> torch.Tensor:
-    """``fn`` applied to each row (a (1, ...) slice) of the tensors, concatenated: (B, N) statistics of (B, N, V)
-    logits with (1, N, V) temporaries instead of (B, N, V) ones."""
-    return torch.cat([fn(*(t[i:i + 1] for t in tensors)) for i in range(tensors[0].shape[0])])
 
 
 def _number(x: torch.Tensor) -> float | None:
     """A score for the sample logs: None where every reward function abstained (JSON has no NaN)."""
     value = float(x)
     return None if value != value else value
-
-
-def _exact_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
-    """(b, N, V) policy and reference logits -> (b, N) KL(policy || reference) per position, fp32."""
-    logp = torch.log_softmax(logits.float(), -1)
-    return (logp.exp() * (logp - torch.log_softmax(ref_logits.float(), -1))).sum(-1)
 
 
 class _StepSlots(torch.utils.data.Dataset):
@@ -105,19 +99,21 @@ class OnlineRLTrainer(CoreTrainer):
         self.cfg = getattr(recipe, stage.name)
         self.rollout = recipe.rollout  # sampling settings and the rollout engine (shared by PPO and GRPO)
         self.tokenizer = processing_class
-        self.prompts, self.prompt_collator = train_dataset, data_collator
-        self.eval_prompts = eval_dataset
+        self.prompts, self.eval_prompts = train_dataset, eval_dataset
         # THE stop set (tokenizer EOS, template end of turn, the model's generation-config EOS list): every engine
-        # stops on these ids and nothing else, and split_generation cuts completions at them
-        self.eos_ids = stop_token_ids(processing_class, getattr(model, "generation_config", None))
-        if not self.eos_ids:
+        # stops on these ids and nothing else
+        self.stop_ids = stop_token_ids(processing_class, getattr(model, "generation_config", None))
+        if not self.stop_ids:
             raise ValueError("the tokenizer has no EOS token and its chat template ends turns with no special token: "
                              "responses could never end; set the tokenizer's eos_token (or data.chat_template)")
-        self.pad_id = processing_class.pad_token_id if processing_class.pad_token_id is not None else self.eos_ids[0]
+        self.pad_id = PromptCollator(processing_class).pad_token_id  # prompts left-, completions right-padded
+        self.sampling = sampling_from_recipe(recipe, self.stop_ids)
+        self.eval_sampling = sampling_from_recipe(recipe, self.stop_ids, greedy=True)
         self._buffer: list[list[dict[str, torch.Tensor]]] = []
         self._rollout_s = 0.0  # seconds spent making experience since the last log (not training)
         self._generation_s = 0.0  # of which sampling
-        self.rewards = build_reward_sources(recipe, processing_class, recipe_dir=stage.recipe_dir)
+        self.rewards = build_reward_sources(recipe.reward, processing_class, recipe_dir=stage.recipe_dir,
+                                            precision=recipe.precision)
         wrapped = self.build_model(model, recipe)
         args = kwargs.pop("args")
         args.metric_for_best_model = None  # evaluated by generation: there is no eval_loss to track
@@ -126,7 +122,31 @@ class OnlineRLTrainer(CoreTrainer):
                          eval_dataset=eval_dataset, data_collator=_slot_collate, processing_class=processing_class,
                          **kwargs)
         self.rewards.to(self.args.device)
-        self.generation = build_engine(self, recipe)  # the rollout engine (hf or vLLM); close() frees it
+        # the rollout engine (hf or vLLM), built from the policy and where it runs; close() frees it
+        policy = Policy(self.accelerator.unwrap_model(self.model).policy, POLICY, lambda: self.state.global_step,
+                        self.args.device, self._generation_model, can_merge=self._can_merge())
+        site = EngineSite(self.run_dir, self.args.process_index, self.args.world_size, self.args.device)
+        self.engine = build_engine(recipe, policy, site, self.pad_id)
+
+    @contextlib.contextmanager
+    def _generation_model(self):
+        """The peft policy ready to ``generate``: under DeepSpeed ZeRO-3 its gathered weights
+        (``trl.models.utils.unwrap_model_for_generation``), in the trainer's autocast."""
+        from trl.models.utils import unwrap_model_for_generation
+
+        with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as unwrapped, \
+                self.compute_loss_context_manager():
+            yield unwrapped.policy
+
+    def _can_merge(self) -> bool:
+        """Merging the adapter for sampling swaps parameter tensors in place: not under ZeRO-3 (partitioned,
+        gathered only for generation) or FSDP (sharded flat parameters)."""
+        if getattr(self, "is_fsdp_enabled", False):
+            return False
+        if getattr(self, "is_deepspeed_enabled", False):
+            plugin = self.accelerator.state.deepspeed_plugin
+            return plugin is None or plugin.zero_stage != 3
+        return True
 
     # ---- what a stage supplies ------------------------------------------------------------------
     def build_model(self, policy, recipe) -> torch.nn.Module:
@@ -134,7 +154,8 @@ class OnlineRLTrainer(CoreTrainer):
         raise NotImplementedError
 
     def make_experience(self, iteration: int) -> list[list[dict[str, torch.Tensor]]]:
-        """Sample and score rollout batch ``iteration``; return its optimizer steps, each a list of micro-batches."""
+        """Sample and score rollout batch ``iteration``; return its optimizer steps, each a list of micro-batches
+        (:meth:`~llmtune.rl.types.Experience.micro_batch` dicts)."""
         raise NotImplementedError
 
     @property
@@ -159,7 +180,7 @@ class OnlineRLTrainer(CoreTrainer):
                 break
         if not self._buffer:
             start = time.perf_counter()
-            self.generation.sync(self.state.global_step)  # the engine samples from the policy of this step
+            self.engine.sync(self.state.global_step)  # the engine samples from the policy of this step
             self._buffer = self.make_experience(self.state.global_step // self.steps_per_iteration)
             self._rollout_s += time.perf_counter() - start
         micro_batches = self._buffer.pop(0)
@@ -188,21 +209,9 @@ class OnlineRLTrainer(CoreTrainer):
         # modulo numpy's seed range: seed + 1_000_003 x iteration passes 2**32 after ~4,300 iterations
         set_seed((seed + 1_000_003 * iteration + 7919 * self.args.process_index + salt) % 2**32)
 
-    def prompt_batch(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        """(B, P) left-padded ``input_ids``/``attention_mask`` of prompt rows, on the training device."""
-        return {k: v.to(self.args.device) for k, v in self.prompt_collator(rows).items()
-                if k in ("input_ids", "attention_mask")}
-
-    def generate(self, batch: dict[str, torch.Tensor], greedy: bool, max_new_tokens: int
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(sequences, engine_logps)``: (B, P + N) sequences sampled (or greedy) from the policy adapter for
-        left-padded prompts, and the engine's (B, N) log-probs of the sampled tokens (None: not reported)."""
-        return self.generation.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=max_new_tokens,
-                                        greedy=greedy)
-
     def close(self) -> None:
         """Free the rollout engine (the runner calls this when the stage ends, also on errors)."""
-        engine = getattr(self, "generation", None)
+        engine = getattr(self, "engine", None)
         if engine is None:
             return
         try:
@@ -210,66 +219,81 @@ class OnlineRLTrainer(CoreTrainer):
         except Exception as exc:  # noqa: BLE001 - never hide the error that ended the run behind a failed close
             log.warning("closing the rollout engine failed: %s", exc)
 
-    def sample(self, batch: dict[str, torch.Tensor]
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Sample completions of (B, P) prompts; ``(responses, mask, ended, engine_logps)``: the first three as
-        ``rollout.split_generation``, then the engine's (B, N) fp32 log-probs of the sampled tokens (0 on padding)
-        or None when the engine does not report them (``hf``).
-        Logs ``generation_tokens_per_s`` (real completion tokens per second of sampling, this rank),
+    def sample(self, rows: list[dict], groups: list[int] | None = None, greedy: bool = False) -> RolloutBatch:
+        """Sample one trajectory per prompt row through the engine: prompt ids in, completion ids (and the engine's
+        log-probs) out, padded into a :class:`~llmtune.rl.types.RolloutBatch` on the training device.
+
+        Args:
+            rows: B prompt rows (``input_ids`` and the row's columns). groups: (B,) group ids (default 0..B-1).
+            greedy: the evaluation's decoding (``rollout.eval_max_new_tokens``; no metrics logged).
+
+        Sampling logs ``generation_tokens_per_s`` (real completion tokens per second of sampling, this rank),
         ``generation_tflops_per_s`` (their model FLOPs, a KV-cached forward per token, :mod:`llmtune.core.flops`)
-        and ``generation_mfu`` (that over this device's peak, where known)."""
+        and ``generation_mfu`` (that over this device's peak, where known).
+        """
         from llmtune.core.flops import forward_flops_per_token, peak_tflops
 
+        prompts = [[int(i) for i in row["input_ids"]] for row in rows]
         start = time.perf_counter()
-        sequences, engine_logps = self.generate(batch, greedy=False, max_new_tokens=self.rollout.max_new_tokens)
+        completions = self.engine.generate(prompts, self.eval_sampling if greedy else self.sampling)
         seconds = time.perf_counter() - start
+        groups = list(range(len(rows))) if groups is None else groups
+        batch = RolloutBatch.from_trajectories(
+            [Trajectory.single_turn(row, p, c, g) for row, p, c, g in zip(rows, prompts, completions, groups)],
+            self.pad_id, self.args.device)
+        if greedy:
+            return batch
         self._generation_s += seconds
-        responses, mask, ended = split_generation(sequences, batch["input_ids"].shape[1], self.eos_ids, self.pad_id)
-        if engine_logps is not None:
-            if engine_logps.shape != responses.shape:
-                raise RuntimeError(f"the rollout engine returned log-probs of shape {tuple(engine_logps.shape)} for "
-                                   f"completions of shape {tuple(responses.shape)}")
-            engine_logps = torch.where(mask.bool(), engine_logps.to(device=responses.device, dtype=torch.float32), 0.0)
-        tokens_per_s = float(mask.sum()) / max(seconds, 1e-9)
+        tokens = batch.completion_mask
+        tokens_per_s = float(tokens.sum()) / max(seconds, 1e-9)
         # a generated token attends to its prompt and the completion so far: on average prompt + half of it
-        context = float(batch["attention_mask"].sum(1).float().mean()) + float(mask.sum(1).float().mean() + 1) / 2
+        context = float(batch.prompt_mask.sum(1).float().mean()) + float(tokens.sum(1).float().mean() + 1) / 2
         tflops = forward_flops_per_token(self.model, context) * tokens_per_s / 1e12
         peak = peak_tflops()
         self.add_metrics({"generation_tokens_per_s": tokens_per_s, "generation_tflops_per_s": tflops,
                           **({"generation_mfu": tflops / peak} if peak else {})})
-        return responses, mask, ended, engine_logps
+        return batch
 
-    @property
-    def sampling_truncation(self) -> tuple[int, float] | None:
-        """``(top_k, top_p)`` when the rollouts are sampled from a truncated distribution (``rollout.top_k`` > 0 or
-        ``rollout.top_p`` < 1), else None. The engine's log-probs are under that distribution (vLLM's
-        ``processed_logprobs``), so the trainer's side of the importance ratio must be too
-        (:func:`llmtune.rl.ops.sampling_logps`)."""
-        r = self.rollout
-        return (r.top_k, r.top_p) if r.top_k > 0 or r.top_p < 1.0 else None
+    def score(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(total, per_source)`` of the reward sources on a rollout batch
+        (:meth:`llmtune.rewards.sources.RewardSources.score`), on the training device."""
+        scored = Scored(batch.rows, decode_completions(self.tokenizer, batch), batch)
+        return self.rewards.score(scored, self.args.device)
 
-    def correction_truncation(self, engine_logps: torch.Tensor | None) -> tuple[int, float] | None:
-        """The ``truncation`` argument of :meth:`forward_chunks` for a rollout batch whose engine reported
-        ``engine_logps`` (None when it did not: nothing to compare)."""
-        return self.sampling_truncation if engine_logps is not None else None
+    def forward(self, batch: RolloutBatch, *, policy: bool = True, reference: bool = False, values: bool = False,
+                exact_kl: bool = False, temperature: float | None = None) -> RolloutForward:
+        """The rollout forwards of a batch (:func:`llmtune.rl.forward.rollout_forward`) in chunks of the eval batch
+        size, at the sampling temperature (evaluation: 1), with the engine's truncated log-probs when the engine
+        reported log-probs under a truncated distribution (:attr:`correction_truncation`)."""
+        truncation = self.correction_truncation(batch) if policy and not exact_kl else None
+        return rollout_forward(self.model, batch.model_inputs(), batch.completion_ids,
+                               temperature=self.rollout.temperature if temperature is None else temperature,
+                               chunk_rows=self.args.per_device_eval_batch_size, policy=policy, reference=reference,
+                               values=values, exact_kl=exact_kl, truncation=truncation,
+                               autocast=self.compute_loss_context_manager)
 
-    def engine_correction(self, experience: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor],
-                          responses: torch.Tensor, mask: torch.Tensor, engine_logps: torch.Tensor | None,
-                          fwd: dict[str, torch.Tensor] | None = None) -> None:
+    def correction_truncation(self, batch: RolloutBatch) -> tuple[int, float] | None:
+        """``(top_k, top_p)`` when the batch's engine log-probs are under a truncated distribution (vLLM's
+        ``processed_logprobs`` with ``rollout.top_k`` > 0 or ``rollout.top_p`` < 1): the trainer's side of the
+        importance ratio must be taken under the same truncation (:func:`llmtune.rl.ops.sampling_logps`). None when
+        the engine reported no log-probs (``hf``: nothing to compare) or sampling is not truncated."""
+        return self.sampling.truncation if batch.engine_logps is not None else None
+
+    def engine_correction(self, experience: Experience, batch: RolloutBatch, fwd: RolloutForward | None = None
+                          ) -> None:
         """Measure the engine/trainer mismatch of a rollout batch and, with
         ``rollout.vllm.importance_sampling_correction``, put the truncated importance weights into the experience
-        (``experience["is_weights"]`` (B, N), detached, 0 on padding; the policy losses multiply their per-token
-        surrogate by it). Nothing happens when the engine reported no log-probs (``hf``).
+        (``is_weights`` (B, N), TOKEN layout, detached, 0 on padding and on tokens the policy did not sample; the
+        policy losses multiply their per-token surrogate by it). Nothing happens when the engine reported no log-probs
+        (``hf``).
 
-        Logs, over all ranks' real tokens: ``rollout/logprob_diff_mean``/``_max`` (|trainer - engine| log-prob of
+        Logs, over all ranks' sampled tokens: ``rollout/logprob_diff_mean``/``_max`` (|trainer - engine| log-prob of
         the sampled tokens, nats), ``rollout/is_weight_mean`` and ``rollout/is_clipped_fraction``
         (:func:`llmtune.rl.ops.engine_mismatch_metrics`).
 
         Args:
-            experience: the rollout batch's experience dict (updated in place).
-            inputs: (B, P + N) prompt + response model inputs (``rollout.join``). responses, mask: (B, N).
-            engine_logps: (B, N) from :meth:`sample`. fwd: the rollout batch's :meth:`forward_chunks` output when
-                already computed with ``truncation=self.correction_truncation(engine_logps)`` (its policy log-probs
+            experience: the rollout batch's experience (updated). batch: the rollout batch (its ``engine_logps``
+                and ``loss_mask``). fwd: the batch's :meth:`forward` when already computed (its policy log-probs
                 are the old log-probs), else the policy is run here.
 
         Both sides of the ratio are log-probs under the SAME distribution: the engine's are under its sampling
@@ -277,19 +301,18 @@ class OnlineRLTrainer(CoreTrainer):
         under the same truncation of its own logits (``sampling_logps``); with the full-vocabulary log-prob the
         on-policy weight would be the kept probability mass, not 1 (issue 30).
         """
-        if engine_logps is None:
+        if batch.engine_logps is None:
             return
-        truncation = self.sampling_truncation
-        if fwd is None or "logps" not in fwd:
-            fwd = self.forward_chunks(inputs, responses, with_values=False, reference=False,
-                                      temperature=self.rollout.temperature, truncation=truncation)
-        if truncation is not None and "sampling_logps" not in fwd:
-            raise RuntimeError("engine_correction: the rollout forward was run without the engine's truncation "
-                               "(forward_chunks(truncation=self.correction_truncation(engine_logps))): a bug")
-        trainer_logps = fwd["sampling_logps"] if truncation is not None else fwd["logps"]
-        maskf = mask.float()
+        truncation = self.correction_truncation(batch)
+        if fwd is None or fwd.logps is None:
+            fwd = self.forward(batch)
+        if truncation is not None and fwd.sampling_logps is None:
+            raise RuntimeError("engine_correction: the rollout forward was run without the engine's truncation: a bug")
+        trainer_logps = fwd.sampling_logps if truncation is not None else fwd.logps
+        sampled = batch.loss_mask.float()  # the tokens the engine sampled (tool / environment tokens are not)
+        engine_logps = torch.where(sampled.bool(), batch.engine_logps, torch.zeros_like(batch.engine_logps))
         cap = self.rollout.vllm.importance_sampling_cap
-        stats = ops.engine_mismatch_stats(trainer_logps, engine_logps, maskf, cap)[None]  # (1, 6)
+        stats = ops.engine_mismatch_stats(trainer_logps, engine_logps, sampled, cap)[None]  # (1, 6)
         if self.args.world_size > 1:
             stats = self.accelerator.gather(stats)  # (ranks, 6)
         metrics = ops.engine_mismatch_metrics(stats)
@@ -299,107 +322,14 @@ class OnlineRLTrainer(CoreTrainer):
                         100 * metrics["rollout/engine_logp_nonfinite_fraction"], self.state.global_step)
         self.add_metrics(metrics)
         if self.rollout.vllm.importance_sampling_correction:
-            experience["is_weights"] = ops.truncated_is_weights(trainer_logps, engine_logps, maskf, cap)
+            experience.add("is_weights", ops.truncated_is_weights(trainer_logps, engine_logps, sampled, cap),
+                           Layout.TOKEN)
 
     def add_metrics(self, metrics: dict[str, float]) -> None:
         """Add metrics to the next training log (averaged with the other values logged until then, all ranks)."""
         for key, value in metrics.items():
             self._metric_sums[key] += float(value)
             self._metric_counts[key] += 1
-
-    @torch.no_grad()
-    def forward_chunks(self, inputs: dict[str, torch.Tensor], responses: torch.Tensor, with_values: bool,
-                       reference: bool, temperature: float, exact_kl: bool = False,
-                       policy: bool = True, truncation: tuple[int, float] | None = None) -> dict[str, torch.Tensor]:
-        """Response log-probs of the policy (``logps``, ``entropy``; ``values`` when asked) and of the reference
-        (``ref_logps``; ``kl_exact`` = the exact per-position KL(policy || reference) summed over the vocabulary),
-        each (B, N), in eval mode.
-
-        Memory: the forwards run in chunks of at most the eval batch size and of at most ``LOGITS_CHUNK_BYTES`` of
-        fp32 logits per model (a (16, 161, 49152) fp32 logits tensor of the quickstart's greedy eval is 0.5 GiB), and
-        the per-token statistics are taken one row at a time (:func:`_per_row`), so the (rows, N, V) fp32
-        temporaries of softmax/logsumexp/KL never exist for a whole chunk; without ``exact_kl`` the policy's logits
-        are freed before the reference forward. Same values as whole-chunk arithmetic (row-wise reductions).
-        Without exact KL (GRPO's old and reference log-probs, PPO's with its values, the engine correction) the LM
-        head runs at the real response tokens only (:meth:`~llmtune.rl.model.PolicyModel.response_logps`: no
-        (rows, N, V) logits at all; values from the model's ``values``); the log-probs are then exactly 0 on padding
-        (elsewhere padding holds garbage: multiply by the mask). ``truncation`` = ``(top_k, top_p)``
-        (:attr:`sampling_truncation`) adds ``sampling_logps``: the policy's log-probs under the engine's truncated
-        sampling distribution (masked LM head only)."""
-        model = self.model
-        if not exact_kl and hasattr(model, "response_logps") and (not with_values or hasattr(model, "values")):
-            return self._response_logps_chunks(model, inputs, responses, reference, temperature, policy,
-                                               with_values, truncation)
-        if truncation is not None:
-            raise ValueError("forward_chunks: the engine's truncated sampling log-probs come from the masked LM head "
-                             "only (not with exact_kl or a model without response_logps)")
-        was_training = model.training
-        model.eval()
-        width = responses.shape[1]
-        vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
-        size = max(1, min(self.args.per_device_eval_batch_size,
-                          LOGITS_CHUNK_BYTES // max(1, (width + 1) * vocab * 4) if vocab else responses.shape[0]))
-        out: dict[str, list[torch.Tensor]] = {}
-        for start in range(0, responses.shape[0], size):
-            part = {k: v[start:start + size] for k, v in inputs.items()}
-            resp = responses[start:start + size]
-            logits = values = None
-            with self.compute_loss_context_manager():
-                if policy or exact_kl:
-                    logits, values = model(**part, response_width=width, with_values=with_values)
-            if logits is not None:
-                out.setdefault("logps", []).append(_per_row(
-                    lambda lg, r: response_token_logps(lg, r, temperature), logits, resp))
-                out.setdefault("entropy", []).append(_per_row(
-                    lambda lg: ops.entropy_from_logits(lg.float() / temperature), logits))
-                if not exact_kl:
-                    logits = None
-            if values is not None:
-                out.setdefault("values", []).append(values)
-            if reference:
-                with self.compute_loss_context_manager():
-                    ref_logits = model.reference_logits(**part, response_width=width)
-                out.setdefault("ref_logps", []).append(_per_row(
-                    lambda lg, r: response_token_logps(lg, r, temperature), ref_logits, resp))
-                if exact_kl:  # sum over the vocabulary: KL(policy || reference) at each position
-                    out.setdefault("kl_exact", []).append(_per_row(_exact_kl, logits, ref_logits))
-                del ref_logits
-            del logits
-        model.train(was_training)
-        return {k: torch.cat(v) for k, v in out.items()}
-
-    @torch.no_grad()
-    def _response_logps_chunks(self, model, inputs: dict[str, torch.Tensor], responses: torch.Tensor,
-                               reference: bool, temperature: float, policy: bool,
-                               with_values: bool = False, truncation: tuple[int, float] | None = None
-                               ) -> dict[str, torch.Tensor]:
-        """:meth:`forward_chunks` through the masked LM head: ``logps``/``entropy`` (policy) and ``ref_logps``,
-        each (B, N), 0 on padding, ``values`` (B, N) (``model.values``, PPO) when asked, and ``sampling_logps``
-        (the policy under the engine's ``truncation``) when given; chunks of the eval batch size."""
-        was_training = model.training
-        model.eval()
-        width = responses.shape[1]
-        size = max(1, self.args.per_device_eval_batch_size)
-        out: dict[str, list[torch.Tensor]] = {}
-        for start in range(0, responses.shape[0], size):
-            part = {k: v[start:start + size] for k, v in inputs.items()}
-            resp = responses[start:start + size]
-            resp_mask = part["attention_mask"][:, -width:]  # rollout.join: prompt mask + response mask
-            for name, ref in ((("logps", False),) if policy else ()) + ((("ref_logps", True),) if reference else ()):
-                with self.compute_loss_context_manager():
-                    got = model.response_logps(**part, responses=resp, response_mask=resp_mask,
-                                               temperature=temperature, reference=ref, with_entropy=not ref,
-                                               truncation=None if ref else truncation)
-                out.setdefault(name, []).append(got.logps)
-                if got.entropy is not None:
-                    out.setdefault("entropy", []).append(got.entropy)
-                if got.sampling_logps is not None:
-                    out.setdefault("sampling_logps", []).append(got.sampling_logps)
-            if with_values:
-                with self.compute_loss_context_manager():
-                    out.setdefault("values", []).append(model.values(**part, response_width=width))
-        model.train(was_training)
-        return {k: torch.cat(v) for k, v in out.items()}
 
     def write_samples(self, iteration: int, records: list[dict]) -> None:
         """Append a few rollout records (prompt, completion, rewards ...) to ``samples.jsonl`` (main process)."""
@@ -436,11 +366,10 @@ class OnlineRLTrainer(CoreTrainer):
         rows_all = eval_dataset if eval_dataset is not None else self.eval_prompts
         if rows_all is None or len(rows_all) == 0:
             return {}
-        self.generation.sync(self.state.global_step)  # greedy answers of the policy of this step
+        self.engine.sync(self.state.global_step)  # greedy answers of the policy of this step
         indices = list(range(len(rows_all)))[self.args.process_index::self.args.world_size]
         size = self.args.per_device_eval_batch_size
         per_row, samples = [], []
-        max_new = self.rollout.eval_max_new_tokens or self.rollout.max_new_tokens
         names = self.rewards.names
         from tqdm.auto import tqdm
 
@@ -448,20 +377,16 @@ class OnlineRLTrainer(CoreTrainer):
                         disable=not self.is_world_process_zero() or self.args.disable_tqdm)
         for start in range(0, len(indices), size):
             rows = [rows_all[i] for i in indices[start:start + size]]
-            batch = self.prompt_batch(rows)
-            width = batch["input_ids"].shape[1]
-            sequences, _ = self.generate(batch, greedy=True, max_new_tokens=max_new)
-            responses, mask, ended = split_generation(sequences, width, self.eos_ids, self.pad_id)
-            inputs = join(batch["input_ids"], batch["attention_mask"], responses, mask)
-            fwd = self.forward_chunks(inputs, responses, with_values=False, reference=True, temperature=1.0,
-                                      exact_kl=True)
-            total, per_source = self.rewards.score(batch["input_ids"], batch["attention_mask"], responses, mask, rows)
-            kl = (fwd["kl_exact"] * mask).sum(1)
-            per_row.append(torch.stack([total.to(kl.device), kl, mask.sum(1).float(), (~ended).float(),
+            batch = self.sample(rows, greedy=True)
+            fwd = self.forward(batch, reference=True, exact_kl=True, temperature=1.0)
+            total, per_source = self.score(batch)
+            mask = batch.completion_mask
+            kl = (fwd.kl_exact * mask).sum(1)
+            per_row.append(torch.stack([total.to(kl.device), kl, mask.sum(1).float(), (~batch.ended).float(),
                                         *(per_source[n].to(kl.device) for n in names)], 1))
             progress.update(len(rows))
             if len(samples) < 8:
-                texts = decode_responses(self.tokenizer, responses, mask)
+                texts = decode_completions(self.tokenizer, batch)
                 for b, (row, text) in enumerate(zip(rows, texts)):
                     samples.append({"prompt": row["prompt"], "response": text, "score": _number(total[b]),
                                     **({"rewards": {n: _number(per_source[n][b]) for n in names}}

@@ -218,31 +218,33 @@ def test_dynamic_sampling_counts_drops_and_resamples_all_equal_groups(workspace,
 
 
 def test_replace_groups_repads_prompts_left_and_completions_right():
-    from llmtune.stages.grpo.trainer import _replace_groups
+    from llmtune.rl.types import LENGTH, STOP, RolloutBatch, Trajectory
+    from llmtune.stages.grpo.trainer import Groups, replace_groups
+
+    def traj(row, prompt, completion, ended, group):
+        return Trajectory(row, prompt, completion, [1] * len(completion), None, 0, STOP if ended else LENGTH,
+                          group=group)
 
     # groups laid out interleaved (ids 7, 3, 7, 3): replacing group 7 must touch rows 0 and 2, not rows 0 and 1
-    groups = {"query_ids": torch.tensor([[0, 5], [6, 7], [0, 5], [6, 7]]), "query_mask": torch.tensor(
-        [[0, 1], [1, 1], [0, 1], [1, 1]]), "responses": torch.tensor([[8], [8], [9], [9]]),
-        "mask": torch.ones(4, 1, dtype=torch.long), "ended": torch.tensor([True] * 4), "group_ids": torch.tensor(
-        [7, 3, 7, 3]), "reward": torch.tensor([1.0, 0.0, 1.0, 1.0]), "abstained": torch.tensor([False] * 4),
-        "overlong": torch.zeros(4), "per_source": {"r": torch.tensor([1.0, 0.0, 1.0, 1.0])},
-        "rows": ["a", "b", "a", "b"]}
-    extra = {"query_ids": torch.tensor([[1, 2, 3], [1, 2, 3]]), "query_mask": torch.ones(2, 3, dtype=torch.long),
-             "responses": torch.tensor([[4, 4, 0], [4, 0, 0]]), "mask": torch.tensor([[1, 1, 0], [1, 0, 0]]),
-             "ended": torch.tensor([False, True]), "group_ids": torch.tensor([0, 0]),
-             "reward": torch.tensor([2.0, 3.0]),
-             "abstained": torch.tensor([False, True]), "overlong": torch.tensor([-0.5, 0.0]),
-             "per_source": {"r": torch.tensor([2.0, 3.0])}, "rows": ["c", "c"]}
-    out = _replace_groups(groups, extra, [(7, 0)], pad_id=0)
-    assert out["query_ids"].tolist() == [[1, 2, 3], [0, 6, 7], [1, 2, 3], [0, 6, 7]]
-    assert out["query_mask"].tolist() == [[1, 1, 1], [0, 1, 1], [1, 1, 1], [0, 1, 1]]
-    assert out["responses"].tolist() == [[4, 4, 0], [8, 0, 0], [4, 0, 0], [9, 0, 0]]
-    assert out["mask"].tolist() == [[1, 1, 0], [1, 0, 0], [1, 0, 0], [1, 0, 0]]
-    assert out["reward"].tolist() == [2.0, 0.0, 3.0, 1.0] and out["rows"] == ["c", "b", "c", "b"]
-    assert out["ended"].tolist() == [False, True, True, True]
-    assert out["per_source"]["r"].tolist() == [2.0, 0.0, 3.0, 1.0]
-    assert out["abstained"].tolist() == [False, False, True, False] and out["overlong"].tolist() == [-0.5, 0, 0, 0]
-    assert out["group_ids"].tolist() == [7, 3, 7, 3]  # the slots keep their ids
+    batch = RolloutBatch.from_trajectories([traj("a", [5], [8], True, 7), traj("b", [6, 7], [8], True, 3),
+                                            traj("a", [5], [9], True, 7), traj("b", [6, 7], [9], True, 3)], 0)
+    groups = Groups(batch, torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([False] * 4), torch.zeros(4),
+                    {"r": torch.tensor([1.0, 0.0, 1.0, 1.0])})
+    extra_batch = RolloutBatch.from_trajectories([traj("c", [1, 2, 3], [4, 4], False, 0),
+                                                  traj("c", [1, 2, 3], [4], True, 0)], 0)
+    extra = Groups(extra_batch, torch.tensor([2.0, 3.0]), torch.tensor([False, True]), torch.tensor([-0.5, 0.0]),
+                   {"r": torch.tensor([2.0, 3.0])})
+    out = replace_groups(groups, extra, [(7, 0)], pad_id=0)
+    b = out.batch
+    assert b.prompt_ids.tolist() == [[1, 2, 3], [0, 6, 7], [1, 2, 3], [0, 6, 7]]
+    assert b.prompt_mask.tolist() == [[1, 1, 1], [0, 1, 1], [1, 1, 1], [0, 1, 1]]
+    assert b.completion_ids.tolist() == [[4, 4], [8, 0], [4, 0], [9, 0]]
+    assert b.completion_mask.tolist() == [[1, 1], [1, 0], [1, 0], [1, 0]]
+    assert out.reward.tolist() == [2.0, 0.0, 3.0, 1.0] and b.rows == ["c", "b", "c", "b"]
+    assert b.ended.tolist() == [False, True, True, True]
+    assert out.per_source["r"].tolist() == [2.0, 0.0, 3.0, 1.0]
+    assert out.abstained.tolist() == [False, False, True, False] and out.overlong.tolist() == [-0.5, 0, 0, 0]
+    assert b.group_ids.tolist() == [7, 3, 7, 3]  # the slots keep their ids
 
 
 def test_grpo_help_lists_its_options(capsys):

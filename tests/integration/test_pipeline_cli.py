@@ -13,7 +13,8 @@ from llmtune.commands.cli import main
 from llmtune.config import DataConfig
 from llmtune.data import build_preference_data
 from llmtune.models.tiny import save_tiny_model
-from llmtune.pipeline.pairs import RewardModelScorer, build_pairs, read_samples
+from llmtune.pipeline.pairs import build_pairs, read_samples
+from llmtune.rewards.sources import RewardModelScorer, Scored
 from llmtune.pipeline.spec import load_pipeline
 from llmtune.utils import read_jsonl
 
@@ -202,6 +203,7 @@ def test_pairs_scored_by_a_reward_model_run(workspace, tmp_path):
         assert pair["source"] == "completions" and pair["chosen_score"] > pair["rejected_score"]
     scorer = RewardModelScorer(tmp_path / "rm", batch_size=1)  # one at a time: no padding
     first = samples[0]
-    alone = scorer([first["prompt"]] * 3, first["completions"])
+    row = {"messages": json.dumps(first["prompt"])}
+    alone = scorer(Scored([row] * len(first["completions"]), first["completions"])).tolist()
     assert alone == pytest.approx(first["scores"], abs=1e-5)
-    assert scorer([first["prompt"]], [first["reference"]]) == pytest.approx([first["reference_score"]], abs=1e-5)
+    assert scorer(Scored([row], [first["reference"]])).tolist() == pytest.approx([first["reference_score"]], abs=1e-5)

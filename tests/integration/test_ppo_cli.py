@@ -181,26 +181,31 @@ def test_resume_with_more_steps_follows_the_longer_schedule_from_the_first_resum
 
 
 class ReportingEngine:
-    """A rollout engine that reports log-probs (as vLLM does): transformers' generate for the tokens, and as its
-    log-probs the trainer's own plus ``shift`` nats (a known, constant engine/trainer mismatch). Records its syncs
-    and closes."""
+    """A rollout engine that reports log-probs (as vLLM does): the hf engine for the tokens, and as its log-probs the
+    trainer's own plus ``shift`` nats (a known, constant engine/trainer mismatch). Records its syncs and closes."""
 
-    def __init__(self, trainer, recipe, shift: float, calls: list):
-        from llmtune.rl.generation import HFGenerationBackend
+    def __init__(self, recipe, policy, pad_id, shift: float, calls: list):
+        from llmtune.rl.engines.hf import HFEngine
 
-        r = recipe.rollout
-        self.hf = HFGenerationBackend(trainer, trainer.eos_ids, trainer.pad_id, r.temperature, r.top_p, r.top_k)
-        self.trainer, self.temperature, self.shift, self.calls = trainer, r.temperature, shift, calls
+        self.hf = HFEngine(policy, pad_id)
+        self.policy, self.pad_id, self.temperature = policy, pad_id, recipe.rollout.temperature
+        self.shift, self.calls = shift, calls
 
-    def generate(self, input_ids, attention_mask, *, max_new_tokens, greedy):
-        from llmtune.rl.rollout import join, split_generation
+    def generate(self, prompts, sampling):
+        from llmtune.rl.forward import rollout_forward
+        from llmtune.rl.model import PolicyModel
+        from llmtune.rl.types import RolloutBatch, Trajectory
 
-        sequences, _ = self.hf.generate(input_ids, attention_mask, max_new_tokens=max_new_tokens, greedy=greedy)
-        t = self.trainer
-        responses, mask, _ = split_generation(sequences, input_ids.shape[1], t.eos_ids, t.pad_id)
-        logps = t.forward_chunks(join(input_ids, attention_mask, responses, mask), responses, with_values=False,
-                                 reference=False, temperature=self.temperature)["logps"]
-        return sequences, (logps + self.shift) * mask
+        completions = self.hf.generate(prompts, sampling)
+        if sampling.greedy:
+            return completions
+        batch = RolloutBatch.from_trajectories([Trajectory.single_turn({}, p, c) for p, c in zip(prompts, completions)],
+                                               self.pad_id, self.policy.device)
+        logps = rollout_forward(PolicyModel(self.policy.model), batch.model_inputs(), batch.completion_ids,
+                                temperature=self.temperature, chunk_rows=8).logps
+        for c, row in zip(completions, logps.tolist()):
+            c.logprobs = [v + self.shift for v in row[:len(c.token_ids)]]
+        return completions
 
     def sync(self, version):
         self.calls.append(("sync", version))
@@ -217,8 +222,8 @@ def test_engine_log_probs_weight_the_policy_loss(workspace, ppo_rm_run, monkeypa
     import llmtune.rl.trainer as rl_trainer
 
     calls = []
-    monkeypatch.setattr(rl_trainer, "build_engine",
-                        lambda trainer, recipe: ReportingEngine(trainer, recipe, math.log(2.0), calls))
+    monkeypatch.setattr(rl_trainer, "build_engine", lambda recipe, policy, site, pad_id: ReportingEngine(
+        recipe, policy, pad_id, math.log(2.0), calls))
     recipe = ppo_recipe(workspace, "ppo_engine", {"from_run": str(workspace / "rm")})
     assert main(["ppo", str(recipe)]) == 0
     assert calls == [("sync", 0), ("sync", 0), ("sync", 2), ("sync", 4), ("close", None)]  # eval, 2 rollouts, eval

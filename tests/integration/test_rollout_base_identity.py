@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from llmtune.config import load_recipe
-from llmtune.rl.vllm_engine import RolloutEngineError, base_identity, check_base
+from llmtune.rl.engines.vllm_base import RolloutEngineError, base_identity, check_base
 from tests.integration.rl_workspace import COMMON, rl_workspace, write_recipe
 
 

@@ -21,10 +21,12 @@ import pytest
 import torch
 
 from llmtune.rl import ops
+from llmtune.rl.engines import Policy
+from llmtune.rl.engines.vllm_engine import RolloutEngineError, VLLMEngine, VLLMSettings, check_server
+from llmtune.rl.engines.vllm_client import VLLMClient, _stop, start_colocated, vllm_python
+from llmtune.rl.forward import response_token_logps
 from llmtune.rl.model import PolicyModel
-from llmtune.rl.rollout import join, response_token_logps, split_generation
-from llmtune.rl.vllm_engine import (RolloutEngineError, VLLMClient, VLLMEngine, VLLMSettings, check_server,
-                                    start_colocated, vllm_python)
+from llmtune.rl.types import STOP, RolloutBatch, SamplingParams, Trajectory
 
 pytestmark = pytest.mark.skipif(vllm_python() is None, reason="vLLM is not installed (bash scripts/setup.sh sets up "
                                 ".venv-vllm; LLMTUNE_VLLM_PYTHON names its python)")
@@ -87,8 +89,6 @@ def server(model_dir, tmp_path_factory):
         client = start_colocated(model_dir, settings, tmp_path_factory.mktemp("vllm_run"))
     print(f"vLLM engine started in {time.perf_counter() - start:.1f} s")
     yield client, settings
-    from llmtune.rl.vllm_engine import _stop
-
     _stop(client.process)
 
 
@@ -102,41 +102,49 @@ class Version:
         return self.value
 
 
-def _prompts():
-    rows = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23, 24], [30, 31]]
-    width = max(map(len, rows))
-    ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    return ids, mask
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23, 24], [30, 31]]
 
 
-def _trainer_logps(policy, ids, mask, sequences):
-    """The trainer's log-probs of the engine's sampled tokens: what ``OnlineRLTrainer.forward_chunks`` computes."""
-    responses, rmask, _ = split_generation(sequences, ids.shape[1], [EOS], PAD)
-    inputs = join(ids, mask, responses, rmask)
+def engine_for(client, policy, version, settings):
+    return VLLMEngine(client, Policy(policy, "default", version), settings)
+
+
+def generate(engine, prompts=PROMPTS, max_new=12, greedy=False, stops=(EOS,), temperature=TEMPERATURE, top_k=0,
+             top_p=1.0):
+    return engine.generate(prompts, SamplingParams(max_new, tuple(stops), temperature, top_p, top_k, greedy))
+
+
+def as_batch(prompts, completions):
+    return RolloutBatch.from_trajectories([Trajectory.single_turn({}, p, c) for p, c in zip(prompts, completions)],
+                                          PAD)
+
+
+def _trainer_logps(policy, prompts, completions, temperature=TEMPERATURE):
+    """The trainer's log-probs of the engine's sampled tokens (full logits) and the completion mask, and the
+    engine's log-probs padded alike."""
+    batch = as_batch(prompts, completions)
+    P = batch.prompt_ids.shape[1]
     with torch.no_grad():
-        logits = policy(**inputs, use_cache=False).logits[:, ids.shape[1] - 1:-1]
-    return response_token_logps(logits, responses, TEMPERATURE), rmask
+        logits = policy(**batch.model_inputs(), use_cache=False).logits[:, P - 1:-1]
+    return response_token_logps(logits, batch.completion_ids, temperature), batch.completion_mask, batch.engine_logps
 
 
 def test_logprobs_match_the_trainer_after_each_sync(server, model_dir):
     client, settings = server
     version = Version()
     policy = _peft_model(model_dir, r=4, seed=1)
-    engine = VLLMEngine(client, policy, version, [EOS], PAD, settings)
-    ids, mask = _prompts()
+    engine = engine_for(client, policy, version, settings)
     for step in range(3):  # sync at version 0, then after two 'optimizer steps'
         engine.sync(version.value)
         torch.manual_seed(step)
-        sequences, engine_logps = engine.generate(ids, mask, max_new_tokens=12, greedy=False)
-        assert sequences.shape[0] == 4 and sequences.shape[1] > ids.shape[1]
-        assert torch.equal(sequences[:, :ids.shape[1]], ids)
-        trainer_logps, rmask = _trainer_logps(policy, ids, mask, sequences)
+        completions = generate(engine)
+        assert len(completions) == 4 and all(c.version == version.value for c in completions)
+        trainer_logps, rmask, engine_logps = _trainer_logps(policy, PROMPTS, completions)
         diff = ((engine_logps - trainer_logps).abs() * rmask).max().item()
         assert rmask.sum() > 10 and diff < TOL, (step, diff)
         # not trivially equal: the adapter matters (log-probs under the bare base differ)
         with policy.disable_adapter():
-            base_logps, _ = _trainer_logps(policy, ids, mask, sequences)
+            base_logps, _, _ = _trainer_logps(policy, PROMPTS, completions)
         assert ((base_logps - trainer_logps).abs() * rmask).max() > 0.05
         _perturb(policy, seed=10 + step)
         version.value += 1
@@ -146,45 +154,45 @@ def test_skipped_sync_is_detected_and_would_have_mattered(server, model_dir):
     client, settings = server
     version = Version()
     policy = _peft_model(model_dir, r=4, seed=2)
-    engine = VLLMEngine(client, policy, version, [EOS], PAD, settings)
-    ids, mask = _prompts()
+    engine = engine_for(client, policy, version, settings)
     version.value = 5
     engine.sync(5)
     _perturb(policy, seed=3)
     version.value = 6  # an optimizer step ... and no sync
     with pytest.raises(RolloutEngineError, match="stale rollout weights.*version 6.*synced to version 5"):
-        engine.generate(ids, mask, max_new_tokens=12, greedy=False)
+        generate(engine)
     # the server refuses a version it does not hold, too (409), whoever asks
-    prompts = [[5, 6, 7]]
     sampling = {"temperature": TEMPERATURE, "top_p": 1.0, "top_k": 0, "max_tokens": 8, "stop_token_ids": [EOS],
                 "seeds": [0]}
     with pytest.raises(RolloutEngineError, match=r"stale rollout weights.*does not hold adapter None at policy "
                        r"version 6 \(it holds: .*v5\)"):
-        client.generate(prompts, 6, sampling)
+        client.generate([[5, 6, 7]], 6, sampling)
     # what the stale engine would have sampled with: its log-probs are far from the trainer's current policy
     engine.version = version.value = 5  # bypass the check on purpose
     torch.manual_seed(0)
-    sequences, stale_logps = engine.generate(ids, mask, max_new_tokens=12, greedy=False)
-    trainer_logps, rmask = _trainer_logps(policy, ids, mask, sequences)
+    completions = generate(engine)
+    trainer_logps, rmask, stale_logps = _trainer_logps(policy, PROMPTS, completions)
     assert ((stale_logps - trainer_logps).abs() * rmask).max() > 0.5
 
 
 def test_greedy_matches_hf_generate(server, model_dir):
     client, settings = server
-    version = Version()
     policy = _peft_model(model_dir, r=4, seed=4)
-    engine = VLLMEngine(client, policy, version, [EOS], PAD, settings)
+    engine = engine_for(client, policy, Version(), settings)
     engine.sync(0)
-    ids, mask = _prompts()
-    sequences, logps = engine.generate(ids, mask, max_new_tokens=10, greedy=True)
-    assert logps is None
+    completions = generate(engine, max_new=10, greedy=True)
+    assert all(c.logprobs is None for c in completions)
+    width = max(map(len, PROMPTS))
+    ids = torch.tensor([[PAD] * (width - len(r)) + r for r in PROMPTS])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in PROMPTS])
     with torch.no_grad():
         ref = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
                               eos_token_id=[EOS], pad_token_id=PAD)
-    got, _, _ = split_generation(sequences, ids.shape[1], [EOS], PAD)
-    want, _, _ = split_generation(ref, ids.shape[1], [EOS], PAD)
-    n = min(got.shape[1], want.shape[1])
-    assert torch.equal(got[:, :n], want[:, :n])
+    from llmtune.rl.engines.hf import cut_completions
+
+    want = cut_completions(ref[:, width:], (EOS,), 0)
+    assert [c.token_ids for c in completions] == [w.token_ids for w in want]
+    assert [c.finish_reason for c in completions] == [w.finish_reason for w in want]
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 5, 1.0), (1.0, 0, 0.7), (1.3, 8, 0.9), (0.7, 0, 1.0)])
@@ -192,22 +200,18 @@ def test_on_policy_importance_weights_are_one_under_truncated_sampling(server, m
     """Issue 30: vLLM's log-probs are under the truncated (top-k / top-p) distribution; the trainer's side of the
     ratio is taken under the same truncation (PolicyModel.response_logps(truncation=...)), so the on-policy weight
     is 1, not the kept probability mass (what the full-vocabulary log-prob gives)."""
-    from dataclasses import replace
-
     client, settings = server
-    version = Version()
     policy = _peft_model(model_dir, r=4, seed=11)
-    engine = VLLMEngine(client, policy, version, [EOS], PAD,
-                        replace(settings, temperature=temperature, top_k=top_k, top_p=top_p))
+    engine = engine_for(client, policy, Version(), settings)
     engine.sync(0)
-    ids, mask = _prompts()
     torch.manual_seed(3)
-    sequences, engine_logps = engine.generate(ids, mask, max_new_tokens=16, greedy=False)
-    responses, rmask, _ = split_generation(sequences, ids.shape[1], [EOS], PAD)
-    inputs = join(ids, mask, responses, rmask)
+    completions = generate(engine, max_new=16, temperature=temperature, top_k=top_k, top_p=top_p)
+    batch = as_batch(PROMPTS, completions)
+    rmask, engine_logps = batch.completion_mask, batch.engine_logps
     with torch.no_grad():
-        out = PolicyModel(policy).response_logps(**inputs, responses=responses, response_mask=rmask,
-                                                 temperature=temperature, truncation=(top_k, top_p))
+        out = PolicyModel(policy).response_logps(**batch.model_inputs(), responses=batch.completion_ids,
+                                                 response_mask=rmask, temperature=temperature,
+                                                 truncation=(top_k, top_p))
     real = rmask.bool()
     assert real.sum() > 20
     weights = ops.truncated_is_weights(out.sampling_logps, engine_logps, rmask.float(), cap=2.0)[real]
@@ -225,21 +229,20 @@ def test_two_runs_at_the_same_version_each_sample_their_own_adapter(server, mode
     """Issue 30: a version number is not an identity. Two trainers share the server and push version 3 each;
     each samples its own weights (the old server named both `policy-v3` with LoRA id 4 and kept the first)."""
     client, settings = server
-    ids, mask = _prompts()
     runs = []
     for seed in (21, 22):
         version = Version()
         version.value = 3
         policy = _peft_model(model_dir, r=4, seed=seed)
-        engine = VLLMEngine(client, policy, version, [EOS], PAD, settings)
+        engine = engine_for(client, policy, version, settings)
         engine.sync(3)
         runs.append((policy, engine))
     assert runs[0][1].adapter["adapter_id"] != runs[1][1].adapter["adapter_id"]
     assert runs[0][1].adapter["sha256"] != runs[1][1].adapter["sha256"]
     for policy, engine in runs:
         torch.manual_seed(0)
-        sequences, engine_logps = engine.generate(ids, mask, max_new_tokens=12, greedy=False)
-        trainer_logps, rmask = _trainer_logps(policy, ids, mask, sequences)
+        completions = generate(engine)
+        trainer_logps, rmask, engine_logps = _trainer_logps(policy, PROMPTS, completions)
         assert ((engine_logps - trainer_logps).abs() * rmask).max() < TOL
     health = client.health()
     assert health["protocol"] == 2 and health["vllm_version"] == "0.32.0"
@@ -263,25 +266,20 @@ def test_the_engine_stops_where_the_trainer_stops(server, model_dir):
     assert stops == sorted({EOS, second})
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     policy = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")).eval()  # B = 0
-    ids, mask = torch.tensor([STOP_PROMPT]), torch.ones(1, len(STOP_PROMPT), dtype=torch.long)
     # told only the tokenizer's EOS, the engine does not stop at the generation config's other id
-    engine = VLLMEngine(client, policy, Version(), [EOS], PAD, settings)
+    engine = engine_for(client, policy, Version(), settings)
     engine.sync(0)
-    sequences, _ = engine.generate(ids, mask, max_new_tokens=12, greedy=True)
-    completion = sequences[0, len(STOP_PROMPT):].tolist()
+    completion = generate(engine, [STOP_PROMPT], greedy=True)[0].token_ids
     at = completion.index(second)  # where the greedy completion first emits it
     assert len(completion) > at + 1
-    # told the whole stop set, it stops there, and the split agrees: ended, at + 1 real tokens
-    engine = VLLMEngine(client, policy, Version(), stops, PAD, settings)
-    engine.sync(0)
-    sequences, _ = engine.generate(ids, mask, max_new_tokens=12, greedy=True)
-    responses, rmask, ended = split_generation(sequences, len(STOP_PROMPT), stops, PAD)
-    assert bool(ended[0]) and int(rmask.sum()) == at + 1 and int(responses[0, at]) == second
-    assert sequences.shape[1] == len(STOP_PROMPT) + at + 1  # nothing after the stop
+    # told the whole stop set, it stops there: ended, at + 1 tokens, nothing after the stop
+    cut = generate(engine, [STOP_PROMPT], greedy=True, stops=stops)[0]
+    assert cut.token_ids == completion[:at + 1] and cut.finish_reason == STOP
+    ids, mask = torch.tensor([STOP_PROMPT]), torch.ones(1, len(STOP_PROMPT), dtype=torch.long)
     with torch.no_grad():  # transformers' generate with the same explicit set stops at the same token
         ref = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
                               eos_token_id=stops, pad_token_id=PAD)
-    assert torch.equal(ref, sequences)
+    assert ref[0, len(STOP_PROMPT):].tolist() == cut.token_ids
 
 
 def test_a_server_whose_context_is_too_short_is_refused_at_connect(server):
@@ -300,7 +298,7 @@ def test_rank_above_max_lora_rank_is_refused_before_pushing(server, model_dir):
     client, settings = server
     before = client.health()["adapters"]
     policy = _peft_model(model_dir, r=16, seed=5)  # the engine was started with max_lora_rank 4 -> 8
-    engine = VLLMEngine(client, policy, Version(), [EOS], PAD, settings)
+    engine = engine_for(client, policy, Version(), settings)
     with pytest.raises(RolloutEngineError, match=r"LoRA rank 16 .* above the rollout engine's max_lora_rank 8.*"
                        r"rollout.vllm.max_lora_rank: 16"):
         engine.sync(0)
@@ -330,17 +328,15 @@ def test_vllm_missing(monkeypatch, tmp_path, model_dir):
 
 def test_server_killed_mid_run(server, model_dir):  # last: it stops the module's server
     client, settings = server
-    version = Version()
     policy = _peft_model(model_dir, r=4, seed=6)
-    engine = VLLMEngine(client, policy, version, [EOS], PAD, settings)
+    engine = engine_for(client, policy, Version(), settings)
     engine.sync(0)
-    ids, mask = _prompts()
-    engine.generate(ids, mask, max_new_tokens=4, greedy=False)
+    generate(engine, max_new=4)
     os.killpg(client.process.pid, 9)
     client.process.wait()
     with pytest.raises(RolloutEngineError, match=r"rollout engine process .* exited with code -9 .*its log .*"
                        r"rollout_server.log says why.*newest checkpoint is intact") as err:
-        engine.generate(ids, mask, max_new_tokens=4, greedy=False)
+        generate(engine, max_new=4)
     assert err.value.exit_code == 69
 
 

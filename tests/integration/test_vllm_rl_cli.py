@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from llmtune.commands.cli import main
-from llmtune.rl.vllm_engine import VLLMClient, vllm_python
+from llmtune.rl.engines.vllm_client import VLLMClient, vllm_python
 from llmtune.utils import read_jsonl
 from tests.integration.rl_workspace import COMMON, rl_workspace, write_recipe
 
@@ -115,7 +115,7 @@ def test_two_iterations_train_checkpoint_and_resume(workspace, server, stage):
 
 def test_a_server_of_another_base_is_refused(workspace, server, capfd):
     from llmtune.config import load_recipe
-    from llmtune.rl.vllm_engine import base_identity
+    from llmtune.rl.engines.vllm_base import base_identity
 
     url, _, client = server
     # the server states the identity of the base it serves: the SFT chain of its recipe

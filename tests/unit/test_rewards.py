@@ -12,13 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from llmtune.rewards import (
-    RewardFunctionError,
-    call_reward_function,
-    extract_final_answer,
-    gsm8k_reward,
-    load_reward_function,
-)
+from llmtune.rewards import extract_final_answer, gsm8k_reward
+from llmtune.rewards.functions import RewardFunctionError, call_reward_function, load_reward_function
 
 
 def _gsm8k(n: int) -> list[dict]:
@@ -75,7 +70,8 @@ def test_gsm8k_reward_needs_references():
 
 def test_load_reward_function():
     assert load_reward_function("llmtune.rewards:gsm8k_reward") is gsm8k_reward
-    assert load_reward_function(" llmtune.rewards : RewardFunctionError.__init__ ") is RewardFunctionError.__init__
+    assert load_reward_function(" llmtune.rewards.functions : RewardFunctionError.__init__ ") is \
+        RewardFunctionError.__init__
 
 
 @pytest.mark.parametrize(
@@ -173,21 +169,21 @@ def test_a_reward_function_may_abstain_only_where_allowed():
 
 
 def test_reward_sources_add_what_did_not_abstain():
-    from llmtune.rl.scoring import RewardSource, RewardSources
+    from llmtune.rewards.sources import RewardSource, RewardSources, Scored
 
     def fixed(values):
-        return lambda q, qm, r, m, rows: torch.tensor(values)
+        return lambda scored: torch.tensor(values)
 
     nan = math.nan
     sources = RewardSources([RewardSource("a", 1.0, fixed([1.0, nan, nan, 3.0])),
                              RewardSource("b", 0.5, fixed([2.0, 4.0, nan, nan]))])
-    responses = torch.zeros(4, 2, dtype=torch.long)
-    total, per_source = sources.score(None, None, responses, torch.ones(4, 2), [{}] * 4)
+    scored = Scored([{}] * 4, ["x"] * 4)
+    total, per_source = sources.score(scored)
     # row 0: 1 + 0.5 * 2; row 1: only b scored; row 2: every source abstained (no reward); row 3: only a
     assert total[[0, 1, 3]].tolist() == [2.0, 2.0, 3.0] and math.isnan(total[2])
     assert math.isnan(per_source["a"][1]) and per_source["b"][1] == 4.0
     with pytest.raises(RewardFunctionError, match="every reward source abstained .* on completion 2 \\(1 of 4\\)"):
-        sources(None, None, responses, torch.ones(4, 2), [{}] * 4)  # PPO needs a reward for every rollout
+        sources.score_all(scored)  # PPO needs a reward for every rollout
 
 
 def test_a_signature_that_cannot_take_prompts_and_completions_is_refused_at_load(tmp_path, monkeypatch):

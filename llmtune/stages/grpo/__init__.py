@@ -50,12 +50,12 @@ class GRPOStage(OnlineRLStage):
         """
         cfg = self.recipe.grpo
         mask = batch["loss_mask"].float()
-        width = batch["responses"].shape[1]
         # LM head at the response tokens only, no (b, n, V) fp32 logits (PolicyModel.response_logps)
-        logps, entropy = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                               position_ids=batch["position_ids"], response_width=width, responses=batch["responses"],
-                               response_mask=batch["response_mask"], temperature=self.recipe.rollout.temperature,
-                               with_entropy=True)
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    position_ids=batch["position_ids"], responses=batch["responses"],
+                    response_mask=batch["response_mask"], temperature=self.recipe.rollout.temperature,
+                    with_entropy=True)
+        logps, entropy = out.logps, out.entropy
         sequence = cfg.importance_sampling_level == "sequence"
         low, high = ((cfg.sequence_epsilon_low, cfg.sequence_epsilon_high) if sequence
                      else (cfg.epsilon_low, cfg.epsilon_high))

@@ -19,14 +19,17 @@ the ratio is exactly 1 in value (the loss gets no old log-probs and uses the cur
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
 from llmtune.config import RecipeError
 from llmtune.core.guard import ROW_KEY
+from llmtune.rewards.sources import decode_completions
 from llmtune.rl.model import PolicyModel
 from llmtune.rl.ops import kl_estimate, masked_mean
-from llmtune.rl.rollout import decode_responses, join, trim
 from llmtune.rl.trainer import OnlineRLTrainer
+from llmtune.rl.types import Experience, Layout, RolloutBatch
 from llmtune.stages.grpo import ops
 from llmtune.utils import get_logger
 
@@ -77,38 +80,30 @@ class GRPOTrainer(OnlineRLTrainer):
         return PolicyModel(policy)
 
     # ---- rollouts ---------------------------------------------------------------------------------
-    def sample_groups(self, rows: list[dict]) -> dict:
-        """``num_generations`` completions of each prompt row, scored: ``query_ids``/``query_mask`` (B, P),
-        ``responses``/``mask`` (B, N), ``ended`` (B,), ``group_ids`` (B,) (the prompt's index in ``rows``),
-        ``reward`` (B,) = the reward the loss uses (the sources' weighted total + ``missing_eos_penalty`` + DAPO's
-        overlong penalty; 0 where every source abstained), ``abstained`` (B,) bool, ``overlong`` (B,) the overlong
-        penalty, ``per_source`` {name: (B,), NaN = abstained}, ``rows`` (B prompt rows), ``engine_logps`` (B, N) or
-        None (see ``OnlineRLTrainer.sample``), B = len(rows) x G."""
+    def sample_groups(self, rows: list[dict]) -> Groups:
+        """``num_generations`` trajectories of each prompt row, scored (:class:`Groups`; B = len(rows) x G, the
+        group id of a row = its prompt's index in ``rows``)."""
         g, G = self.grpo, self.grpo.num_generations
-        group_ids = torch.arange(len(rows), device=self.args.device).repeat_interleave(G)
         rows = [row for row in rows for _ in range(G)]
-        batch = self.prompt_batch(rows)
-        responses, mask, ended, engine_logps = self.sample(batch)
-        total, per_source = self.rewards.score(batch["input_ids"], batch["attention_mask"], responses, mask, rows)
+        batch = self.sample(rows, groups=[b // G for b in range(len(rows))])
+        total, per_source = self.score(batch)
         abstained = torch.isnan(total)
         reward = torch.nan_to_num(total, nan=0.0)
         if g.missing_eos_penalty is not None:
-            reward = reward + g.missing_eos_penalty * (~ended).float()
+            reward = reward + g.missing_eos_penalty * (~batch.ended).float()
         overlong = torch.zeros_like(reward)
         if g.overlong_buffer_tokens:
-            overlong = ops.overlong_penalty(mask.sum(1), self.rollout.max_new_tokens, g.overlong_buffer_tokens,
-                                            g.overlong_penalty_factor).to(reward.device)
+            overlong = ops.overlong_penalty(batch.completion_mask.sum(1), self.rollout.max_new_tokens,
+                                            g.overlong_buffer_tokens, g.overlong_penalty_factor).to(reward.device)
             reward = reward + overlong
-        return {"query_ids": batch["input_ids"], "query_mask": batch["attention_mask"], "responses": responses,
-                "mask": mask, "ended": ended, "group_ids": group_ids, "reward": reward, "abstained": abstained,
-                "overlong": overlong, "per_source": per_source, "rows": rows, "engine_logps": engine_logps}
+        return Groups(batch, reward, abstained, overlong, per_source)
 
-    def trainable(self, groups: dict) -> torch.Tensor:
+    def trainable(self, groups: Groups) -> torch.Tensor:
         """(B,) bool: rows that can train before dynamic sampling — not abstained, and ended when
         ``mask_truncated_completions``."""
-        keep = ~groups["abstained"]
+        keep = ~groups.abstained
         if self.grpo.mask_truncated_completions:
-            keep &= groups["ended"]
+            keep &= groups.batch.ended
         return keep
 
     def _extra_prompts(self, iteration: int, round_: int) -> list[dict]:
@@ -118,11 +113,11 @@ class GRPOTrainer(OnlineRLTrainer):
         picks = torch.randint(len(self.prompts), (self.local_prompts * self.args.world_size,), generator=gen).tolist()
         return [self.prompts[i] for i in picks[self.args.process_index::self.args.world_size]]
 
-    def _silent(self, groups: dict) -> torch.Tensor:
+    def _silent(self, groups: Groups) -> torch.Tensor:
         """(B,) bool: rows of groups without signal (their trainable rewards all equal, or < 2 trainable rows)."""
-        return ops.group_all_equal(groups["reward"], groups["group_ids"], self.trainable(groups))
+        return ops.group_all_equal(groups.reward, groups.batch.group_ids, self.trainable(groups))
 
-    def _resample(self, iteration: int, groups: dict) -> tuple[dict, int]:
+    def _resample(self, iteration: int, groups: Groups) -> tuple[Groups, int]:
         """DAPO dynamic sampling: replace groups without signal by informative groups of extra prompts, for up to
         ``max_resample_rounds`` rounds (every rank samples each round while any rank still needs to, so collective
         generation under ZeRO-3 stays in step). Returns the groups and the rounds run."""
@@ -137,11 +132,12 @@ class GRPOTrainer(OnlineRLTrainer):
             rounds = round_
             extra = self.sample_groups(self._extra_prompts(iteration, round_))
             extra_silent = self._silent(extra)
-            good = [int(i) for i in extra["group_ids"].unique() if not extra_silent[extra["group_ids"] == i].any()]
-            bad = [int(i) for i in groups["group_ids"].unique() if silent[groups["group_ids"] == i].any()]
+            extra_ids, ids = extra.batch.group_ids, groups.batch.group_ids
+            good = [int(i) for i in extra_ids.unique() if not extra_silent[extra_ids == i].any()]
+            bad = [int(i) for i in ids.unique() if silent[ids == i].any()]
             swaps = list(zip(bad, good))
             if swaps:
-                groups = _replace_groups(groups, extra, swaps, self.pad_id)
+                groups = replace_groups(groups, extra, swaps, self.pad_id)
         return groups, rounds
 
     def make_experience(self, iteration: int) -> list[list[dict[str, torch.Tensor]]]:
@@ -156,62 +152,62 @@ class GRPOTrainer(OnlineRLTrainer):
         rounds = 0
         if g.dynamic_sampling == "resample":
             groups, rounds = self._resample(iteration, groups)
-        responses, mask, reward, group_ids = groups["responses"], groups["mask"], groups["reward"], groups["group_ids"]
+        batch, reward = groups.batch, groups.reward
+        group_ids, mask = batch.group_ids, batch.completion_mask
         keep = self.trainable(groups)
         silent = ops.group_all_equal(reward, group_ids, keep)
         if g.dynamic_sampling != "off":
             keep &= ~silent
         # every statistic below is over the rows that train (bug: masked rows used to move their group's baseline)
-        tokens = mask.sum(1)
+        tokens = batch.loss_mask.sum(1)
         stats = ops.advantage_moments(g.advantage_estimator, g.scale_rewards, reward, keep, tokens)
         if stats is not None and self.args.world_size > 1:
             stats = self.accelerator.reduce(stats.to(self.args.device), reduction="sum")
         advantages = ops.compute_advantages(g.advantage_estimator, reward, group_ids, keep, g.scale_rewards, stats,
                                             tokens)
-        loss_mask = mask * keep[:, None].long()
-        self._check_signal(iteration, groups["abstained"], keep & (advantages != 0))
+        self._check_signal(iteration, groups.abstained, keep & (advantages != 0))
 
-        width = groups["query_ids"].shape[1]
-        inputs = join(groups["query_ids"], groups["query_mask"], responses, mask)
-        experience = {**inputs, "responses": responses, "response_mask": mask, "loss_mask": loss_mask,
-                      "advantages": advantages}
-        if all("index" in row for row in groups["rows"]):  # (B,) prompt rows, named by the non-finite guard
-            experience[ROW_KEY] = torch.tensor([int(r["index"]) for r in groups["rows"]], device=responses.device)
-        kl_rollout, fwd = None, {}
+        experience = Experience.from_batch(batch)
+        experience.add("loss_mask", batch.loss_mask * keep[:, None].long(), Layout.TOKEN)
+        experience.add("advantages", advantages, Layout.SEQUENCE)
+        if all("index" in row for row in batch.rows):  # (B,) prompt rows, named by the non-finite guard
+            experience.add(ROW_KEY, torch.tensor([int(r["index"]) for r in batch.rows], device=mask.device),
+                           Layout.SEQUENCE)
+        kl_rollout, fwd = None, None
         if self.needs_old_logps or g.beta > 0:
-            fwd = self.forward_chunks(inputs, responses, with_values=False, reference=g.beta > 0,
-                                      temperature=self.rollout.temperature, policy=True,
-                                      truncation=self.correction_truncation(groups["engine_logps"]))
+            fwd = self.forward(batch, reference=g.beta > 0)
+            sampled = batch.loss_mask
             if self.needs_old_logps:
-                experience["old_logps"] = fwd["logps"] * mask
+                experience.add("old_logps", fwd.logps * sampled, Layout.TOKEN)
             if g.beta > 0:
-                experience["ref_logps"] = fwd["ref_logps"] * mask
-                kl_rollout = masked_mean(kl_estimate(fwd["logps"], fwd["ref_logps"], g.kl_estimator), mask.float())
-        self.engine_correction(experience, inputs, responses, mask, groups["engine_logps"], fwd)
+                experience.add("ref_logps", fwd.ref_logps * sampled, Layout.TOKEN)
+                kl_rollout = masked_mean(kl_estimate(fwd.logps, fwd.ref_logps, g.kl_estimator), sampled.float())
+        self.engine_correction(experience, batch, fwd)
 
         self.add_metrics(self._rollout_metrics(groups, silent_first, silent, keep, rounds, kl_rollout))
         if iteration % g.sample_every == 0:
-            texts = decode_responses(self.tokenizer, responses, mask)
+            texts = decode_completions(self.tokenizer, batch)
             self.write_samples(iteration, [
-                {"prompt": groups["rows"][b]["prompt"], "completion": texts[b],
-                 "reward": None if groups["abstained"][b] else float(reward[b]),
-                 "rewards": {n: _finite_or_none(v[b]) for n, v in groups["per_source"].items()},
+                {"prompt": batch.rows[b]["prompt"], "completion": texts[b],
+                 "reward": None if groups.abstained[b] else float(reward[b]),
+                 "rewards": {n: _finite_or_none(v[b]) for n, v in groups.per_source.items()},
                  "advantage": float(advantages[b]), "trained": bool(keep[b])}
                 for b in range(min(len(texts), 2 * g.num_generations))])
 
         steps = []
         gen = torch.Generator().manual_seed(self.args.seed + 1_000_003 * iteration + self.args.process_index)
         micro = self.args.per_device_train_batch_size
-        n = responses.shape[0]
+        n = mask.shape[0]
         # within an optimizer step the split into micro-batches changes nothing (sums / the step's item count):
-        # rows of one prompt, then of similar prompt lengths, share a micro-batch (trim drops their common padding)
-        prompt_len = groups["query_mask"].sum(1).cpu()
+        # rows of one prompt, then of similar prompt lengths, share a micro-batch (micro_batch drops their common
+        # padding)
+        prompt_len = batch.prompt_mask.sum(1).cpu()
         for _ in range(g.num_iterations):
             order = torch.randperm(n, generator=gen)
             for start in range(0, n, self.local_minibatch):
                 idx = order[start:start + self.local_minibatch]
                 idx = idx[torch.argsort(prompt_len[idx] * n + group_ids.cpu()[idx], stable=True)]
-                steps.append([trim(experience, idx[m:m + micro].to(responses.device), width)
+                steps.append([experience.micro_batch(idx[m:m + micro].to(mask.device))
                               for m in range(0, len(idx), micro)])
         return steps
 
@@ -232,7 +228,7 @@ class GRPOTrainer(OnlineRLTrainer):
             counts = self.accelerator.reduce(counts, reduction="sum")
         n_abstained, rows, n_informative = (int(x) for x in counts.tolist())
         if rows and n_abstained == rows:
-            from llmtune.rewards import RewardFunctionError
+            from llmtune.rewards.functions import RewardFunctionError
 
             names = ", ".join(self.rewards.names)
             raise RewardFunctionError(
@@ -251,14 +247,14 @@ class GRPOTrainer(OnlineRLTrainer):
                 "grpo.num_generations too small; grpo.dynamic_sampling: resample replaces such groups",
                 self._idle_iterations, self.state.global_step)
 
-    def _rollout_metrics(self, groups, silent_first, silent, keep, rounds, kl) -> dict[str, float]:
+    def _rollout_metrics(self, groups: Groups, silent_first, silent, keep, rounds, kl) -> dict[str, float]:
         """Means over all ranks' completions of this iteration; rewards over the rows that have one (per source:
         the rows it scored); ``rewards/abstained`` = fraction of rows on which every source abstained."""
-        names = list(groups["per_source"])
-        mask = groups["mask"]
-        per_row = torch.stack([groups["reward"].float(), mask.sum(1).float(), (~groups["ended"]).float(), keep.float(),
-                               groups["abstained"].float(), groups["overlong"].float(), silent_first.float(),
-                               silent.float(), *(groups["per_source"][n].float() for n in names)], 1)  # (B, 8 + S)
+        names = list(groups.per_source)
+        batch = groups.batch
+        per_row = torch.stack([groups.reward.float(), batch.completion_mask.sum(1).float(), (~batch.ended).float(),
+                               keep.float(), groups.abstained.float(), groups.overlong.float(), silent_first.float(),
+                               silent.float(), *(groups.per_source[n].float() for n in names)], 1)  # (B, 8 + S)
         if self.args.world_size > 1:
             per_row = self.accelerator.gather(per_row)
         scored = per_row[per_row[:, 4] == 0, 0]
@@ -283,6 +279,24 @@ class GRPOTrainer(OnlineRLTrainer):
         return metrics
 
 
+@dataclass
+class Groups:
+    """A rollout batch of GRPO groups, scored.
+
+    Attributes:
+        batch: the trajectories (``group_ids`` (B,): the prompt of each row; rows of a group need not be adjacent).
+        reward: (B,) the reward the loss uses (the sources' weighted total + ``missing_eos_penalty`` + DAPO's overlong
+            penalty; 0 where every source abstained). abstained: (B,) bool, every source abstained.
+        overlong: (B,) the overlong penalty. per_source: {name: (B,) raw scores, NaN = abstained}.
+    """
+
+    batch: RolloutBatch
+    reward: torch.Tensor
+    abstained: torch.Tensor
+    overlong: torch.Tensor
+    per_source: dict[str, torch.Tensor]
+
+
 def _mean(x: torch.Tensor) -> float:
     return float(x.mean()) if len(x) else float("nan")
 
@@ -295,49 +309,32 @@ def _finite_or_none(x: torch.Tensor) -> float | None:
     return None if torch.isnan(x) else float(x)
 
 
-def _pad_to(x: torch.Tensor, width: int, value: int, left: bool) -> torch.Tensor:
-    pad = torch.full((x.shape[0], width - x.shape[1]), value, dtype=x.dtype, device=x.device)
-    return torch.cat([pad, x] if left else [x, pad], 1)
-
-
-def _replace_groups(groups: dict, extra: dict, swaps: list[tuple[int, int]], pad_id: int) -> dict:
+def replace_groups(groups: Groups, extra: Groups, swaps: list[tuple[int, int]], pad_id: int) -> Groups:
     """``groups`` with the rows of group id ``bad`` replaced by ``extra``'s rows of group id ``good`` for each
-    ``(bad, good)`` (found by ``group_ids``, not by position; the replaced rows keep the id ``bad``); prompts are
-    re-padded on the left and completions on the right to the wider of the two batches.
+    ``(bad, good)`` (found by group ids, not by position; the replaced rows keep the id ``bad``), the trajectories
+    padded again into one batch.
 
     Raises:
         ValueError: the two groups of a swap do not have the same number of rows.
     """
-    P = max(groups["query_ids"].shape[1], extra["query_ids"].shape[1])
-    N = max(groups["responses"].shape[1], extra["responses"].shape[1])
-    pairs = []
+    trajectories = list(groups.batch.trajectories)
+    take = torch.arange(len(trajectories))  # row b of the result comes from groups (b) or extra (B + j)
+    ids, extra_ids = groups.batch.group_ids, extra.batch.group_ids
     for bad, good in swaps:
-        dst = (groups["group_ids"] == bad).nonzero().flatten()
-        src = (extra["group_ids"] == good).nonzero().flatten()
+        dst = (ids == bad).nonzero().flatten().tolist()
+        src = (extra_ids == good).nonzero().flatten().tolist()
         if len(dst) != len(src):
             raise ValueError(f"group {bad} has {len(dst)} rows but replacement group {good} has {len(src)}")
-        pairs.append((dst, src))
-    out = {"per_source": {}, "rows": list(groups["rows"]), "group_ids": groups["group_ids"],
-           "engine_logps": None}
-    layout = {"query_ids": (P, pad_id, True), "query_mask": (P, 0, True), "responses": (N, pad_id, False),
-              "mask": (N, 0, False)}
-    if groups.get("engine_logps") is not None and extra.get("engine_logps") is not None:
-        layout["engine_logps"] = (N, 0.0, False)
-    for key, (width, value, left) in layout.items():
-        out[key] = _swap_rows(_pad_to(groups[key], width, value, left), _pad_to(extra[key], width, value, left),
-                              pairs)
-    for key in ("ended", "reward", "abstained", "overlong"):
-        out[key] = _swap_rows(groups[key], extra[key], pairs)
-    for name in groups["per_source"]:
-        out["per_source"][name] = _swap_rows(groups["per_source"][name], extra["per_source"][name], pairs)
-    for dst, src in pairs:
-        for d, s in zip(dst.tolist(), src.tolist()):
-            out["rows"][d] = extra["rows"][s]
-    return out
+        for d, j in zip(dst, src):
+            trajectories[d] = replace(extra.batch.trajectories[j], group=bad)
+            take[d] = len(trajectories) + j
+    device = groups.reward.device
+    batch = RolloutBatch.from_trajectories(trajectories, pad_id, device)
+    pick = take.to(device)
 
+    def merge(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.cat([a, b.to(a.device)])[pick.to(a.device)]
 
-def _swap_rows(a: torch.Tensor, b: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    a = a.clone()
-    for dst, src in pairs:
-        a[dst.to(a.device)] = b[src.to(b.device)]
-    return a
+    return Groups(batch, merge(groups.reward, extra.reward), merge(groups.abstained, extra.abstained),
+                  merge(groups.overlong, extra.overlong),
+                  {n: merge(v, extra.per_source[n]) for n, v in groups.per_source.items()})

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from llmtune.core.stage import HIGHER, HeldOutMetric
+from llmtune.rl.ops import masked_mean
 from llmtune.rl.stage import OnlineRLStage
 from llmtune.stages.ppo import ops
 from llmtune.stages.ppo.trainer import PPOTrainer
@@ -44,19 +45,19 @@ class PPOStage(OnlineRLStage):
         """
         cfg = self.recipe.ppo
         mask = batch["response_mask"].float()
-        width = batch["responses"].shape[1]
         # the LM head at the real response tokens only (no (b, n, V) fp32 logits): the values and gradients of
         # response_token_logps over the full logits up to fp32 rounding (tests/unit/stages/test_ppo_rollout.py)
-        logps, values, entropy = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                       position_ids=batch["position_ids"], response_width=width,
-                                       responses=batch["responses"], response_mask=batch["response_mask"],
-                                       temperature=self.recipe.rollout.temperature, with_entropy=True)
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    position_ids=batch["position_ids"], responses=batch["responses"],
+                    response_mask=batch["response_mask"], temperature=self.recipe.rollout.temperature,
+                    with_entropy=True)
+        logps, values, entropy = out.logps, out.values, out.entropy
         pg = ops.policy_loss(logps, batch["old_logps"], batch["advantages"], mask, cfg.cliprange,
                              batch.get("is_weights"))
         vf_sum, vf_clipped = ops.value_loss(values, batch["old_values"], batch["returns"], mask, cfg.cliprange_value)
         loss = (pg.loss_sum + cfg.vf_coef * vf_sum) / num_items
         tokens = mask.sum().clamp(min=1)
-        entropy = ops.masked_mean(entropy, mask)
+        entropy = masked_mean(entropy, mask)
         metrics = {
             "policy_loss": float(pg.loss_sum.detach() / tokens), "value_loss": float(vf_sum.detach() / tokens),
             "clipfrac": float(pg.clipped / tokens), "vf_clipfrac": float(vf_clipped / tokens),

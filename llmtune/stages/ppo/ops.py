@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmtune.rl.ops import entropy_from_logits, masked_mean, masked_sum  # noqa: F401 (shared, re-exported)
+from llmtune.rl.ops import masked_mean, masked_sum
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,

@@ -24,11 +24,12 @@ import torch
 from torch import nn
 
 from llmtune.core.guard import ROW_KEY
-from llmtune.rl.model import PolicyModel
-from llmtune.rl.rollout import decode_responses, join, trim  # noqa: F401 (trim re-exported)
-from llmtune.rl.scoring import FunctionScorer, RewardModelScorer  # noqa: F401 (re-exported)
-from llmtune.rl.trainer import OnlineRLTrainer
 from llmtune.models.adapters import adapter_scope
+from llmtune.rewards.sources import Scored, decode_completions
+from llmtune.rl.model import PolicyModel, PolicyOutput
+from llmtune.rl.ops import masked_sum
+from llmtune.rl.trainer import OnlineRLTrainer
+from llmtune.rl.types import Experience, Layout
 from llmtune.stages.ppo import ops
 from llmtune.utils import get_logger
 
@@ -60,36 +61,23 @@ class PolicyValueModel(PolicyModel):
         return self.policy.get_base_model().base_model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                response_width: int, with_values: bool = True, responses: torch.Tensor | None = None,
-                response_mask: torch.Tensor | None = None, temperature: float = 1.0, with_entropy: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None,
-                                                                      torch.Tensor | None]:
-        """Policy logits (or log-probs) and values at the positions that predict the response tokens.
+                responses: torch.Tensor, response_mask: torch.Tensor, temperature: float = 1.0,
+                with_entropy: bool = False) -> PolicyOutput:
+        """The policy's :meth:`~PolicyModel.response_logps` (the LM head at the real response tokens only, no
+        (B, N, V) logits) and the values (:meth:`values`) in one forward, so that DDP/DeepSpeed see one forward and
+        one backward per micro-batch.
 
         Args:
-            input_ids, attention_mask, position_ids: (B, P + N) prompt + response (see ``rollout.join``).
-            response_width: N.
-            with_values: also run the value model.
-            responses, response_mask: (B, N) sampled ids and their real-token mask: when given, the policy's
-                log-probs of those tokens come from :meth:`PolicyModel.response_logps` (the LM head at the real
-                response tokens only, no (B, N, V) logits) instead of the logits.
-            temperature: divides the logits (with ``responses``). with_entropy: also the (B, N) entropy.
+            input_ids, attention_mask, position_ids: (B, P + N) prompt + response (``RolloutBatch.model_inputs``).
+            responses, response_mask: (B, N) sampled ids and their real-token mask.
+            temperature: divides the logits. with_entropy: also the (B, N) entropy.
 
         Returns:
-            ``(logits, values)``: (B, N, V) policy logits (position t predicts response token t) and (B, N) fp32
-            values of the state before response token t (None without ``with_values``); with ``responses``:
-            ``(logps, values, entropy)``, (B, N) fp32 each (logps and entropy 0 where ``response_mask`` is 0;
-            entropy None without ``with_entropy``).
+            :class:`PolicyOutput` with ``values`` (B, N) fp32: the value of the state before response token t.
         """
-        if responses is not None:
-            logps, entropy, _ = self.response_logps(input_ids, attention_mask, position_ids, responses,
-                                                    response_mask, temperature, with_entropy=with_entropy)
-            return logps, self.values(input_ids, attention_mask, position_ids, response_width) if with_values \
-                else None, entropy
-        logits = self.policy_logits(input_ids, attention_mask, position_ids, response_width)
-        if not with_values:
-            return logits, None
-        return logits, self.values(input_ids, attention_mask, position_ids, response_width)
+        out = self.response_logps(input_ids, attention_mask, position_ids, responses, response_mask, temperature,
+                                  with_entropy=with_entropy)
+        return out._replace(values=self.values(input_ids, attention_mask, position_ids, responses.shape[1]))
 
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                response_width: int) -> torch.Tensor:
@@ -133,19 +121,15 @@ class PPOTrainer(OnlineRLTrainer):
         self._seed(iteration)
         indices = self.prompt_indices(iteration, self.ppo.rollout_batch_size)
         rows = [self.prompts[i] for i in indices]
-        batch = self.prompt_batch(rows)
-        width = batch["input_ids"].shape[1]
-        responses, mask, ended, engine_logps = self.sample(batch)
-        inputs = join(batch["input_ids"], batch["attention_mask"], responses, mask)
-        fwd = self.forward_chunks(inputs, responses, with_values=True, reference=True,
-                                  temperature=self.rollout.temperature,
-                                  truncation=self.correction_truncation(engine_logps))
-        maskf = mask.float()
-        logps, ref_logps, values = fwd["logps"] * maskf, fwd["ref_logps"] * maskf, fwd["values"] * maskf
-        raw_scores = self.rewards(batch["input_ids"], batch["attention_mask"], responses, mask, rows).to(maskf.device)
+        batch = self.sample(rows)
+        fwd = self.forward(batch, reference=True, values=True)
+        maskf = batch.loss_mask.float()  # the tokens the policy sampled: values, GAE, KL and whitening over these
+        logps, ref_logps, values = fwd.logps * maskf, fwd.ref_logps * maskf, fwd.values * maskf
+        texts = decode_completions(self.tokenizer, batch)
+        raw_scores = self.rewards.score_all(Scored(batch.rows, texts, batch), self.args.device).to(maskf.device)
         scores = raw_scores.clone()
         if self.ppo.missing_eos_penalty is not None:
-            scores = scores + self.ppo.missing_eos_penalty * (~ended).float()
+            scores = scores + self.ppo.missing_eos_penalty * (~batch.ended).float()
         if self.ppo.normalize_scores:
             all_scores = self.accelerator.gather(scores)
             self.score_stats.update(all_scores)
@@ -155,25 +139,24 @@ class PPOTrainer(OnlineRLTrainer):
         rewards, kl = ops.per_token_rewards(scores, logps, ref_logps, maskf, self.kl_ctl.value)
         advantages, returns = ops.gae(rewards, values, maskf, self.ppo.gamma, self.ppo.lam)
         if self.ppo.whiten_advantages:
-            stats = torch.stack([ops.masked_sum(advantages, maskf), ops.masked_sum(advantages**2, maskf), maskf.sum()])
+            stats = torch.stack([masked_sum(advantages, maskf), masked_sum(advantages**2, maskf), maskf.sum()])
             stats = self.accelerator.reduce(stats, reduction="sum") if self.args.world_size > 1 else stats
             advantages = ops.masked_whiten(advantages, maskf, stats=tuple(float(x) for x in stats))
 
-        metrics = self._rollout_metrics(raw_scores, kl, rewards, fwd["entropy"], values, returns, maskf, ended)
+        metrics = self._rollout_metrics(raw_scores, kl, rewards, fwd.entropy, values, returns, maskf, batch.ended)
         self.kl_ctl.update(metrics["kl"], self.ppo.rollout_batch_size)
         self.add_metrics(metrics)
         if iteration % self.ppo.sample_every == 0:
-            texts = decode_responses(self.tokenizer, responses, mask)
             self.write_samples(iteration, [{"prompt": row["prompt"], "response": text, "score": score, "kl": k}
                                            for row, text, score, k in zip(rows, texts, raw_scores.tolist(),
                                                                           kl.sum(1).tolist())][:4])
 
-        experience = {
-            **inputs, "responses": responses, "response_mask": mask, "old_logps": logps, "old_values": values,
-            "advantages": advantages, "returns": returns,
-            ROW_KEY: torch.tensor(indices, dtype=torch.long, device=responses.device),  # (B,) prompt rows (guard)
-        }
-        self.engine_correction(experience, inputs, responses, mask, engine_logps, fwd)  # vLLM: is_weights
+        experience = Experience.from_batch(batch)
+        for name, value in (("old_logps", logps), ("old_values", values), ("advantages", advantages),
+                            ("returns", returns)):
+            experience.add(name, value, Layout.TOKEN)
+        experience.add(ROW_KEY, torch.tensor(indices, dtype=torch.long, device=maskf.device), Layout.SEQUENCE)
+        self.engine_correction(experience, batch, fwd)  # vLLM: is_weights
         minibatches = []
         gen = torch.Generator().manual_seed(self.args.seed + 1_000_003 * iteration + self.args.process_index)
         micro = self.args.per_device_train_batch_size
@@ -181,7 +164,7 @@ class PPOTrainer(OnlineRLTrainer):
             order = torch.randperm(len(rows), generator=gen)
             for start in range(0, len(rows), self.local_minibatch):
                 idx = order[start:start + self.local_minibatch]
-                minibatches.append([trim(experience, idx[m:m + micro].to(responses.device), width)
+                minibatches.append([experience.micro_batch(idx[m:m + micro].to(maskf.device))
                                     for m in range(0, len(idx), micro)])
         return minibatches
 
@@ -190,7 +173,7 @@ class PPOTrainer(OnlineRLTrainer):
         lengths = mask.sum(1)
         per_row = torch.stack([
             scores.float(), kl.sum(1), (rewards * mask).sum(1), lengths,
-            (~ended).float(), ops.masked_sum(entropy, mask, dim=1) / lengths.clamp(min=1),
+            (~ended).float(), masked_sum(entropy, mask, dim=1) / lengths.clamp(min=1),
         ], dim=1)  # (B, 6)
         per_row = self.accelerator.gather(per_row) if self.args.world_size > 1 else per_row
         score, kl_seq, reward_seq, length, truncated, ent = per_row.T

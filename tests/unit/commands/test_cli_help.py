@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from llmtune.commands.cli import main, options_help, stage_names, type_name
+from llmtune.commands.cli import main, options_help, stage_names
+from llmtune.config.options import type_name
 
 
 def test_help_imports_neither_transformers_nor_bitsandbytes():

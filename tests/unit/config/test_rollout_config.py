@@ -5,8 +5,8 @@ import pytest
 from llmtune.commands.cli import options_help
 from llmtune.config import RecipeError, load_recipe
 from llmtune.config.schema import Recipe
-from llmtune.rl import generation
-from llmtune.rl.generation import select_engine
+from llmtune.rl import engines as generation
+from llmtune.rl.engines import select_engine
 
 GRPO = {"stage": "grpo", "reward": {"function": "llmtune.rewards:gsm8k_reward"},
         "train": {"global_batch_size": 8, "max_steps": 2}}

@@ -1,9 +1,8 @@
-"""The hf rollout engine samples from a merged LoRA adapter (llmtune.rl.generation.merged_lora): the same
+"""The hf rollout engine (llmtune.rl.engines.hf) samples from a merged LoRA adapter (merged_lora): the same
 completions and log-probs as the unmerged adapter up to fp32 rounding, the frozen base restored bit for bit, and no
-merge where it is unsafe (ZeRO-3, FSDP, DoRA, tied weights). forward_chunks' memory-lean arithmetic gives the
-whole-batch values."""
+merge where it is unsafe (ZeRO-3, FSDP, DoRA, tied weights); token ids in, completions cut at the stop set out.
+rollout_forward's memory-lean arithmetic gives the whole-batch values."""
 
-import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -12,13 +11,17 @@ from peft import LoraConfig, get_peft_model
 
 from llmtune.models.adapters import adapter_scope
 from llmtune.models.tiny import make_tiny_llama, make_tiny_tokenizer
+from llmtune.rl import forward as rl_forward
 from llmtune.rl import ops
-from llmtune.rl import trainer as rl_trainer
-from llmtune.rl.generation import HFGenerationBackend, _can_merge, merged_lora, mergeable_lora_layers
+from llmtune.rl.engines import Policy
+from llmtune.rl.engines.hf import HFEngine, cut_completions, merged_lora, mergeable_lora_layers
+from llmtune.rl.forward import response_token_logps, rollout_forward
 from llmtune.rl.model import POLICY, PolicyModel
-from llmtune.rl.rollout import join, response_token_logps, split_generation
+from llmtune.rl.trainer import OnlineRLTrainer
+from llmtune.rl.types import LENGTH, STOP, RolloutBatch, SamplingParams, Trajectory, join
 
 LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+TEXTS = ("What is 2 + 3?", "Hi", "Tell me a long story about the sea, please.", "Why?")
 
 
 @pytest.fixture(scope="module")
@@ -37,72 +40,84 @@ def trained_policy(tok, seed=0, **lora):
     return policy
 
 
-def prompts(tok, texts=("What is 2 + 3?", "Hi", "Tell me a long story about the sea, please.", "Why?")):
-    ids = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
-                                   return_dict=False) for t in texts]
+def prompt_ids(tok, texts=TEXTS):
+    return [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
+                                    return_dict=False) for t in texts]
+
+
+def prompts(tok, texts=TEXTS):
+    """(B, P) left-padded ids and mask."""
+    ids = prompt_ids(tok, texts)
     width = max(len(i) for i in ids)
     input_ids = torch.tensor([[tok.pad_token_id] * (width - len(i)) + i for i in ids])
     mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
     return input_ids, mask
 
 
-def fake_trainer(model):
-    from accelerate import Accelerator
-
-    return SimpleNamespace(model_wrapped=model, accelerator=Accelerator(cpu=True), state=SimpleNamespace(global_step=0),
-                           compute_loss_context_manager=contextlib.nullcontext)
+def engine_for(policy, tok):
+    return HFEngine(Policy(policy, POLICY, lambda: 0), tok.pad_token_id)
 
 
-def sample(backend, input_ids, mask, seed, greedy=False):
+def sample(engine, prompt_lists, stop, seed, greedy=False):
     torch.manual_seed(seed)
-    out = backend.generate(input_ids, mask, max_new_tokens=12, greedy=greedy)
-    return out[0] if isinstance(out, tuple) else out  # (sequences, engine_logps) after the engine protocol
+    return engine.generate(prompt_lists, SamplingParams(12, tuple(stop), temperature=0.8, greedy=greedy))
 
 
-def policy_logps(policy, input_ids, mask, sequences, eos, pad):
-    responses, rmask, _ = split_generation(sequences, input_ids.shape[1], eos, pad)
-    inputs = join(input_ids, mask, responses, rmask)
+def as_batch(prompt_lists, completions, pad):
+    return RolloutBatch.from_trajectories([Trajectory.single_turn({}, p, c) for p, c in zip(prompt_lists, completions)],
+                                          pad)
+
+
+def policy_logps(policy, batch):
+    inputs, responses = batch.model_inputs(), batch.completion_ids
     with torch.no_grad(), adapter_scope(policy, POLICY):
         logits = policy(**inputs, use_cache=False, logits_to_keep=responses.shape[1] + 1).logits[:, :-1]
-    return response_token_logps(logits, responses, 0.8), rmask
+    return response_token_logps(logits, responses, 0.8), batch.completion_mask
 
 
 def test_merged_sampling_matches_the_unmerged_adapter_and_restores_the_base_exactly(tok):
-    policy = trained_policy(tok)
-    model = PolicyModel(policy).eval()
+    policy = trained_policy(tok).eval()
     eos, pad = [tok.eos_token_id], tok.pad_token_id
-    backend = HFGenerationBackend(fake_trainer(model), eos, pad, temperature=0.8, top_p=1.0, top_k=0)
-    assert backend.merge and mergeable_lora_layers(policy, POLICY) is not None
+    engine = engine_for(policy, tok)
+    assert engine.merge and mergeable_lora_layers(policy, POLICY) is not None
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
-    input_ids, mask = prompts(tok)
-    merged = [sample(backend, input_ids, mask, seed) for seed in range(3)] + [sample(backend, input_ids, mask, 0, True)]
+    ids = prompt_ids(tok)
+    merged = [sample(engine, ids, eos, seed) for seed in range(3)] + [sample(engine, ids, eos, 0, True)]
 
     # the frozen base and the adapter are the very same tensors again, bit for bit, and nothing counts as merged
     for n, p in policy.named_parameters():
         assert torch.equal(p, before[n]), n
     assert not any(getattr(m, "merged", False) for m in policy.modules())
 
-    backend.merge = False  # the unmerged adapter, as before this change: same seeds -> same completions
-    unmerged = [sample(backend, input_ids, mask, seed) for seed in range(3)] + [sample(backend, input_ids, mask, 0, True)]
+    engine.merge = False  # the unmerged adapter: same seeds -> same completions
+    unmerged = [sample(engine, ids, eos, seed) for seed in range(3)] + [sample(engine, ids, eos, 0, True)]
     for a, b in zip(merged, unmerged):
-        assert torch.equal(a, b)
+        assert [c.token_ids for c in a] == [c.token_ids for c in b]
 
     # the sampling distribution: log-probs of the sampled tokens, merged weights vs the adapter path (what the
     # trainer computes); fp32 rounding only
-    logps, rmask = policy_logps(policy, input_ids, mask, merged[0], eos, pad)
+    batch = as_batch(ids, merged[0], pad)
+    logps, rmask = policy_logps(policy, batch)
     layers = mergeable_lora_layers(policy, POLICY)
     with merged_lora(layers, POLICY):
         assert all(layer.merged for layer in layers)
-        merged_logps, _ = policy_logps(policy, input_ids, mask, merged[0], eos, pad)
+        merged_logps, _ = policy_logps(policy, batch)
     delta = ((merged_logps - logps).abs() * rmask).max()
     assert 0 < float(rmask.sum()) and float(delta) < 1e-5
     # and the adapter matters (a zero adapter would pass the checks above trivially)
     with torch.no_grad(), adapter_scope(policy, None):
-        responses, rm, _ = split_generation(merged[0], input_ids.shape[1], eos, pad)
-        inputs = join(input_ids, mask, responses, rm)
-        base = response_token_logps(policy(**inputs, use_cache=False).logits[:, input_ids.shape[1] - 1:-1],
-                                    responses, 0.8)
+        P = batch.prompt_ids.shape[1]
+        logits = policy(**batch.model_inputs(), use_cache=False).logits[:, P - 1:-1]
+        base = response_token_logps(logits, batch.completion_ids, 0.8)
     assert float(((base - logps).abs() * rmask).max()) > 1e-2
+
+
+def test_completions_are_cut_right_after_the_first_stop_token():
+    generated = torch.tensor([[5, 2, 9, 2], [5, 6, 7, 8], [2, 1, 1, 1], [3, 1, 4, 1]])  # stops {1, 2}; 1 is the pad too
+    out = cut_completions(generated, (1, 2), version=7)
+    assert [c.token_ids for c in out] == [[5, 2], [5, 6, 7, 8], [2], [3, 1]]
+    assert [c.finish_reason for c in out] == [STOP, LENGTH, STOP, STOP]
+    assert all(c.version == 7 and c.logprobs is None for c in out)
 
 
 def test_merge_is_restored_when_generation_fails(tok):
@@ -127,15 +142,19 @@ def test_no_merge_where_it_is_unsafe(tok):
     assert mergeable_lora_layers(trained_policy(tok), "other") is None
     assert mergeable_lora_layers(trained_policy(tok).to(torch.bfloat16), POLICY) is None  # the delta would round away
 
-    def trainer(stage=None, fsdp=False):
+    def can_merge(stage=None, fsdp=False):
         plugin = None if stage is None else SimpleNamespace(zero_stage=stage)
-        return SimpleNamespace(is_fsdp_enabled=fsdp, is_deepspeed_enabled=stage is not None,
-                               accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)))
-    assert _can_merge(trainer()) and _can_merge(trainer(stage=2))
-    assert not _can_merge(trainer(stage=3)) and not _can_merge(trainer(fsdp=True))
+        trainer = SimpleNamespace(is_fsdp_enabled=fsdp, is_deepspeed_enabled=stage is not None,
+                                  accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)))
+        return OnlineRLTrainer._can_merge(trainer)
+
+    assert can_merge() and can_merge(stage=2)
+    assert not can_merge(stage=3) and not can_merge(fsdp=True)
+    engine = HFEngine(Policy(trained_policy(tok), POLICY, lambda: 0, can_merge=False), 0)
+    assert not engine.merge and not engine.share  # under ZeRO-3/FSDP: neither the merge nor the shared prefill
 
 
-def test_forward_chunks_row_wise_equals_whole_batch_arithmetic(tok, monkeypatch):
+def test_rollout_forward_row_wise_equals_whole_batch_arithmetic(tok, monkeypatch):
     policy = trained_policy(tok, seed=3)
     model = PolicyModel(policy)
     input_ids, mask = prompts(tok)
@@ -144,14 +163,11 @@ def test_forward_chunks_row_wise_equals_whole_batch_arithmetic(tok, monkeypatch)
     rmask = torch.ones_like(responses)
     rmask[1, 3:] = 0
     inputs = join(input_ids, mask, responses, rmask)
-    me = SimpleNamespace(model=model, args=SimpleNamespace(per_device_eval_batch_size=4),
-                         compute_loss_context_manager=contextlib.nullcontext)
     vocab = model.config.vocab_size
-    monkeypatch.setattr(rl_trainer, "LOGITS_CHUNK_BYTES", 2 * 8 * vocab * 4)  # 2 rows of 7 + 1 positions per forward
-    out = rl_trainer.OnlineRLTrainer.forward_chunks(me, inputs, responses, with_values=False, reference=True,
-                                                    temperature=0.7, exact_kl=True)
+    monkeypatch.setattr(rl_forward, "LOGITS_CHUNK_BYTES", 2 * 8 * vocab * 4)  # 2 rows of 7 + 1 positions per forward
+    out = rollout_forward(model, inputs, responses, temperature=0.7, chunk_rows=4, reference=True, exact_kl=True)
     model.eval()
-    with torch.no_grad():  # the whole batch at once, as before
+    with torch.no_grad():  # the whole batch at once
         logits = model.policy_logits(**inputs, response_width=7)
         ref = model.reference_logits(**inputs, response_width=7)
         logp, ref_logp = torch.log_softmax(logits, -1), torch.log_softmax(ref, -1)
@@ -159,39 +175,55 @@ def test_forward_chunks_row_wise_equals_whole_batch_arithmetic(tok, monkeypatch)
                 "entropy": ops.entropy_from_logits(logits / 0.7),
                 "ref_logps": response_token_logps(ref, responses, 0.7),
                 "kl_exact": (logp.exp() * (logp - ref_logp)).sum(-1)}
-    assert set(out) == set(want)
+    assert {k for k, v in vars(out).items() if v is not None} == set(want)
     for key in want:
-        torch.testing.assert_close(out[key], want[key], rtol=0, atol=1e-6)
+        torch.testing.assert_close(getattr(out, key), want[key], rtol=0, atol=1e-6)
     assert float(want["kl_exact"].abs().max()) > 1e-3  # the adapter makes policy and reference differ
 
 
 def test_repeated_prompts_are_prefilled_once_with_the_same_completions(tok):
     """GRPO's groups: every prompt G times. The shared prefill runs the distinct prompts only (all tokens but the
     last), and sampling from its cache draws the very same completions as the plain prefill, sampled and greedy."""
-    policy = trained_policy(tok)
-    model = PolicyModel(policy).eval()
-    backend = HFGenerationBackend(fake_trainer(model), [tok.eos_token_id], tok.pad_token_id, temperature=0.8,
-                                  top_p=1.0, top_k=0)
-    input_ids, mask = prompts(tok)
-    input_ids, mask = input_ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)  # (12, P): 4 prompts x 3
+    policy = trained_policy(tok).eval()
+    engine = engine_for(policy, tok)
+    ids = [p for p in prompt_ids(tok) for _ in range(3)]  # 4 prompts x 3
+    width = max(map(len, ids))
+    eos = [tok.eos_token_id]
     shapes = []
     hook = policy.get_base_model().model.register_forward_pre_hook(
         lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
     try:
         for seed, greedy in ((0, False), (1, False), (0, True)):
-            backend.share = True
-            shared = sample(backend, input_ids, mask, seed, greedy)
-            assert shapes[0] == (4, input_ids.shape[1] - 1) and shapes[1] == (12, 1)  # prefill once, then row by row
+            engine.share = True
+            shared = sample(engine, ids, eos, seed, greedy)
+            assert shapes[0] == (4, width - 1) and shapes[1] == (12, 1)  # prefill once, then row by row
             shapes.clear()
-            backend.share = False
-            plain = sample(backend, input_ids, mask, seed, greedy)
-            assert shapes[0] == tuple(input_ids.shape)
+            engine.share = False
+            plain = sample(engine, ids, eos, seed, greedy)
+            assert shapes[0] == (12, width)
             shapes.clear()
-            assert torch.equal(shared, plain)
+            assert [c.token_ids for c in shared] == [c.token_ids for c in plain]
         # distinct prompts: nothing to share, no extra forward
-        backend.share = True
-        unique_ids, unique_mask = prompts(tok)
-        sample(backend, unique_ids, unique_mask, 0)
-        assert shapes[0] == tuple(unique_ids.shape)
+        engine.share = True
+        unique = prompt_ids(tok)
+        sample(engine, unique, eos, 0)
+        assert shapes[0] == (4, max(map(len, unique)))
     finally:
         hook.remove()
+
+
+def test_both_engines_stop_where_the_trainer_stops(tok, tmp_path):
+    """Issue 30: the stop set includes the model's generation-config EOS list, and the hf engine, given it, stops at
+    such an id (generate(eos_token_id=...) with the explicit set; nothing else stops it)."""
+    from transformers import GenerationConfig
+
+    from llmtune.data.templates import stop_token_ids
+
+    policy = trained_policy(tok, seed=5).eval()
+    ids = prompt_ids(tok)[:1]
+    free = sample(engine_for(policy, tok), ids, [tok.eos_token_id], 0, greedy=True)[0].token_ids
+    other = next(t for i, t in enumerate(free) if i > 0 and t not in free[:i] and t != tok.eos_token_id)
+    at = free.index(other)
+    stops = stop_token_ids(tok, GenerationConfig(eos_token_id=[tok.eos_token_id, other]))
+    cut = sample(engine_for(policy, tok), ids, stops, 0, greedy=True)[0]
+    assert cut.token_ids == free[:at + 1] and cut.finish_reason == STOP

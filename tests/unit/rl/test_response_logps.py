@@ -9,7 +9,8 @@ from peft import LoraConfig, get_peft_model
 from llmtune.models.tiny import make_tiny_llama, make_tiny_tokenizer
 from llmtune.rl.model import PolicyModel
 from llmtune.rl.ops import entropy_from_logits
-from llmtune.rl.rollout import join, response_token_logps
+from llmtune.rl.forward import response_token_logps, rollout_forward
+from llmtune.rl.types import join
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +62,11 @@ def test_response_logps_match_the_full_logits_path(tok, temperature, reference):
 
     model.zero_grad()
     if reference:
-        logps, entropy, _ = model.response_logps(**inputs, responses=responses, response_mask=mask,
-                                              temperature=temperature, reference=True, with_entropy=True)
+        logps, entropy, _, _ = model.response_logps(**inputs, responses=responses, response_mask=mask,
+                                                    temperature=temperature, reference=True, with_entropy=True)
     else:  # through forward, as the GRPO loss calls it
-        logps, entropy = model(**inputs, response_width=5, responses=responses, response_mask=mask,
-                               temperature=temperature, with_entropy=True)
+        logps, entropy, _, _ = model(**inputs, responses=responses, response_mask=mask, temperature=temperature,
+                                     with_entropy=True)
     if not reference:
         (logps * weights).sum().backward()
     grads = lora_grads(model)
@@ -96,21 +97,13 @@ def test_temperature_changes_the_log_probs(tok):
     assert float(((cold - warm) * mask).abs().max()) > 0.1
 
 
-def test_forward_chunks_without_values_use_the_masked_head(tok):
-    """GRPO's old/reference log-probs (forward_chunks without values or exact KL) go through response_logps in
+def test_rollout_forward_without_values_uses_the_masked_head(tok):
+    """GRPO's old/reference log-probs (rollout_forward without values or exact KL) go through response_logps in
     chunks of the eval batch size: the full-logits values on real tokens, exactly 0 on padding."""
-    import contextlib
-    from types import SimpleNamespace
-
-    from llmtune.rl.trainer import OnlineRLTrainer
-
     model = policy_model(tok)
     inputs, responses, mask = rollout_batch(len(tok))
-    me = SimpleNamespace(model=model, args=SimpleNamespace(per_device_eval_batch_size=3),  # chunks of 3 + 1 rows
-                         compute_loss_context_manager=contextlib.nullcontext)
-    me._response_logps_chunks = OnlineRLTrainer._response_logps_chunks.__get__(me)
     model.train()
-    out = OnlineRLTrainer.forward_chunks(me, inputs, responses, with_values=False, reference=True, temperature=0.7)
+    out = rollout_forward(model, inputs, responses, temperature=0.7, chunk_rows=3, reference=True)  # 3 + 1 rows
     assert model.training  # the train/eval mode is restored
     model.eval()
     with torch.no_grad():
@@ -119,9 +112,9 @@ def test_forward_chunks_without_values_use_the_masked_head(tok):
     want = {"logps": response_token_logps(logits, responses, 0.7) * mask,
             "entropy": entropy_from_logits(logits / 0.7) * mask,
             "ref_logps": response_token_logps(ref, responses, 0.7) * mask}
-    assert set(out) == set(want)
+    assert {k for k, v in vars(out).items() if v is not None} == set(want)
     for key in want:
-        torch.testing.assert_close(out[key], want[key], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(getattr(out, key), want[key], rtol=1e-5, atol=1e-5)
     assert float((want["logps"] - want["ref_logps"]).abs().max()) > 1e-2
 
 
@@ -159,8 +152,8 @@ def test_shared_prompts_give_the_values_and_gradients_of_separate_rows(tok, atte
         (full * weights).sum().backward()
     full_grads = lora_grads(model)
     model.zero_grad()
-    logps, entropy, _ = model.response_logps(**inputs, responses=responses, response_mask=mask, temperature=0.7,
-                                          reference=reference, with_entropy=True)
+    logps, entropy, _, _ = model.response_logps(**inputs, responses=responses, response_mask=mask, temperature=0.7,
+                                                reference=reference, with_entropy=True)
     if not reference:
         (logps * weights).sum().backward()
     grads = lora_grads(model)

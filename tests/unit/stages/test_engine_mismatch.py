@@ -9,7 +9,9 @@ import torch
 
 from llmtune.config import load_recipe
 from llmtune.rl import ops
+from llmtune.rl.forward import RolloutForward
 from llmtune.rl.trainer import OnlineRLTrainer
+from llmtune.rl.types import Experience, Layout, RolloutBatch
 from llmtune.stages.ppo import ops as ppo_ops
 
 LN2 = math.log(2.0)
@@ -67,44 +69,54 @@ def test_ppo_policy_loss_is_weighted_per_token():
     torch.testing.assert_close(logps.grad, torch.tensor([[-1.0, 0.0, 0.0]]))
 
 
-def _fake_trainer(correction: bool, world_size: int = 1):
+def _fake_trainer(correction: bool, world_size: int = 1, truncation=None):
     recipe = load_recipe(raw={"stage": "grpo", "reward": {"function": "llmtune.rewards:gsm8k_reward"},
                               "train": {"global_batch_size": 8, "max_steps": 2},
                               "rollout": {"temperature": 0.7, "vllm": {"importance_sampling_cap": 2.5,
                                                                        "importance_sampling_correction": correction}}})
     logged, forwards = [], []
 
-    def forward_chunks(inputs, responses, with_values, reference, temperature, truncation=None):
-        forwards.append(temperature)
-        return {"logps": TRAINER}
+    def forward(batch):
+        forwards.append(batch)
+        return RolloutForward(logps=TRAINER)
 
     fake = SimpleNamespace(rollout=recipe.rollout, args=SimpleNamespace(world_size=world_size),
-                           add_metrics=logged.append, forward_chunks=forward_chunks, sampling_truncation=None,
+                           add_metrics=logged.append, forward=forward,
+                           correction_truncation=lambda batch: truncation if batch.engine_logps is not None else None,
                            accelerator=SimpleNamespace(gather=lambda t: torch.cat([t, t])))
     return fake, logged, forwards
 
 
+def _batch(engine_logps):
+    """Two rollouts of 3 and 2 completion tokens (MASK), with these engine log-probs."""
+    mask = MASK.long()
+    return RolloutBatch(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long),
+                        torch.zeros(2, 3, dtype=torch.long), mask, mask, engine_logps,
+                        torch.ones(2, dtype=torch.bool), torch.arange(2), torch.zeros(2, dtype=torch.long), [])
+
+
 def test_engine_correction_puts_weights_and_metrics():
     fake, logged, forwards = _fake_trainer(correction=True)
-    experience = {}
-    OnlineRLTrainer.engine_correction(fake, experience, {}, torch.zeros(2, 3, dtype=torch.long), MASK.long(),
-                                      ENGINE * MASK)
-    assert forwards == [0.7]  # trainer log-probs computed at the sampling temperature when not given
+    experience = Experience(1)
+    experience.add("responses", torch.zeros(2, 3), Layout.TOKEN)
+    batch = _batch(ENGINE * MASK)
+    OnlineRLTrainer.engine_correction(fake, experience, batch)
+    assert forwards == [batch]  # trainer log-probs computed when not given
     torch.testing.assert_close(experience["is_weights"], torch.tensor([[2.0, 0.5, 1.0], [2.5, 1.0, 0.0]]))
+    assert experience.layouts["is_weights"] is Layout.TOKEN
     assert logged[0]["rollout/is_clipped_fraction"] == pytest.approx(0.2)
     assert logged[0]["rollout/logprob_diff_max"] == pytest.approx(math.log(3.0))
 
     fake, logged, forwards = _fake_trainer(correction=False, world_size=2)
-    experience = {}
-    OnlineRLTrainer.engine_correction(fake, experience, {}, torch.zeros(2, 3, dtype=torch.long), MASK.long(),
-                                      ENGINE * MASK, fwd={"logps": TRAINER})
+    experience = Experience(1)
+    OnlineRLTrainer.engine_correction(fake, experience, _batch(ENGINE * MASK), RolloutForward(logps=TRAINER))
     assert "is_weights" not in experience and forwards == []  # off: measured only; given logps reused
     assert logged[0]["rollout/logprob_diff_mean"] == pytest.approx((2 * LN2 + math.log(3.0)) / 5)  # 2 equal ranks
 
     fake, logged, forwards = _fake_trainer(correction=True)
-    experience = {}
-    OnlineRLTrainer.engine_correction(fake, experience, {}, torch.zeros(2, 3, dtype=torch.long), MASK.long(), None)
-    assert experience == {} and logged == [] and forwards == []  # hf: no engine log-probs, nothing to do
+    experience = Experience(1)
+    OnlineRLTrainer.engine_correction(fake, experience, _batch(None))
+    assert experience.tensors == {} and logged == [] and forwards == []  # hf: no engine log-probs, nothing to do
 
 
 # ---- the engine's sampling distribution: top-k / top-p truncation on the trainer's side (issue 30) -------------
@@ -145,18 +157,16 @@ def test_sampling_logps_keep_the_sampled_token_outside_the_trainer_truncation():
 
 
 def test_engine_correction_uses_the_truncated_side_when_sampling_is_truncated():
-    fake, logged, forwards = _fake_trainer(correction=True)
-    fake.sampling_truncation = (5, 1.0)
-    experience = {}
+    fake, logged, forwards = _fake_trainer(correction=True, truncation=(5, 1.0))
+    experience = Experience(1)
+    experience.add("responses", torch.zeros(2, 3), Layout.TOKEN)
     # on policy under top-k: the trainer's truncated log-probs equal the engine's, the full ones are lower
-    fwd = {"logps": ENGINE - 3.0, "sampling_logps": ENGINE.clone()}
-    OnlineRLTrainer.engine_correction(fake, experience, {}, torch.zeros(2, 3, dtype=torch.long), MASK.long(),
-                                      ENGINE * MASK, fwd=fwd)
+    fwd = RolloutForward(logps=ENGINE - 3.0, sampling_logps=ENGINE.clone())
+    OnlineRLTrainer.engine_correction(fake, experience, _batch(ENGINE * MASK), fwd)
     torch.testing.assert_close(experience["is_weights"], MASK)  # 1 on every real token, not e^-3
     assert logged[0]["rollout/logprob_diff_max"] == 0.0
     with pytest.raises(RuntimeError, match="truncation"):
-        OnlineRLTrainer.engine_correction(fake, {}, {}, torch.zeros(2, 3, dtype=torch.long), MASK.long(),
-                                          ENGINE * MASK, fwd={"logps": ENGINE})
+        OnlineRLTrainer.engine_correction(fake, Experience(1), _batch(ENGINE * MASK), RolloutForward(logps=ENGINE))
 
 
 def test_a_nonfinite_engine_logp_gets_weight_zero_and_is_counted():

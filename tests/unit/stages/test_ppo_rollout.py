@@ -1,6 +1,6 @@
-"""PPO rollouts on a tiny Llama: the prompt/response split of left-padded batched generation, KL = 0 when the policy
-is the reference, reward/value read positions, and adapter switching that keeps gradients right under gradient
-checkpointing."""
+"""PPO rollouts on a tiny Llama: completions of left-padded batched generation cut at the stop set and padded into a
+RolloutBatch, KL = 0 when the policy is the reference, reward/value read positions, adapter switching that keeps
+gradients right under gradient checkpointing, and the Experience's micro-batches (rows, trimmed by layout)."""
 
 import pytest
 import torch
@@ -10,10 +10,13 @@ from llmtune.config import load_recipe
 from llmtune.models.adapters import adapter_scope, build_lora_config, enable_gradient_checkpointing
 from llmtune.models.heads import sequence_scores
 from llmtune.models.tiny import make_tiny_llama, make_tiny_tokenizer
-from llmtune.stages.ppo import ops
-from llmtune.stages.ppo.rollout import join, response_token_logps, split_generation
 from llmtune.data.templates import template_eos_ids as eos_token_ids
-from llmtune.stages.ppo.trainer import PolicyValueModel, add_value_model, trim
+from llmtune.rl.engines.hf import cut_completions
+from llmtune.rl.forward import response_token_logps, rollout_forward
+from llmtune.rl.ops import masked_mean
+from llmtune.rl.types import Experience, Layout, RolloutBatch, Trajectory, join
+from llmtune.stages.ppo import ops
+from llmtune.stages.ppo.trainer import PolicyValueModel, add_value_model
 
 PROMPTS = ["What is 2 + 3?", "Hi", "Tell me a very long story about the sea and the wind, please.", "Why?"]
 
@@ -42,12 +45,20 @@ def policy_value(tok, seed=0):
     return PolicyValueModel(policy, head), recipe
 
 
-def test_split_masks_everything_after_the_first_eos():
+def split(seqs: torch.Tensor, width: int, eos, pad: int, prompts=None) -> RolloutBatch:
+    """(B, P + N) generate output -> the rollout batch the trainer builds (completions cut at the stop set)."""
+    completions = cut_completions(seqs[:, width:], eos, 0)
+    prompts = prompts or [[1]] * len(completions)
+    return RolloutBatch.from_trajectories([Trajectory.single_turn({}, p, c) for p, c in zip(prompts, completions)],
+                                          pad)
+
+
+def test_completions_end_at_the_first_eos_and_are_right_padded():
     seqs = torch.tensor([[0, 7, 8, 5, 2, 9, 2], [7, 7, 8, 9, 9, 9, 9], [0, 0, 8, 2, 2, 2, 2]])
-    responses, mask, ended = split_generation(seqs, prompt_width=3, eos_ids=[2], pad_id=1)
-    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
-    assert responses.tolist() == [[5, 2, 1, 1], [9, 9, 9, 9], [2, 1, 1, 1]]
-    assert ended.tolist() == [True, False, True]
+    batch = split(seqs, 3, [2], 1)
+    assert batch.completion_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    assert batch.completion_ids.tolist() == [[5, 2, 1, 1], [9, 9, 9, 9], [2, 1, 1, 1]]
+    assert batch.ended.tolist() == [True, False, True] and torch.equal(batch.loss_mask, batch.completion_mask)
 
 
 class ForceEOS:
@@ -78,7 +89,8 @@ def test_batched_generation_split_equals_each_prompt_alone(tok):
     with torch.no_grad():
         seqs = model.generate(input_ids=input_ids, attention_mask=attn,
                               logits_processor=LogitsProcessorList([ForceEOS(stops, width, eos[0])]), **kwargs)
-    responses, mask, ended = split_generation(seqs, width, eos, tok.pad_token_id)
+    batch = split(seqs, width, eos, tok.pad_token_id)
+    responses, mask, ended = batch.completion_ids, batch.completion_mask, batch.ended
     assert mask.sum(1).tolist() == [3, 8, 6, 1] and ended.tolist() == [True, False, True, True]
     assert (responses[mask == 0] == tok.pad_token_id).all()
     for b, prompt in enumerate(ids):
@@ -104,11 +116,13 @@ def test_kl_is_exactly_zero_at_step_zero_and_pads_are_masked(tok):
         seqs = model.policy.generate(input_ids=input_ids, attention_mask=attn, max_new_tokens=12, do_sample=True,
                                      eos_token_id=eos, pad_token_id=tok.pad_token_id,
                                      logits_processor=[ForceEOS([3, None, 1, 6], input_ids.shape[1], eos[0])])
-    responses, mask, _ = split_generation(seqs, input_ids.shape[1], eos, tok.pad_token_id)
+    batch = split(seqs, input_ids.shape[1], eos, tok.pad_token_id)
+    responses, mask = batch.completion_ids, batch.completion_mask
     assert (mask == 0).any()  # some rows have a padded tail
     inputs = join(input_ids, attn, responses, mask)
     with torch.no_grad():
-        logits, values = model(**inputs, response_width=responses.shape[1])
+        logits = model.policy_logits(**inputs, response_width=responses.shape[1])
+        values = model.values(**inputs, response_width=responses.shape[1])
         ref_logits = model.reference_logits(**inputs, response_width=responses.shape[1])
     logps = response_token_logps(logits, responses, temperature=0.7) * mask
     ref = response_token_logps(ref_logits, responses, temperature=0.7) * mask
@@ -121,9 +135,10 @@ def test_kl_is_exactly_zero_at_step_zero_and_pads_are_masked(tok):
         out = model.policy.generate(input_ids=input_ids, attention_mask=attn, max_new_tokens=3, do_sample=False,
                                     output_scores=True, return_dict_in_generate=True, eos_token_id=eos,
                                     pad_token_id=tok.pad_token_id)
-    resp3, mask3, _ = split_generation(out.sequences, input_ids.shape[1], eos, tok.pad_token_id)
+    b3 = split(out.sequences, input_ids.shape[1], eos, tok.pad_token_id)
+    resp3, mask3 = b3.completion_ids, b3.completion_mask
     with torch.no_grad():
-        logits3, _ = model(**join(input_ids, attn, resp3, mask3), response_width=resp3.shape[1], with_values=False)
+        logits3 = model.policy_logits(**join(input_ids, attn, resp3, mask3), response_width=resp3.shape[1])
     assert torch.allclose(logits3[:, 0], out.scores[0], atol=1e-4)
 
 
@@ -149,7 +164,8 @@ def test_reward_read_at_last_real_token_for_left_and_right_padding(tok):
 
 def _grads(model, inputs, width):
     model.zero_grad()
-    logits, values = model(**inputs, response_width=width)
+    logits = model.policy_logits(**inputs, response_width=width)
+    values = model.values(**inputs, response_width=width)
     (logits.float().pow(2).mean() + values.pow(2).mean()).backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -182,30 +198,55 @@ def test_both_adapters_trainable_and_checkpointing_recomputes_with_the_right_ada
             assert p.requires_grad, name
 
 
-def test_trim_cuts_responses_to_the_longest_real_one():
-    exp = {"input_ids": torch.arange(14).reshape(2, 7), "attention_mask": torch.ones(2, 7, dtype=torch.long),
-           "position_ids": torch.arange(14).reshape(2, 7), "responses": torch.arange(8).reshape(2, 4),
-           "response_mask": torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])}
+def experience(tensors: dict, prompt_width: int) -> Experience:
+    exp = Experience(prompt_width)
+    for key, value in tensors.items():
+        layout = Layout.INPUT if key in ("input_ids", "attention_mask", "position_ids") else \
+            Layout.SEQUENCE if value.dim() == 1 else Layout.TOKEN
+        exp.add(key, value, layout)
+    return exp
+
+
+def test_micro_batches_cut_completions_to_the_longest_real_one():
+    tensors = {"input_ids": torch.arange(14).reshape(2, 7), "attention_mask": torch.ones(2, 7, dtype=torch.long),
+               "position_ids": torch.arange(14).reshape(2, 7), "responses": torch.arange(8).reshape(2, 4),
+               "response_mask": torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])}
     for key in ("old_logps", "old_values", "advantages", "returns"):
-        exp[key] = torch.zeros(2, 4)
-    rows = trim(exp, torch.tensor([1, 0]), prompt_width=3)
+        tensors[key] = torch.zeros(2, 4)
+    tensors["row"] = torch.tensor([5, 6])
+    rows = experience(tensors, prompt_width=3).micro_batch(torch.tensor([1, 0]))
     assert rows["input_ids"].tolist() == [[7, 8, 9, 10, 11], [0, 1, 2, 3, 4]]
     assert rows["responses"].shape == (2, 2) and rows["response_mask"].tolist() == [[1, 0], [1, 1]]
+    assert rows["old_values"].shape == (2, 2) and rows["row"].tolist() == [6, 5]
 
 
-def test_trim_drops_the_left_padding_every_row_has():
+def test_a_sequence_tensor_is_never_cut_even_when_as_wide_as_the_completions():
+    """The layout is declared, not guessed from the shape: a (B,) tensor stays whole, and a (B, N) tensor
+    registered as per-sequence is refused."""
+    exp = experience({"input_ids": torch.zeros(2, 5, dtype=torch.long), "attention_mask": torch.ones(2, 5),
+                      "position_ids": torch.zeros(2, 5), "responses": torch.zeros(2, 2, dtype=torch.long),
+                      "response_mask": torch.tensor([[1, 0], [1, 0]])}, prompt_width=3)
+    exp.add("advantages", torch.tensor([0.5, -0.5]), Layout.SEQUENCE)
+    assert exp.micro_batch(torch.tensor([0, 1]))["advantages"].tolist() == [0.5, -0.5]
+    with pytest.raises(ValueError, match="does not fit layout sequence"):
+        exp.add("advantages", torch.zeros(2, 2), Layout.SEQUENCE)
+    with pytest.raises(ValueError, match="does not fit layout token .*width 2"):
+        exp.add("old_logps", torch.zeros(2, 3), Layout.TOKEN)
+
+
+def test_micro_batches_drop_the_left_padding_every_row_has():
     """Prompts of 2 and 3 real tokens left-padded to 5: the 2 columns that are padding in both rows go, the
     position ids stay those of the full rows."""
     ids = torch.arange(18).reshape(2, 9)
     mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 1, 1, 0]])
-    exp = {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
-           "responses": ids[:, 5:], "response_mask": mask[:, 5:]}
-    rows = trim(exp, torch.tensor([0, 1]), prompt_width=5)
+    exp = experience({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+                      "responses": ids[:, 5:], "response_mask": mask[:, 5:]}, prompt_width=5)
+    rows = exp.micro_batch(torch.tensor([0, 1]))
     assert rows["input_ids"].tolist() == [[2, 3, 4, 5, 6, 7], [11, 12, 13, 14, 15, 16]]
     assert rows["attention_mask"].tolist() == [[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]
     assert rows["position_ids"].tolist() == [[0, 0, 1, 2, 3, 3], [0, 1, 2, 3, 4, 5]]
     assert rows["responses"].tolist() == [[5, 6, 7], [14, 15, 16]]
-    only_first = trim(exp, torch.tensor([0]), prompt_width=5)  # alone, row 0 loses a third padding column
+    only_first = exp.micro_batch(torch.tensor([0]))  # alone, row 0 loses a third padding column
     assert only_first["input_ids"].tolist() == [[3, 4, 5, 6]]
 
 
@@ -243,14 +284,15 @@ def test_the_ppo_loss_through_the_masked_head_equals_the_full_logits_loss(tok, t
     new_grads = torch.autograd.grad(loss, trainable)
 
     cfg, maskf = recipe.ppo, mask.float()  # the full-logits path the stage used before
-    logits, values = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                           position_ids=batch["position_ids"], response_width=n)
+    parts = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    logits = model.policy_logits(**parts, response_width=n)
+    values = model.values(**parts, response_width=n)
     logps = response_token_logps(logits, responses, temperature)
     pg = ops.policy_loss(logps, batch["old_logps"], batch["advantages"], maskf, cfg.cliprange, None)
     vf_sum, _ = ops.value_loss(values, batch["old_values"], batch["returns"], maskf, cfg.cliprange_value)
     ref_loss = (pg.loss_sum + cfg.vf_coef * vf_sum) / num_items
     ref_grads = torch.autograd.grad(ref_loss, trainable)
-    entropy = ops.masked_mean(entropy_from_logits(logits.detach().float() / temperature), maskf)
+    entropy = masked_mean(entropy_from_logits(logits.detach().float() / temperature), maskf)
 
     assert abs(float(loss.detach()) - float(ref_loss.detach())) < 1e-5 and abs(float(ref_loss.detach())) > 1e-3
     assert abs(metrics["policy_entropy"] - float(entropy)) < 1e-4
@@ -261,14 +303,10 @@ def test_the_ppo_loss_through_the_masked_head_equals_the_full_logits_loss(tok, t
 
 
 def test_ppo_rollout_forwards_use_the_masked_head_with_values(tok):
-    """PPO's rollout forwards (forward_chunks with values and the reference) take log-probs and entropy from the
+    """PPO's rollout forwards (rollout_forward with values and the reference) take log-probs and entropy from the
     LM head at the real response tokens only and the values from the value model: the full-logits numbers on real
     tokens, in chunks of the eval batch size."""
-    import contextlib
-    from types import SimpleNamespace
-
     from llmtune.rl.ops import entropy_from_logits
-    from llmtune.rl.trainer import OnlineRLTrainer
 
     model, _ = policy_value(tok, seed=5)
     for p in model.parameters():
@@ -279,24 +317,22 @@ def test_ppo_rollout_forwards_use_the_masked_head_with_values(tok):
     responses = torch.randint(5, 60, (4, 5), generator=torch.Generator().manual_seed(2))
     responses = responses.masked_fill(mask == 0, tok.pad_token_id)
     inputs = join(prompt_ids, prompt_mask, responses, mask)
-    me = SimpleNamespace(model=model, args=SimpleNamespace(per_device_eval_batch_size=3),
-                         compute_loss_context_manager=contextlib.nullcontext)
-    me._response_logps_chunks = OnlineRLTrainer._response_logps_chunks.__get__(me)
 
     def no_full_logits(*args, **kwargs):
         raise AssertionError("the rollout forwards built the (b, n, V) policy logits")
 
     model.policy_logits = no_full_logits
-    out = OnlineRLTrainer.forward_chunks(me, inputs, responses, with_values=True, reference=True, temperature=0.7)
+    out = rollout_forward(model, inputs, responses, temperature=0.7, chunk_rows=3, reference=True, values=True)
     del model.policy_logits
     model.eval()
     with torch.no_grad():
-        logits, values = model(**inputs, response_width=5)
+        logits = model.policy_logits(**inputs, response_width=5)
+        values = model.values(**inputs, response_width=5)
         ref = model.reference_logits(**inputs, response_width=5)
     want = {"logps": response_token_logps(logits, responses, 0.7) * mask,
             "entropy": entropy_from_logits(logits / 0.7) * mask,
             "ref_logps": response_token_logps(ref, responses, 0.7) * mask, "values": values * mask}
-    assert set(out) == set(want)
+    assert {k for k, v in vars(out).items() if v is not None} == set(want)
     for key in want:
-        torch.testing.assert_close(out[key] * mask, want[key], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(getattr(out, key) * mask, want[key], rtol=1e-5, atol=1e-5)
     assert float((want["logps"] - want["ref_logps"]).abs().max()) > 1e-2

@@ -1,5 +1,5 @@
 """``llmtune rollout-server RECIPE``: build a recipe's rollout base and run the vLLM rollout server on it (see
-:mod:`llmtune.rl.vllm_engine`)."""
+:mod:`llmtune.rl.engines.vllm_engine`)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ def rollout_server_command(recipe_path: str, overrides: list[str], host: str, po
         RolloutEngineError: vLLM is not installed.
     """
     from llmtune.config import load_recipe
-    from llmtune.rl.vllm_engine import base_identity, not_installed_error, rollout_base, server_command, \
-        server_env, settings_from_recipe, vllm_python
+    from llmtune.rl.engines.vllm_engine import settings_from_recipe
+    from llmtune.rl.engines.vllm_base import base_identity, rollout_base
+    from llmtune.rl.engines.vllm_client import not_installed_error, server_command, server_env, vllm_python
 
     recipe = load_recipe(recipe_path, overrides)
     python = vllm_python()

@@ -1,7 +1,7 @@
 """The vLLM rollout engine core and its HTTP server. Imports only vLLM and the standard library, so that it runs in a
 venv of its own (vLLM pins transformers below llmtune's lock): run it as a script, never import llmtune from it.
 
-    $LLMTUNE_VLLM_PYTHON llmtune/rl/vllm_server.py --model ROLLOUT_BASE_DIR --port 8000 --max-lora-rank 16 \
+    $LLMTUNE_VLLM_PYTHON llmtune/rl/engines/vllm_server.py --model ROLLOUT_BASE_DIR --port 8000 --max-lora-rank 16 \
         --max-model-len 640 --dtype float32 --seed 0
 
 (``llmtune rollout-server RECIPE`` builds ROLLOUT_BASE_DIR from the recipe, prints this line and runs it.)
@@ -42,19 +42,25 @@ Engine calls are serialized by one lock; ``/health`` answers while a generate re
 
 from __future__ import annotations
 
-import argparse
-import base64
-import hashlib
-import json
 import os
-import shutil
-import signal
 import sys
-import tempfile
-import threading
-import traceback
-from collections import OrderedDict
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+# Run as a script, this file's directory comes first on sys.path: a sibling module named like a package this server
+# imports (vllm_engine.py beside it is safe; a vllm.py or types.py would not be) would shadow it. Drop it.
+if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)
+
+import argparse  # noqa: E402
+import base64  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import traceback  # noqa: E402
+from collections import OrderedDict  # noqa: E402
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: E402
 
 PROTOCOL = 2
 # vLLM accepts only these LoRA ranks as max_lora_rank (vllm.config.lora.LoRAConfig)

