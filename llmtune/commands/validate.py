@@ -69,7 +69,7 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
     from llmtune.models.weight_files import check_weight_files
 
     check_weight_files(source.path, source.original, model_dir=True)  # no weights; truncated / corrupt safetensors
-    tokenizer = prepare_tokenizer(recipe)
+    tokenizer = prepare_tokenizer(recipe, convert=False)  # a GGUF model: its tokenizer, no conversion
     stage_obj = STAGES[stage_name](recipe)
     from llmtune.models.checks import model_fit_problems
 
