@@ -239,7 +239,8 @@ def test_cli_srun_per_gpu_does_not_relaunch(monkeypatch, tmp_path):
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "CUDA_VISIBLE_DEVICES"):
-        monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv(key, "0")  # recorded, so what run_stage_command sets in os.environ is undone afterwards
+        monkeypatch.delenv(key)
     for key, value in srun_env(16, 2, 5).items():
         monkeypatch.setenv(key, value)
     seen = {}
