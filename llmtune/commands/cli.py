@@ -251,13 +251,26 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_stage_command(command: str, recipe_path: str, overrides: list[str], launch: list[str] = ()) -> int:
     """Train one stage; ``launch`` = the launch flags as ``distributed.*`` overrides. Re-runs itself through torchrun
-    when more processes or DeepSpeed are asked for and no launcher started it (:mod:`llmtune.core.launch`)."""
+    when more processes or DeepSpeed are asked for and no launcher started it; a task of an ``srun`` step is one rank,
+    or its node's launcher (:func:`llmtune.core.launch.slurm_launch`).
+
+    Raises:
+        RecipeError: the recipe (with the overrides and, for one srun task per node, SLURM's node rank and count).
+        LaunchError: an srun layout that cannot work (see :func:`llmtune.core.launch.slurm_launch`).
+    """
     from llmtune.core import launch as launcher
     from llmtune.config import load_recipe
     from llmtune.utils import is_main_process
 
     recipe = load_recipe(recipe_path, [*overrides, *launch], stage=command)  # a recipe error: before torch is imported
-    os.environ.update(launcher.slurm_rank_env(recipe.distributed))  # srun with one task per GPU
+    rank_env, node_overrides = launcher.slurm_launch(recipe.distributed)  # a task of an srun step
+    if node_overrides:  # one srun task per node: this node's launcher, node rank and count from SLURM
+        recipe = load_recipe(recipe_path, [*overrides, *launch, *node_overrides], stage=command)
+    os.environ.update(rank_env)  # several srun tasks per node: each task is one rank, nothing is re-launched
+    if rank_env and rank_env["RANK"] == "0":
+        launcher.log.info("srun: each of the %s tasks is one rank (%s on this node; no torchrun); rendezvous %s:%s",
+                          rank_env["WORLD_SIZE"], rank_env["LOCAL_WORLD_SIZE"], rank_env["MASTER_ADDR"],
+                          rank_env["MASTER_PORT"])
     if launcher.needs_launch(recipe):
         return launcher.relaunch(command, recipe_path, list(overrides), recipe)
     from llmtune.core.runner import run_stage

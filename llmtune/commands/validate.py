@@ -42,7 +42,7 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
         raise RecipeError(missing, source=recipe_path)
     # then only what a dry run needs: the one stage's module (imported by the lazy registry), the tokenizer and the
     # data layer; never the trainer (transformers.Trainer, peft, bitsandbytes), trl, deepspeed or matplotlib
-    from llmtune.core.distributed import batch_layout
+    from llmtune.core.distributed import batch_layout, recipe_world_size
     from llmtune.core.guard import check_precision
     from llmtune.core.rundir import RunDir
     from llmtune.core.stage import prepare_tokenizer
@@ -71,7 +71,7 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
     from llmtune.models.weight_files import check_weight_files
 
     check_weight_files(source.path, source.original, model_dir=True)  # no weights; truncated / corrupt safetensors
-    tokenizer = prepare_tokenizer(recipe)
+    tokenizer = prepare_tokenizer(recipe, convert=False)  # a GGUF model: its tokenizer, no conversion
     stage_obj = STAGES[stage_name](recipe, recipe_dir=recipe_dir)
     from llmtune.models.checks import model_fit_problems
 
@@ -87,13 +87,15 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
     from llmtune.config.validate import data_size_problems
 
     late += data_size_problems(recipe, n_train)
-    layout = batch_layout(recipe)
+    layout = batch_layout(recipe, world=recipe_world_size(recipe))  # the launch the recipe describes, not this process
     steps_per_epoch = math.ceil(n_train / recipe.train.global_batch_size)
     steps = recipe.train.max_steps or math.ceil(steps_per_epoch * recipe.train.num_epochs)
+    dist = recipe.distributed
     console.print(
         f"batch: {recipe.train.global_batch_size} samples/optimizer step = {recipe.train.micro_batch_size} micro x "
-        f"{layout['accumulation_steps']} accumulation x {layout['world_size']} ranks; {n_train} training rows -> "
-        f"{steps} optimizer steps"
+        f"{layout['accumulation_steps']} accumulation x {layout['world_size']} ranks ({dist.nproc_per_node or 1} per "
+        f"node x {dist.nnodes} node{'s' if dist.nnodes > 1 else ''}: distributed.nproc_per_node x nnodes); "
+        f"{n_train} training rows -> {steps} optimizer steps"
         + (f"; {len(data.eval)} eval rows" if data.eval is not None else "")
     )
     if not 0 <= example < n_train:

@@ -28,7 +28,8 @@ class HubUploadError(LlmtuneError, RuntimeError):
 
 VERSIONED = ("torch", "transformers", "peft", "trl", "deepspeed", "bitsandbytes", "datasets", "accelerate")
 # builtin data sources -> the hub dataset they are a copy of (for the card's `datasets:`)
-HUB_DATASETS = {"builtin:gsm8k": "openai/gsm8k", "builtin:sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
+HUB_DATASETS = {"builtin:gsm8k": "openai/gsm8k", "builtin:sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered",
+                "builtin:hh-rlhf-harmless": "Anthropic/hh-rlhf"}
 
 
 def package_versions() -> dict[str, str | None]:

@@ -134,10 +134,24 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def recipe_world_size(recipe: Recipe) -> int:
+    """Processes the recipe's own launch starts: ``distributed.nproc_per_node`` (1 when unset) x ``distributed.nnodes``.
+
+    What ``llmtune <stage> RECIPE`` starts through torchrun; an outer launcher (torchrun, srun) may start another
+    number, and then its world size counts (:func:`launched_world_size`).
+    """
+    return (recipe.distributed.nproc_per_node or 1) * recipe.distributed.nnodes
+
+
 def batch_layout(recipe: Recipe, world: int | None = None) -> dict[str, int]:
     """How the global batch is split: ``{global_batch_size, micro_batch_size, accumulation_steps, world_size}``.
 
     ``global_batch_size = micro_batch_size x accumulation_steps x world_size`` (samples per optimizer step).
+
+    Args:
+        recipe: the recipe.
+        world: processes (ranks) over all nodes; default: the launched world size (``WORLD_SIZE``, 1 without a
+            launcher). ``llmtune validate`` passes :func:`recipe_world_size` (the launch the recipe describes).
 
     Raises:
         RecipeError: the global batch is not a multiple of micro batch x world size.

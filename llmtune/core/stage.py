@@ -217,9 +217,14 @@ def with_pair_length(rows):
     return rows.add_column("length", lengths)
 
 
-def prepare_tokenizer(recipe: Recipe):
+def prepare_tokenizer(recipe: Recipe, *, convert: bool = True):
     """Tokenizer of the recipe's model with the recipe's chat template applied (the data of every stage and
     ``llmtune validate`` are tokenized with it).
+
+    Args:
+        recipe: the recipe.
+        convert: ``False`` (``llmtune validate``): a GGUF model is not converted, its tokenizer is read from the
+            GGUF file (see :func:`llmtune.models.load.load_tokenizer`).
 
     Raises:
         ModelLoadError: the tokenizer cannot be found or loaded.
@@ -228,7 +233,7 @@ def prepare_tokenizer(recipe: Recipe):
     from llmtune.data import apply_chat_template_config
     from llmtune.models.load import load_tokenizer
 
-    tokenizer = load_tokenizer(recipe.model)
+    tokenizer = load_tokenizer(recipe.model, convert=convert)
     if recipe.data.chat_template is not None:  # else the tokenizer's own (build_sft_data checks chat rows need one)
         apply_chat_template_config(recipe.data, tokenizer)
     return tokenizer

@@ -168,18 +168,15 @@ def _code_fingerprint() -> dict:
 def source_fingerprints(cfg: DataConfig, base_dir: str | Path) -> list[dict] | None:
     """``[{location, sha256}]`` per source, resolved as :func:`~llmtune.data.sources.read_source` does; None when a
     source has no content hash (a hub dataset, a missing file: the build itself reports that)."""
-    import importlib.util
-
-    from llmtune.data.sources import BUILTIN_SOURCES
+    from llmtune.data.sources import BUILTIN_SOURCES, builtin_file
 
     out = []
     for ds in cfg.datasets:
         if ds.path.startswith("builtin:"):
             spec = BUILTIN_SOURCES.get(ds.path.split(":", 1)[1])
-            module = importlib.util.find_spec(spec.package) if spec else None
-            if module is None or not module.submodule_search_locations:
+            path = builtin_file(spec) if spec else None
+            if path is None:
                 return None
-            path = Path(list(module.submodule_search_locations)[0]) / spec.relpath
         else:
             path = Path(ds.path).expanduser()
             if not path.is_absolute():

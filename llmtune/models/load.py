@@ -629,13 +629,17 @@ def build_quantization_config(cfg: ModelConfig, precision: PrecisionConfig):
     )
 
 
-def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+def load_tokenizer(cfg: ModelConfig, *, convert: bool = True) -> PreTrainedTokenizerBase:
     """Load the tokenizer of the base model, ready for right-padded training batches.
 
     The pad token is set to the EOS token when the tokenizer has none (logged); ``padding_side`` is ``right``.
 
     Args:
         cfg: the recipe's ``model:`` section.
+        convert: ``False`` (``llmtune validate``) converts nothing: a GGUF / ``builtin:`` model not converted yet
+            gives the tokenizer read from the GGUF file's metadata (no weights read; ~20 s for the embedded
+            SmolLM2 on a shared CPU core), the same tokenizer the conversion writes (same token ids, template and
+            cache fingerprint); for a hub model not downloaded yet only its tokenizer files are downloaded.
 
     Returns:
         The tokenizer, with its chat template (if it has one).
@@ -646,12 +650,19 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     """
     from transformers import AutoTokenizer
 
-    source = resolve_model_source(cfg)
+    source = resolve_model_source(cfg, convert=convert)
+    if source.gguf_file is not None and not (source.path / CONVERSION_MARKER).is_file():  # only with convert=False
+        where, kwargs = source.gguf_file, {"gguf_file": source.gguf_file.name}
+        path = source.gguf_file.parent
+    elif source.kind == "hub" and not (source.path / "config.json").is_file():  # convert=False, online, not cached
+        where, kwargs, path = source.original, {"revision": source.revision}, source.original.strip()
+    else:
+        where, kwargs, path = source.path, {}, source.path
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=cfg.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code, **kwargs)
     except Exception as err:  # noqa: BLE001
         raise ModelLoadError(
-            f"could not load the tokenizer of {source.original!r} from {source.path}: {type(err).__name__}: {err}"
+            f"could not load the tokenizer of {source.original!r} from {where}: {type(err).__name__}: {err}"
         ) from err
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:

@@ -10,7 +10,6 @@ from llmtune.config import load_recipe
 from llmtune.config.load import read_yaml
 from llmtune.models.tiny import save_tiny_model
 
-ASSETS = Path(__file__).resolve().parents[2] / "assets"
 # Stage recipes; pipeline recipes (a `pipeline:` section) are checked by tests/unit/pipeline/test_pipeline.py.
 RECIPES = sorted(p for p in (Path(__file__).resolve().parents[3] / "recipes").rglob("*.yaml")
                  if "pipeline" not in read_yaml(p))
@@ -36,17 +35,12 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_validate_command_with_model_overridden(path, tiny_dir, capsys, tmp_path):
-    """The model path is overridable (llama7b cannot be downloaded here); data stays the recipe's own."""
+    """The model path is overridable (llama7b cannot be downloaded here); data stays the recipe's own (every source
+    ships with the project: tests/unit/docs/test_paths_inside_repo.py)."""
     doc = read_yaml(path)
     overrides = []
     # enough rows for one global batch (PPO: one rollout batch): a smaller data set is an error (data_size_problems)
     need = 2 * max(doc.get("train", {}).get("global_batch_size", 8), doc.get("ppo", {}).get("rollout_batch_size", 0))
-    for i, d in enumerate(doc.get("data", {}).get("datasets", [])):
-        # ../shared/data is not part of the project: tests must pass without it, so a missing local file is
-        # replaced by the small real HH sample shipped in tests/assets (same format; 8 rows, repeated by weight).
-        if Path(d["path"]).suffix in (".gz", ".jsonl", ".json") and not Path(d["path"]).exists():
-            overrides += [f"data.datasets.{i}.path={ASSETS / 'hh_sample.jsonl'}",
-                          f"data.datasets.{i}.weight={-(-need // 8)}"]
     overrides += [f"model.name_or_path={tiny_dir}", "model.dtype=fp32", f"output.dir={tmp_path / 'run'}"]
     for i, _ in enumerate(doc.get("data", {}).get("datasets", [])):
         overrides.append(f"data.datasets.{i}.max_samples={max(60, need)}")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from llmtune.core import launch
 from llmtune.commands.cli import build_parser
@@ -142,16 +143,122 @@ def test_node_rank_must_be_below_nnodes():
         recipe(distributed={"nnodes": 2, "node_rank": 2})
 
 
-def test_slurm_rank_env():
-    dist = recipe(distributed={"master_addr": "head", "master_port": 29400}).distributed
-    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NNODES": "2"}
-    assert launch.slurm_rank_env(dist, env) == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
-                                               "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "head", "MASTER_PORT": "29400"}
-    assert launch.slurm_rank_env(dist, {**env, "MASTER_ADDR": "n0"})["MASTER_ADDR"] == "n0"
-    assert launch.slurm_rank_env(dist, {**env, "RANK": "5"}) == {}  # torchrun already set it
-    assert launch.slurm_rank_env(dist, {**env, "SLURM_NTASKS": "1"}) == {}
-    per_node = recipe(distributed={"nproc_per_node": 4}).distributed  # one launcher task per node: torchrun ranks
-    assert launch.slurm_rank_env(per_node, env) == {}
+def srun_env(ntasks: int, nodes: int, procid: int, **extra: str) -> dict[str, str]:
+    """What srun sets in a task of a step of `ntasks` tasks spread evenly over `nodes` nodes gpu[01-0N]."""
+    per = ntasks // nodes
+    return {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(procid),
+            "SLURM_STEP_NUM_TASKS": str(ntasks), "SLURM_NTASKS": str(ntasks), "SLURM_STEP_NUM_NODES": str(nodes),
+            "SLURM_NNODES": str(nodes), "SLURM_STEP_TASKS_PER_NODE": f"{per}(x{nodes})",
+            "SLURM_LOCALID": str(procid % per), "SLURM_NODEID": str(procid // per),
+            "SLURM_STEP_NODELIST": f"gpu[01-{nodes:02d}]", **extra}
+
+
+ZERO3 = {"deepspeed": "deepspeed_configs/zero3.json", "nproc_per_node": 8, "nnodes": 2}  # recipes/llama7b_zero3.yaml
+
+
+def test_srun_task_per_gpu_is_one_rank_whatever_nproc_per_node():
+    """`srun --ntasks-per-node 8 llmtune sft llama7b_zero3.yaml` on 2 nodes (issue 32): every task is one rank of 16,
+    no torchrun (the old code re-launched 8 torchruns per node because the recipe says nproc_per_node: 8)."""
+    dist = recipe(train={"micro_batch_size": 4, "global_batch_size": 128}, distributed=ZERO3).distributed
+    env, overrides = launch.slurm_launch(dist, srun_env(16, 2, 11))
+    assert overrides == []
+    assert env == {"RANK": "11", "WORLD_SIZE": "16", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8",
+                   "MASTER_ADDR": "gpu01", "MASTER_PORT": "29500"}  # node 0 = the first host of the step
+    assert launch.slurm_launch(dist, srun_env(16, 2, 11, MASTER_ADDR="n0", MASTER_PORT="1234"))[0]["MASTER_ADDR"] == "n0"
+    assert launch.slurm_launch(dist, {**srun_env(16, 2, 11), "RANK": "11"}) == ({}, [])  # torchrun already set it
+
+
+def test_srun_per_gpu_trains_without_relaunch(monkeypatch):
+    """What the CLI does with it: the rank variables in the environment, then needs_launch is False (old: True)."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(key, raising=False)
+    r = recipe(train={"micro_batch_size": 4, "global_batch_size": 128}, distributed=ZERO3)
+    env, _ = launch.slurm_launch(r.distributed, srun_env(16, 2, 0))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert not launch.needs_launch(r)
+    from llmtune.core.distributed import batch_layout
+
+    assert batch_layout(r)["world_size"] == 16 and batch_layout(r)["accumulation_steps"] == 2
+
+
+def test_srun_one_task_per_node_is_the_node_launcher():
+    """scripts/slurm_zero3.sbatch: one task per node + nproc_per_node 8 -> torchrun per node, node rank/count and
+    node 0 from SLURM (whatever the recipe or the flags say)."""
+    dist = recipe(distributed={**ZERO3, "nnodes": 1}).distributed
+    assert launch.slurm_launch(dist, srun_env(2, 2, 1)) == (
+        {}, ["distributed.nnodes=2", "distributed.node_rank=1", "distributed.master_addr=gpu01",
+             "distributed.master_port=29500"])
+    single = recipe(distributed={"master_addr": "head", "master_port": 29400}).distributed  # 1 process per node
+    assert launch.slurm_launch(single, srun_env(2, 2, 1)) == (
+        {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "head",
+         "MASTER_PORT": "29400"}, [])
+
+
+def test_no_srun_step_is_no_slurm_launch():
+    """The batch script itself has SLURM_PROCID=0 and SLURM_NTASKS=N but is no step: taking it as rank 0 of N would
+    wait forever for ranks that never start (the old code did); a step of one task is a plain launch."""
+    dist = recipe().distributed
+    batch = {"SLURM_JOB_ID": "77", "SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0",
+             "SLURM_NNODES": "2", "SLURM_TASKS_PER_NODE": "4(x2)"}
+    assert launch.slurm_launch(dist, batch) == ({}, [])
+    assert launch.slurm_launch(dist, {**srun_env(16, 2, 0), "SLURM_STEP_ID": "4294967294"}) == ({}, [])  # batch step
+    assert launch.slurm_launch(dist, srun_env(1, 1, 0)) == ({}, [])
+    assert launch.slurm_launch(dist, {}) == ({}, [])
+
+
+def test_srun_refusals_name_the_fix():
+    dist = recipe(train={"global_batch_size": 16}, distributed=ZERO3).distributed
+    with pytest.raises(launch.LaunchError, match=r"8 tasks on this node but each sees 1 GPU.*--gpus-per-node"):
+        launch.slurm_launch(dist, srun_env(16, 2, 3, CUDA_VISIBLE_DEVICES="3"))  # srun --gpus-per-task 1
+    assert launch.slurm_launch(dist, srun_env(16, 2, 3, CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7"))[0]["LOCAL_RANK"] == "3"
+    env = srun_env(16, 2, 3)
+    del env["SLURM_STEP_NODELIST"]
+    with pytest.raises(launch.LaunchError, match=r"node 0's address is unknown.*--master-addr"):
+        launch.slurm_launch(dist, env)
+    env["SLURM_STEP_NODELIST"] = "gpu[07,09]"
+    assert launch.slurm_launch(dist, env)[0]["MASTER_ADDR"] == "gpu07"
+
+
+@pytest.mark.parametrize("text, expected", [("8(x2)", (8, 8)), ("8(x2),4", (8, 8, 4)), ("1", (1,)), ("2,1", (2, 1))])
+def test_parse_tasks_per_node(text, expected):
+    assert launch.parse_tasks_per_node(text) == expected
+
+
+@pytest.mark.parametrize("nodes, first", [("gpu[03-04,07],cpu1", "gpu03"), ("node01", "node01"), ("a1,b2", "a1"),
+                                          ("rack[1-2]-n[05-06]", "rack1-n05"), ("gpu[007]", "gpu007")])
+def test_first_host(nodes, first):
+    assert launch.first_host(nodes) == first
+
+
+def test_cli_srun_per_gpu_does_not_relaunch(monkeypatch, tmp_path):
+    """Through the CLI: under `srun --ntasks-per-node 8` on 2 nodes the stage runs in this task as rank 5 of 16, and
+    torchrun is never started."""
+    import llmtune.commands.cli as cli
+    import llmtune.core.runner as runner
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.setenv(key, "0")  # recorded, so what run_stage_command sets in os.environ is undone afterwards
+        monkeypatch.delenv(key)
+    for key, value in srun_env(16, 2, 5).items():
+        monkeypatch.setenv(key, value)
+    seen = {}
+
+    def fake_run_stage(stage, base_dir):
+        import os
+
+        seen.update(rank=os.environ["RANK"], world=os.environ["WORLD_SIZE"], local=os.environ["LOCAL_RANK"])
+        raise SystemExit(0)
+
+    monkeypatch.setattr(launch, "relaunch", lambda *a, **k: pytest.fail("torchrun relaunched under srun"))
+    monkeypatch.setattr(runner, "run_stage", fake_run_stage)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"stage": "sft", "train": {"micro_batch_size": 4, "global_batch_size": 128},
+                                    "distributed": ZERO3}))
+    with pytest.raises(SystemExit):
+        cli.run_stage_command("sft", str(path), [])
+    assert seen == {"rank": "5", "world": "16", "local": "5"}
 
 
 def test_stage_help_lists_launch_flags(capsys):

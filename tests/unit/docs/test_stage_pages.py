@@ -70,3 +70,16 @@ def test_stage_page_metrics_are_logged_by_the_code(stage):
     assert names, f"docs/stages/{stage}.md has no metrics table"
     unknown = [n for n in names if "<" not in n and "..." not in n and not _logged(n)]
     assert not unknown, f"docs/stages/{stage}.md names metrics no code logs: {unknown}"
+
+
+def test_sft_page_quotes_the_quickstart_pipeline_as_shipped():
+    """docs/stages/sft.md's pipeline numbers are the shipped pipeline's SFT steps and README's measured SFT row (it
+    quoted an old 32-step run after the pipeline moved to 24 steps, issue 32)."""
+    pipeline = yaml.safe_load((ROOT / "recipes" / "quickstart_pipeline.yaml").read_text())["pipeline"]
+    steps = next(s for s in pipeline["stages"] if s["name"] == "sft")["overrides"]["train.max_steps"]
+    before, after = re.search(r"^\| SFT \|[^|]+\| ([\d.]+) \| ([\d.]+) \|", (ROOT / "README.md").read_text(),
+                              re.M).groups()
+    text = " ".join((ROOT / "docs" / "stages" / "sft.md").read_text().split())
+    quoted = re.findall(r"(\d+)-step", text)
+    assert quoted and set(quoted) == {str(steps)}, f"sft.md quotes {quoted}-step runs; the pipeline's SFT has {steps}"
+    assert f"{steps}-step SFT goes from {before} to {after}" in text

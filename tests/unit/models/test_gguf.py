@@ -81,6 +81,27 @@ def test_converted_tokenizer_keeps_chat_template_and_eos(converted):
     assert tok("<|im_end|>", add_special_tokens=False)["input_ids"] == [2]
 
 
+def test_tokenizer_without_conversion_is_the_converted_one(converted, tmp_path):
+    """`llmtune validate` (convert=False) reads the tokenizer from the GGUF and converts nothing (issue 32; the old
+    load_tokenizer converted the weights on first use); it is the tokenizer training uses: same token ids, chat
+    template and data-cache fingerprint (so training reuses the data validate tokenized)."""
+    from llmtune.data.cache import tokenizer_fingerprint
+
+    _, cache, _ = converted
+    fresh = tmp_path / "fresh-cache"
+    direct = load_tokenizer(ModelConfig(name_or_path=BUILTIN, cache_dir=str(fresh)), convert=False)
+    assert not [p for p in fresh.rglob("*") if p.is_dir() and p.name != "gguf"]  # no converted directory
+    assert not list(fresh.rglob("*.safetensors"))
+    ref = load_tokenizer(ModelConfig(name_or_path=BUILTIN, cache_dir=str(cache)))
+    assert tokenizer_fingerprint(direct) == tokenizer_fingerprint(ref) is not None
+    chat = [{"role": "user", "content": "What is 12 * 7?"}, {"role": "assistant", "content": "84 #### 84"}]
+    assert direct.apply_chat_template(chat) == ref.apply_chat_template(chat)
+    assert (direct.pad_token_id, direct.eos_token_id, direct.padding_side) == (2, 2, "right")
+    # the converted cache, when there is one, is what validate reads
+    assert load_tokenizer(ModelConfig(name_or_path=BUILTIN, cache_dir=str(cache)), convert=False).name_or_path == \
+        str(ref.name_or_path)
+
+
 def test_gguf_model_saves_only_after_clearing_and_converted_logits_are_identical(converted, gguf_path, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -105,6 +105,29 @@ def test_gguf_path_converts_once_then_reuses_cache(gguf_file, cache_dir, fake_co
     assert [p.name for p in first.path.parent.iterdir() if p.name.endswith(".tmp")] == []
 
 
+def test_tokenizer_without_conversion_reads_the_gguf(gguf_file, cache_dir, fake_converter, monkeypatch, tiny_dir):
+    """load_tokenizer(convert=False) (llmtune validate) converts nothing and reads the tokenizer from the GGUF file
+    itself; once a conversion exists it reads the converted directory, as training does."""
+    import transformers
+
+    from llmtune.models import load_tokenizer
+
+    calls = []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def from_pretrained(path, **kwargs):
+        calls.append((Path(path), kwargs.get("gguf_file")))
+        return real(tiny_dir)  # a real tokenizer: the fake GGUF holds none
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    tok = load_tokenizer(cfg(str(gguf_file), cache_dir=str(cache_dir)), convert=False)
+    assert fake_converter == [] and calls == [(gguf_file.parent.resolve(), gguf_file.name)]
+    assert tok.pad_token is not None and tok.padding_side == "right"
+    converted = resolve_model_source(cfg(str(gguf_file), cache_dir=str(cache_dir)))  # training converts
+    load_tokenizer(cfg(str(gguf_file), cache_dir=str(cache_dir)), convert=False)
+    assert len(fake_converter) == 1 and calls[-1] == (converted.path, None)
+
+
 def test_changed_gguf_is_converted_again_and_the_old_copy_removed(gguf_file, cache_dir, fake_converter):
     first = resolve_model_source(cfg(str(gguf_file), cache_dir=str(cache_dir)))
     gguf_file.write_bytes(b"GGUF" + b"\1" * 60)  # same size, other content

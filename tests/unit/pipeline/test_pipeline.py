@@ -16,7 +16,6 @@ from llmtune.pipeline.run import plan_stage
 
 ROOT = Path(__file__).resolve().parents[3]
 QUICKSTART = ROOT / "recipes" / "quickstart_pipeline.yaml"
-HH = "shared/data/hh-rlhf-harmless-base-1800.jsonl.gz"
 
 
 def write(path: Path, doc: dict) -> Path:
@@ -24,19 +23,15 @@ def write(path: Path, doc: dict) -> Path:
     return path
 
 
-def quickstart(tmp_path, with_hh: bool, overrides=()):
-    """The shipped pipeline resolved from tmp/main (so ../shared/data exists only if with_hh)."""
+def quickstart(tmp_path, overrides=()):
+    """The shipped pipeline resolved from tmp/main."""
     base = tmp_path / "main"
     base.mkdir()
-    if with_hh:
-        (tmp_path / HH).parent.mkdir(parents=True)
-        (tmp_path / HH).write_bytes(b"")
     return load_pipeline(QUICKSTART, overrides, base_dir=base)
 
 
-@pytest.mark.parametrize("with_hh", [True, False])
-def test_quickstart_pipeline_wiring(tmp_path, with_hh):
-    pipe = quickstart(tmp_path, with_hh)
+def test_quickstart_pipeline_wiring(tmp_path):
+    pipe = quickstart(tmp_path)
     d = tmp_path / "main" / "runs" / "quickstart_pipeline"
     assert [(s.name, s.kind) for s in pipe.steps] == [("sft", "sft"), ("pairs", "pairs"), ("rm", "rm"),
                                                       ("dpo", "dpo"), ("ppo", "ppo")]
@@ -52,7 +47,7 @@ def test_quickstart_pipeline_wiring(tmp_path, with_hh):
     assert all(s.recipe.train.eval_at_start for s in (sft, rm, dpo, ppo))  # before -> after for every stage
     assert pipe.export.step == "ppo" and pipe.export.dtype == "fp32"
     source = rm.recipe.data.datasets[0]
-    # on-policy GSM8K pairs whether or not the HH-RLHF file exists (HH pairs do not move in this budget)
+    # on-policy GSM8K pairs instead of the file's builtin:hh-rlhf-harmless (HH pairs do not move in this budget)
     assert (source.path, source.format) == (str(d / "pairs" / "pairs.jsonl"), "preference_messages")
     assert pairs.used and rm.inputs == ["sft", "pairs"] and dpo.inputs == ["sft", "pairs"]
     assert pairs.pairs.from_ == "sft" and pairs.pairs.k == 2
@@ -67,7 +62,7 @@ def test_quickstart_pipeline_time_budget_shape():
 
 
 def test_cli_overrides_name_the_step(tmp_path):
-    pipe = quickstart(tmp_path, False, ["sft.train.max_steps=3", "pairs.k=3", "pipeline.export.dtype=bf16",
+    pipe = quickstart(tmp_path, ["sft.train.max_steps=3", "pairs.k=3", "pipeline.export.dtype=bf16",
                                         "ppo.reward.functions=[]", "pipeline.dir=runs/other"])
     sft, pairs, rm, _dpo, ppo = pipe.steps
     assert sft.recipe.train.max_steps == 3 and pairs.pairs.k == 3 and pipe.export.dtype == "bf16"
@@ -78,7 +73,7 @@ def test_cli_overrides_name_the_step(tmp_path):
 
 def test_unknown_override_step(tmp_path):
     with pytest.raises(RecipeError) as err:
-        quickstart(tmp_path, True, ["sfft.train.max_steps=3"])
+        quickstart(tmp_path, ["sfft.train.max_steps=3"])
     assert "did you mean 'sft'?" in str(err.value)
 
 

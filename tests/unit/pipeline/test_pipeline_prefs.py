@@ -41,12 +41,10 @@ def test_preference_stages_as_pipeline_steps(tmp_path):
 
 def test_shipped_comparison_pipeline(tmp_path):
     """recipes/quickstart_prefs_pipeline.yaml: three steps, each from the SFT run (not chained), same held-out size."""
-    hh = tmp_path / "shared" / "data" / "hh-rlhf-harmless-base-1800.jsonl.gz"  # ../shared/data seen from tmp/main
-    hh.parent.mkdir(parents=True)
-    hh.write_bytes(b"")
-    (tmp_path / "main").mkdir()
-    pipe = load_pipeline(ROOT / "recipes" / "quickstart_prefs_pipeline.yaml", base_dir=tmp_path / "main")
+    pipe = load_pipeline(ROOT / "recipes" / "quickstart_prefs_pipeline.yaml", base_dir=tmp_path)
     assert [(s.name, s.kind) for s in pipe.steps] == [("orpo", "orpo"), ("simpo", "simpo"), ("kto", "kto")]
+    assert {(s.recipe.data.datasets[0].path, s.recipe.data.datasets[0].format) for s in pipe.steps} == {
+        ("builtin:hh-rlhf-harmless", "hh")}  # the pairs shipped with llmtune, from any directory
     assert {s.recipe.model.from_run for s in pipe.steps} == {"runs/quickstart_sft"}
     assert {s.recipe.data.val_size for s in pipe.steps} == {16} and {s.recipe.train.max_steps for s in pipe.steps} == {8}
     assert pipe.export.step is None
