@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 # recipe sections a stage reads (llmtune <stage> --help lists these); validate lists them all.
 # a stage reads the common sections, its own (named like the stage, when the schema has one) and these:
-STAGE_SECTIONS = {"ppo": ("rollout", "reward"), "grpo": ("rollout", "reward")}
+STAGE_SECTIONS = {"ppo": ("rollout", "agent", "reward"), "grpo": ("rollout", "agent", "reward")}
 COMMON_SECTIONS = ("model", "data", "adapter", "train", "precision", "distributed", "output")
 
 

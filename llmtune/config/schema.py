@@ -560,6 +560,41 @@ class RolloutConfig(Section):
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
 
+class AgentConfig(Section):
+    """Multi-turn, tool-using rollouts of the online-RL stages (GRPO, PPO): the policy answers over several turns,
+    calling tools (plain Python functions) or acting in an environment (a class, one fresh instance per rollout);
+    each tool result is fed back as the template's tool message and the policy continues. Token-in/token-out:
+    the next turn's input is the ids so far + the sampled ids + the template's ids of the tool messages; only the
+    tokens the policy sampled are trained. rollout.max_new_tokens is ONE budget for the whole trajectory: every token
+    after the prompt counts (sampled turns, tool results, template tokens). Off when neither tools nor environment
+    is set."""
+
+    tools: list[str] = Field(default_factory=list, description="Tool functions, module:function or "
+                             "file.py:function (found in the working directory, then next to the recipe); each "
+                             "needs type hints and a Google docstring with an Args: section (its JSON schema, as "
+                             "transformers' chat templates take it).")
+    environment: str | None = Field(None, description="module:Class (or file.py:Class): one fresh instance per "
+                                    "rollout; reset(**row) receives the prompt row's columns and may return text for "
+                                    "the first user turn; its public methods are tools; an optional reward(messages) "
+                                    "method is a reward source (reward name `environment`).")
+    max_turns: int = Field(4, ge=1, description="Assistant turns per trajectory at most; a turn that calls a tool "
+                           "at the cap ends the trajectory (finish reason `turns`).")
+    max_tool_result_tokens: int = Field(256, ge=1, description="Tokens of one tool result at most (a longer one is "
+                                        "cut, and says so, before it reaches the model; counted).")
+    tool_timeout_s: float = Field(10.0, gt=0, description="Seconds one tool call may take; past it the model gets "
+                                  "a timeout error as the tool result (counted).")
+    tool_parser: Literal["auto", "hermes", "llama3", "mistral"] = Field(
+        "auto", description="How tool calls are read from a turn: hermes (<tool_call>{json}</tool_call>: Qwen2.5/3, "
+        "Hermes, chatml_tools), llama3 (a JSON object with name/parameters), mistral ([TOOL_CALLS][...]); auto = the "
+        "tokenizer's own response template where it has one, else detected from the chat template.")
+    environment_reward_weight: float = Field(1.0, description="Weight of the environment's reward(messages) in the "
+                                             "total reward (when its class defines reward).")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tools or self.environment)
+
+
 class RewardFunctionConfig(Section):
     """One weighted reward function (``reward.functions`` entry)."""
 
@@ -632,6 +667,7 @@ class Recipe(Section):
     simpo: SimPOConfig = Field(default_factory=SimPOConfig)
     kto: KTOConfig = Field(default_factory=KTOConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
 

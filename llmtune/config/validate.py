@@ -178,6 +178,7 @@ def cross_field_problems(doc: dict) -> list[tuple[str, str]]:
         problems += grpo_problems(doc)
     if dotted_get(doc, "stage") in ("ppo", "grpo"):
         problems += rollout_problems(doc)
+    problems += agent_problems(doc)
     problems += distributed_problems(doc)
     problems += surface_problems(doc)  # report_to, optim, schedules, extra_args, push_to_hub
     datasets = dotted_get(doc, "data.datasets")
@@ -335,6 +336,26 @@ def _rollout_sequence_tokens(doc: dict) -> tuple[int, str] | None:
     longest, key = (evaluation, "rollout.eval_max_new_tokens") if evaluation and evaluation > new \
         else (new, "rollout.max_new_tokens")
     return prompt + longest, f"{prompt_key} {prompt} + {key} {longest}"
+
+
+def agent_problems(doc: dict) -> list[tuple[str, str]]:
+    """Multi-turn rollouts (``agent:``): only for the online-RL stages, and a tool result that fits the budget."""
+    enabled = bool(dotted_get(doc, "agent.tools")) or bool(dotted_get(doc, "agent.environment"))
+    if not enabled:
+        return []
+    stage = dotted_get(doc, "stage")
+    if stage is not None and stage not in ("ppo", "grpo"):
+        return [("agent", f"multi-turn tool rollouts are sampled by the online-RL stages (ppo, grpo); stage {stage} "
+                 "trains on fixed data: remove the agent section")]
+    problems = []
+    budget = dotted_get(doc, "rollout.max_new_tokens")
+    budget = ROLLOUT_MAX_NEW_TOKENS.get(stage, 128) if budget is None else budget
+    cap = dotted_get(doc, "agent.max_tool_result_tokens", 256)
+    if isinstance(budget, int) and isinstance(cap, int) and cap >= budget:
+        problems.append(("agent.max_tool_result_tokens", f"{cap} is not below rollout.max_new_tokens ({budget}), the "
+                         "budget of the WHOLE trajectory (every sampled turn, tool result and template token after the "
+                         f"prompt): one tool result would use it all; lower it or raise rollout.max_new_tokens"))
+    return problems
 
 
 def ppo_problems(doc: dict) -> list[tuple[str, str]]:

@@ -98,7 +98,8 @@ class PromptData:
     report: DataReport
 
 
-def prompt_ids(tokenizer, messages: list[dict], add_bos: bool | None = None) -> list[int]:
+def prompt_ids(tokenizer, messages: list[dict], add_bos: bool | None = None, tools: list[dict] | None = None,
+               generation_prompt: bool = True) -> list[int]:
     """Token ids of ``messages`` rendered with the chat template and the generation prompt.
 
     Args:
@@ -106,6 +107,8 @@ def prompt_ids(tokenizer, messages: list[dict], add_bos: bool | None = None) -> 
         messages: ``[{role, content}]`` ending with a user turn (e.g. ``json.loads(row["messages"])``, to
             re-render a prompt for another tokenizer).
         add_bos: whether the tokenizer adds a BOS by itself (computed when None).
+        tools: JSON schemas of the tools the template renders (multi-turn agent rollouts), or None.
+        generation_prompt: end with the generation prompt (False: a whole conversation, for template checks).
 
     Returns:
         (T,) ids: the rendered text tokenized with ``add_special_tokens=False``, with one BOS in front when
@@ -116,7 +119,7 @@ def prompt_ids(tokenizer, messages: list[dict], add_bos: bool | None = None) -> 
     """
     if add_bos is None:
         add_bos = tokenizer_adds_bos(tokenizer)
-    text = render_chat(tokenizer, messages, generation_prompt=True)
+    text = render_chat(tokenizer, messages, generation_prompt=generation_prompt, tools=tools)
     return bos_prefix(tokenizer, add_bos, text) + encode_text(tokenizer, text)
 
 
@@ -138,16 +141,18 @@ class PromptTokenizer:
     result_type = TokenizedPrompt
 
     def __init__(self, tokenizer, max_prompt_length: int, truncation_mode: str = "keep_end",
-                 truncation: str = "truncate", keep_system: bool = False):
+                 truncation: str = "truncate", keep_system: bool = False, tools: list[dict] | None = None):
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         self.truncation_mode = truncation_mode
-        self.truncation = truncation
+        # a prompt with tools keeps its tools block or is dropped (counted): a cut one would hide the tools
+        self.truncation = "drop" if tools else truncation
         self.keep_system = keep_system
+        self.tools = tools or None
         self.add_bos = tokenizer_adds_bos(tokenizer)
         try:
-            probe = prompt_ids(tokenizer, PROBE, self.add_bos)
-            reserved = generation_prompt_length(tokenizer, PROBE) + self._bos_kept(probe)
+            probe = prompt_ids(tokenizer, PROBE, self.add_bos, self.tools)
+            reserved = generation_prompt_length(tokenizer, PROBE, self.tools) + self._bos_kept(probe)
         except RowError as err:
             raise DataError(f"the chat template cannot render a one-turn prompt: {err.reason}") from None
         if max_prompt_length <= reserved:
@@ -164,14 +169,15 @@ class PromptTokenizer:
                 ``truncation: drop``, or cannot be cut to it (policy drops, counted).
         """
         messages = row["prompt"]
-        ids = prompt_ids(self.tokenizer, messages, self.add_bos)
+        ids = prompt_ids(self.tokenizer, messages, self.add_bos, self.tools)
         P = self.max_prompt_length
         truncated, full = len(ids) > P, len(ids)
         if truncated:
             if self.truncation == "drop":
+                why = "with tools, prompts are never cut" if self.tools else "data.truncation: drop"
                 raise RowError(
                     "prompt longer than max_prompt_length",
-                    f"the prompt has {len(ids)} tokens, more than data.max_prompt_length={P} (data.truncation: drop)",
+                    f"the prompt has {len(ids)} tokens, more than data.max_prompt_length={P} ({why})",
                     bad=False,
                 )
             ids = self._cut(ids, messages, P)
@@ -197,7 +203,8 @@ class PromptTokenizer:
         return apply_cut(ids, a, b)
 
 
-def build_prompt_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".") -> PromptData:
+def build_prompt_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".", tools: list[dict] | None = None
+                      ) -> PromptData:
     """Read, validate, mix, tokenize and split the prompts of a recipe (PPO).
 
     Mixing (``weight``), ``max_samples`` (per source and total), ``val_size``, ``seed``, ``bad_rows`` and
@@ -209,6 +216,9 @@ def build_prompt_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".")
         cfg: the recipe's ``data`` section; ``max_prompt_length`` (default ``max_length``) limits prompt tokens.
         tokenizer: a Hugging Face fast tokenizer.
         base_dir: directory that relative local paths are resolved against (usually the recipe's).
+        tools: the JSON schemas of a multi-turn agent run's tools: the prompts are rendered with them (the template
+            puts them in the system turn), and a prompt longer than ``max_prompt_length`` is dropped (counted), never
+            cut (a cut could remove the tools).
 
     Returns:
         :class:`PromptData` with train/eval ``datasets.Dataset`` and the :class:`DataReport`.
@@ -219,14 +229,17 @@ def build_prompt_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".")
             roles out of order, malformed rows; the first 10 listed with file, row index and reason);
             ``max_prompt_length`` too small for the generation prompt; ``val_size`` too large; no prompts left.
     """
-    return cached_build("prompt", cfg, tokenizer, base_dir, lambda: _build_prompt_data(cfg, tokenizer, base_dir=base_dir))
+    extra = {"tools": tools} if tools else {}  # part of the cache key
+    return cached_build("prompt", cfg, tokenizer, base_dir,
+                        lambda: _build_prompt_data(cfg, tokenizer, base_dir=base_dir, tools=tools), **extra)
 
 
-def _build_prompt_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".") -> PromptData:
+def _build_prompt_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".", tools: list[dict] | None = None
+                       ) -> PromptData:
     reject_sft_options(cfg, "prompts", "each prompt is generated from on its own", "they carry no labels")
     apply_chat_template_config(cfg, tokenizer)
     limit = cfg.max_prompt_length or cfg.max_length
-    fn = PromptTokenizer(tokenizer, limit, cfg.truncation_mode, cfg.truncation, cfg.truncation_keep_system)
+    fn = PromptTokenizer(tokenizer, limit, cfg.truncation_mode, cfg.truncation, cfg.truncation_keep_system, tools)
     report = DataReport(max_length=limit, seed=cfg.seed, kind="prompt")
     pools = read_sources(cfg, base_dir, report, kind="prompt")
     train, evals = tokenize_and_split(cfg, pools, fn, report)

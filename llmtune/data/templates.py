@@ -55,8 +55,47 @@ ZEPHYR = (
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
 
+# ChatML with tools in the Hermes / Qwen2.5 format: the tool schemas in the system turn (after the system message, if
+# any), an assistant turn's tool calls as <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks after its
+# text, consecutive tool results in one user turn as <tool_response> blocks. Without tools and tool messages it
+# renders exactly as `chatml`. Multi-turn agent rollouts (agent:) use it with models whose own template has no tools.
+CHATML_TOOLS = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\n\n' }}{%- endif %}"
+    "{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+    "function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and tools and loop.first %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\n' + (message['content'] or '') }}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{%- set call = call['function'] if call.get('function') else call %}"
+    "{%- if (message['content'] or '') or not loop.first %}{{- '\n' }}{%- endif %}"
+    "{{- '<tool_call>\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{{- call['arguments'] if call['arguments'] is string else call['arguments'] | tojson }}"
+    "{{- '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
 BUILTIN_TEMPLATES: dict[str, str] = {
     "chatml": CHATML,
+    "chatml_tools": CHATML_TOOLS,
     "llama2": LLAMA2,
     "llama3": LLAMA3,
     "alpaca": ALPACA,
@@ -68,7 +107,8 @@ def resolve_chat_template(spec: str) -> str:
     """Turn ``data.chat_template`` into Jinja source.
 
     Args:
-        spec: a builtin name (``chatml``, ``llama2``, ``llama3``, ``alpaca``, ``zephyr``) or a Jinja string.
+        spec: a builtin name (``chatml``, ``chatml_tools``, ``llama2``, ``llama3``, ``alpaca``, ``zephyr``) or a Jinja
+            string.
 
     Returns:
         The Jinja source.

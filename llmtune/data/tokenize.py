@@ -91,13 +91,18 @@ def encode_text(tokenizer, text: str, need: int | None = None) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def render_chat(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
-    """``messages`` rendered as text with the tokenizer's chat template.
+def render_chat(tokenizer, messages: list[dict], generation_prompt: bool = False, tools: list[dict] | None = None
+                ) -> str:
+    """``messages`` rendered as text with the tokenizer's chat template (with ``tools``: their JSON schemas, as
+    multi-turn agent rollouts render prompts).
 
     Raises:
         RowError: the template fails on these messages (jinja errors, ``raise_exception()`` in templates).
     """
     try:
+        if tools:
+            return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                 add_generation_prompt=generation_prompt)
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     except Exception as exc:  # jinja2 errors, raise_exception() in templates
         raise RowError("chat template error", f"chat template error: {type(exc).__name__}: {exc}") from None
@@ -132,15 +137,15 @@ def not_prefix_consistent(i: int) -> RowError:
     )
 
 
-def generation_prompt_length(tokenizer, messages: list[dict]) -> int:
+def generation_prompt_length(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> int:
     """Number of trailing tokens that the generation prompt adds to ``messages`` rendered (0 if it adds no text).
 
     A token that straddles the end of the conversation and the start of the generation prompt counts as
     generation prompt (fast tokenizers: by character offsets; slow ones: by tokenizing the generation prompt
     alone). The generation prompt starts where the renderings with and without it first differ.
     """
-    with_gen = render_chat(tokenizer, messages, generation_prompt=True)
-    without = render_chat(tokenizer, messages)
+    with_gen = render_chat(tokenizer, messages, generation_prompt=True, tools=tools)
+    without = render_chat(tokenizer, messages, tools=tools)
     start = next((i for i, (a, b) in enumerate(zip(with_gen, without)) if a != b), min(len(with_gen), len(without)))
     if start == len(with_gen):
         return 0

@@ -47,6 +47,7 @@ def make_tiny_tokenizer(
     add_bos: bool = False,
     pad_equals_eos: bool = True,
     vocab_size: int = 400,
+    corpus: list[str] | None = None,
 ) -> PreTrainedTokenizerFast:
     """Build a byte-level BPE tokenizer offline.
 
@@ -56,6 +57,7 @@ def make_tiny_tokenizer(
         add_bos: make ``tokenizer(text)`` prepend the BOS id (as Llama tokenizers do).
         pad_equals_eos: use the EOS token as pad token (trl #976 setting).
         vocab_size: BPE vocabulary size including special tokens.
+        corpus: extra training texts (so that a test's own texts tokenize into few tokens).
 
     Returns:
         A ``PreTrainedTokenizerFast`` with ``chat_template`` set.
@@ -71,7 +73,7 @@ def make_tiny_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tok.train_from_iterator(_CORPUS * 4 + list(corpus or []) * 4, trainer=trainer)
     if template == "chatml":
         bos, eos, chat = "<|im_start|>", "<|im_end|>", CHATML_TEMPLATE
     elif template == "llama2":

@@ -22,6 +22,12 @@ class RewardFunctionError(LlmtuneError, RuntimeError):
     """A reward function cannot be loaded, fails, or returns something other than B finite numbers."""
 
 
+# The keyword arguments a reward function may take (each passed only when it names it or takes **kwargs):
+# `references` and `rows` always; `messages` and `environments` in multi-turn runs (agent:) only.
+KEYWORDS = ("references", "rows")
+MULTI_TURN_KEYWORDS = ("references", "rows", "messages", "environments")
+
+
 def reward_search_dirs(recipe_dir: str | Path | None) -> list[Path]:
     """Where a reward module is looked for, in order: the working directory, then the recipe's directory. The one
     rule of every command (``llmtune ppo/grpo``, ``validate``, ``rollout-server``) and of the pipeline (its stages and
@@ -32,7 +38,8 @@ def reward_search_dirs(recipe_dir: str | Path | None) -> list[Path]:
     return dirs
 
 
-def load_reward_function(spec: str, recipe_dir: str | Path | None = None) -> Callable:
+def load_reward_function(spec: str, recipe_dir: str | Path | None = None, keywords: tuple[str, ...] = KEYWORDS
+                         ) -> Callable:
     """Import the reward function named by ``spec`` and check that it can be called as a reward function.
 
     Args:
@@ -77,14 +84,15 @@ def load_reward_function(spec: str, recipe_dir: str | Path | None = None) -> Cal
             f"reward.function: {spec!r} is {type(obj).__name__}, not callable; name a function "
             "fn(prompts, completions, references) -> list[float]."
         )
-    check_reward_signature(obj, spec)
+    check_reward_signature(obj, spec, keywords)
     return obj
 
 
-def check_reward_signature(fn: Callable, spec: str) -> None:
-    """Refuse a reward function that cannot be called as llmtune calls it: ``fn(prompts, completions)``, plus
-    ``references=...`` when it accepts them (:func:`accepts_references`). TRL's ``fn(completions, **kwargs)``
-    is the common mistake: it would fail at the first rollout with a bare ``TypeError``.
+def check_reward_signature(fn: Callable, spec: str, keywords: tuple[str, ...] = KEYWORDS) -> None:
+    """Refuse a reward function that cannot be called as llmtune calls it: ``fn(prompts, completions)``, plus those
+    of ``keywords`` it accepts (:func:`accepts`). TRL's ``fn(completions, **kwargs)`` is the common mistake: it would
+    fail at the first rollout with a bare ``TypeError``; a function that requires ``messages`` in a single-turn run is
+    another.
 
     Raises:
         RewardFunctionError: naming the function's signature, the expected one and a wrapper that fixes it.
@@ -94,17 +102,17 @@ def check_reward_signature(fn: Callable, spec: str) -> None:
     except (TypeError, ValueError):  # builtins without a signature: checked when called
         return
     try:
-        if accepts_references(fn):
-            sig.bind(["prompt"], ["completion"], references=[None])
-        else:
-            sig.bind(["prompt"], ["completion"])
+        sig.bind(["prompt"], ["completion"], **{k: [None] for k in keywords if accepts(fn, k)})
     except TypeError as exc:
+        passed = ", ".join(f"{k}=..." for k in keywords)
         raise RewardFunctionError(
             f"reward.function: {spec!r} has the signature {getattr(fn, '__name__', 'fn')}{sig}, which cannot be "
-            f"called as fn(prompts, completions[, references=...]) ({exc}). llmtune passes the B prompt texts, the B "
-            "completion texts and, to a function with a `references` parameter or **kwargs, the B reference "
-            "answers; it returns B numbers (None = abstain). A TRL-style fn(completions, **kwargs) can be wrapped: "
-            "def reward(prompts, completions, **kwargs): return trl_fn(completions, **kwargs)") from None
+            f"called as fn(prompts, completions[, {passed}]) ({exc}). llmtune passes the B prompt texts, the B "
+            "completion texts and, to a function that names them or takes **kwargs, the B reference answers "
+            "(references) and prompt rows (rows), and in multi-turn runs (agent:) the B conversations (messages) and "
+            "environment instances (environments); it returns B numbers (None = abstain). A TRL-style "
+            "fn(completions, **kwargs) can be wrapped: def reward(prompts, completions, **kwargs): return "
+            "trl_fn(completions, **kwargs)") from None
 
 
 def _searched(dirs: list[Path]) -> str:
@@ -143,30 +151,38 @@ def _import_file(path: str, spec: str, dirs: list[Path]):
     return module
 
 
-def accepts_references(fn: Callable) -> bool:
-    """True when ``fn`` takes a ``references`` argument (by name, or through ``**kwargs``)."""
+def accepts(fn: Callable, name: str) -> bool:
+    """True when ``fn`` takes an argument ``name`` (by name, or through ``**kwargs``)."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # builtins without a signature
         return False
-    return any(p.name == "references" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def accepts_references(fn: Callable) -> bool:
+    """True when ``fn`` takes a ``references`` argument (by name, or through ``**kwargs``)."""
+    return accepts(fn, "references")
 
 
 def call_reward_function(
     fn: Callable, prompts: Sequence[str], completions: Sequence[str], references: Sequence[str | None] | None = None,
-    allow_abstain: bool = False,
+    allow_abstain: bool = False, **extra: Sequence,
 ) -> torch.Tensor:
     """Score B completions with ``fn`` and check the result.
 
     ``fn(prompts, completions, references=references)`` when ``fn`` accepts ``references``
-    (:func:`accepts_references`), else ``fn(prompts, completions)``. With ``allow_abstain`` a value may be None:
-    the function abstains on that completion (an unparsable answer, a sandbox timeout; TRL's reward functions do
-    the same) and the result holds NaN there; a NaN or inf the function returns itself stays an error.
+    (:func:`accepts_references`), else ``fn(prompts, completions)``; each ``extra`` keyword (multi-turn rollouts:
+    ``messages``, ``environments``, ``rows``) is passed only when ``fn`` accepts it (by name or ``**kwargs``). With
+    ``allow_abstain`` a value may be None: the function abstains on that completion (an unparsable answer, a sandbox
+    timeout; TRL's reward functions do the same) and the result holds NaN there; a NaN or inf the function returns
+    itself stays an error.
 
     Args:
         fn: the reward function (see :func:`load_reward_function`).
         prompts: B prompt texts. completions: B generated texts. references: B reference answers or None.
         allow_abstain: accept None values (online RL); otherwise None is an error.
+        extra: further per-completion lists (B each) the function may take.
 
     Returns:
         (B,) float32 tensor of rewards (on CPU); NaN exactly where ``fn`` returned None.
@@ -178,8 +194,9 @@ def call_reward_function(
     """
     B = len(completions)
     name = getattr(fn, "__qualname__", repr(fn))
+    kwargs = {key: value for key, value in (("references", references), *extra.items()) if accepts(fn, key)}
     try:
-        out = fn(prompts, completions, references=references) if accepts_references(fn) else fn(prompts, completions)
+        out = fn(prompts, completions, **kwargs)
     except Exception as exc:
         raise RewardFunctionError(f"reward function {name} raised {type(exc).__name__}: {exc}") from exc
     if hasattr(out, "tolist") and not isinstance(out, (list, tuple)):  # torch / numpy

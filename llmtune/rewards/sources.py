@@ -29,13 +29,28 @@ class Scored:
     """What a reward source sees of B completions.
 
     Attributes:
-        rows: the B prompt rows. completions: the B completion texts (decoded without special tokens).
+        rows: the B prompt rows. completions: the B completion texts (decoded without special tokens; a multi-turn
+            rollout's: the final assistant turn's text).
         batch: the rollout batch they come from (token ids; None for texts alone, as the pairs step scores).
+        messages: multi-turn rollouts: each whole conversation (prompt, assistant turns with their tool calls, tool
+            results), else None. environments: each rollout's environment instance (or None), else None.
     """
 
     rows: list[dict]
     completions: list[str]
     batch: RolloutBatch | None = None
+    messages: list[list[dict]] | None = None
+    environments: list | None = None
+
+    def extra(self) -> dict[str, list]:
+        """The per-completion keyword arguments a reward function may take: ``rows`` always; ``messages`` and
+        ``environments`` for multi-turn rollouts."""
+        out: dict[str, list] = {"rows": self.rows}
+        if self.messages is not None:
+            out["messages"] = self.messages
+        if self.environments is not None:
+            out["environments"] = self.environments
+        return out
 
 
 def decode_completions(tokenizer, batch: RolloutBatch) -> list[str]:
@@ -49,10 +64,11 @@ class FunctionScorer:
     """Scores completion texts with a reward function ``fn(prompts, completions[, references])``
     (:mod:`llmtune.rewards`; found as :func:`llmtune.rewards.functions.load_reward_function` says)."""
 
-    def __init__(self, spec: str, recipe_dir: str | Path | None = None):
-        from llmtune.rewards.functions import load_reward_function
+    def __init__(self, spec: str, recipe_dir: str | Path | None = None, multi_turn: bool = False):
+        from llmtune.rewards.functions import KEYWORDS, MULTI_TURN_KEYWORDS, load_reward_function
 
-        self.fn = load_reward_function(spec, recipe_dir=recipe_dir)
+        self.fn = load_reward_function(spec, recipe_dir=recipe_dir,
+                                       keywords=MULTI_TURN_KEYWORDS if multi_turn else KEYWORDS)
 
     def __call__(self, scored: Scored) -> torch.Tensor:
         """(B,) fp32 scores, NaN where the function abstained (returned None).
@@ -64,7 +80,7 @@ class FunctionScorer:
         from llmtune.rewards.functions import call_reward_function
 
         return call_reward_function(self.fn, [r["prompt"] for r in scored.rows], scored.completions,
-                                    [r.get("reference") for r in scored.rows], allow_abstain=True)
+                                    [r.get("reference") for r in scored.rows], allow_abstain=True, **scored.extra())
 
 
 class RewardModelScorer:
@@ -105,6 +121,36 @@ class RewardModelScorer:
             return self.rm.score_rollouts(torch.cat([batch.prompt_ids, batch.completion_ids], 1),
                                           torch.cat([batch.prompt_mask, batch.completion_mask], 1))
         return self.rm.score_texts([json.loads(r["messages"]) for r in scored.rows], scored.completions)
+
+class EnvironmentScorer:
+    """The reward of a multi-turn rollout's environment: ``environment.reward(messages)`` of each rollout's own
+    instance (None abstains; a rollout without an environment instance, whose environment failed, abstains).
+
+    Raises (when called):
+        RewardFunctionError: ``reward`` raised, or returned something other than a finite number or None.
+    """
+
+    def __call__(self, scored: Scored) -> torch.Tensor:
+        from llmtune.rewards.functions import RewardFunctionError
+
+        values = []
+        for b, (env, messages) in enumerate(zip(scored.environments or [None] * len(scored.rows),
+                                                scored.messages or [None] * len(scored.rows))):
+            if env is None:
+                values.append(math.nan)
+                continue
+            try:
+                value = env.reward(messages)
+            except Exception as exc:
+                raise RewardFunctionError(f"the environment's reward(messages) raised {type(exc).__name__}: {exc} "
+                                          f"(rollout {b})") from exc
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value)):
+                raise RewardFunctionError(f"the environment's reward(messages) returned {value!r} for rollout {b}; "
+                                          "expected a finite number or None (abstain)")
+            values.append(math.nan if value is None else float(value))
+        return torch.tensor(values, dtype=torch.float32)
+
 
 @dataclass
 class RewardSource:
@@ -157,15 +203,19 @@ class RewardSources:
         per_source = {s.name: s.scorer(scored).float().to(device) for s in self.sources}
         return combine(per_source, {s.name: s.weight for s in self.sources}), per_source
 
-    def score_all(self, scored: Scored, device: torch.device | str = "cpu") -> torch.Tensor:
-        """(B,) weighted total (see :meth:`score`) for a stage that needs a reward for every row (PPO).
+    def score_all(self, scored: Scored, device: torch.device | str = "cpu", skip: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+        """(B,) weighted total (see :meth:`score`) for a stage that needs a reward for every row (PPO); rows in
+        ``skip`` ((B,) bool: a multi-turn rollout whose infrastructure failed, trained on by nothing) get 0.
 
         Raises:
-            RewardFunctionError: every source abstained on a row (the index is named).
+            RewardFunctionError: every source abstained on a row not skipped (the index is named).
         """
         from llmtune.rewards.functions import RewardFunctionError
 
         total = self.score(scored, device)[0]
+        if skip is not None:
+            total = total.masked_fill(skip.to(total.device), 0.0)
         missing = torch.isnan(total).nonzero().flatten().tolist()
         if missing:
             raise RewardFunctionError(f"every reward source abstained (returned None) on completion {missing[0]} "
@@ -191,7 +241,8 @@ def combine(per_source: dict[str, torch.Tensor], weights: dict[str, float]) -> t
 
 
 def build_reward_sources(reward, tokenizer=None, recipe_dir: str | Path | None = None, precision=None,
-                         base_dir: str | Path = ".") -> RewardSources:
+                         base_dir: str | Path = ".", environment_weight: float | None = None,
+                         multi_turn: bool = False) -> RewardSources:
     """The :class:`RewardSources` of a ``reward:`` section (functions imported, the reward model loaded); reward
     modules are found in the working directory, then in ``recipe_dir``
     (:func:`llmtune.rewards.functions.reward_search_dirs`).
@@ -201,6 +252,9 @@ def build_reward_sources(reward, tokenizer=None, recipe_dir: str | Path | None =
         tokenizer: the policy's tokenizer (the reward model scores its token ids when it is the RM's).
         recipe_dir: the recipe's directory. precision: the recipe's precision (the reward model's dtype).
         base_dir: a relative ``reward.from_run`` is resolved against it.
+        environment_weight: a multi-turn run's environment has a ``reward(messages)`` method: add it as the source
+            ``environment`` with this weight (``agent.environment_reward_weight``); None = no such source.
+        multi_turn: the run has ``agent:`` (reward functions may take ``messages`` and ``environments``).
     """
     sources: list[RewardSource] = []
     if reward.from_run:
@@ -215,5 +269,7 @@ def build_reward_sources(reward, tokenizer=None, recipe_dir: str | Path | None =
         while unique in taken:
             unique, i = f"{base}_{i}", i + 1
         taken.add(unique)
-        sources.append(RewardSource(unique, weight, FunctionScorer(spec, recipe_dir=recipe_dir)))
+        sources.append(RewardSource(unique, weight, FunctionScorer(spec, recipe_dir=recipe_dir, multi_turn=multi_turn)))
+    if environment_weight is not None:
+        sources.append(RewardSource("environment", environment_weight, EnvironmentScorer()))
     return RewardSources(sources)

@@ -78,7 +78,8 @@ def response_token_logps(logits: torch.Tensor, responses: torch.Tensor, temperat
 def rollout_forward(model: torch.nn.Module, inputs: dict[str, torch.Tensor], responses: torch.Tensor, *,
                     temperature: float, chunk_rows: int, policy: bool = True, reference: bool = False,
                     values: bool = False, exact_kl: bool = False, truncation: tuple[int, float] | None = None,
-                    autocast: Callable[[], ContextManager] = contextlib.nullcontext) -> RolloutForward:
+                    autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+                    score_mask: torch.Tensor | None = None) -> RolloutForward:
     """The policy's (and the reference's, the value model's) numbers at the completion tokens, in eval mode.
 
     Args:
@@ -91,6 +92,8 @@ def rollout_forward(model: torch.nn.Module, inputs: dict[str, torch.Tensor], res
             reference's full distributions; the evaluation). truncation: ``(top_k, top_p)`` of the engine: also
             ``sampling_logps`` (masked LM head path only).
         autocast: the trainer's mixed-precision context (``compute_loss_context_manager``).
+        score_mask: (B, N) the completion positions whose log-probs are wanted (the tokens the policy sampled; a
+            multi-turn rollout's tool results are context only); default every real completion token.
 
     Raises:
         ValueError: ``truncation`` with ``exact_kl`` (the truncated log-probs come from the masked LM head).
@@ -104,13 +107,13 @@ def rollout_forward(model: torch.nn.Module, inputs: dict[str, torch.Tensor], res
                                  "head only (not with exact_kl)")
             return _full_logits(model, inputs, responses, temperature, chunk_rows, reference, values, autocast)
         return _masked_head(model, inputs, responses, temperature, chunk_rows, policy, reference, values, truncation,
-                            autocast)
+                            autocast, score_mask)
     finally:
         model.train(was_training)
 
 
 def _masked_head(model, inputs, responses, temperature, chunk_rows, policy, reference, with_values, truncation,
-                 autocast) -> RolloutForward:
+                 autocast, score_mask=None) -> RolloutForward:
     width = responses.shape[1]
     size = max(1, chunk_rows)
     out: dict[str, list[torch.Tensor]] = {}
@@ -118,11 +121,12 @@ def _masked_head(model, inputs, responses, temperature, chunk_rows, policy, refe
         part = {k: v[start:start + size] for k, v in inputs.items()}
         resp = responses[start:start + size]
         resp_mask = part["attention_mask"][:, -width:]
+        scored = None if score_mask is None else score_mask[start:start + size]
         for name, ref in ((("logps", False),) if policy else ()) + ((("ref_logps", True),) if reference else ()):
             with autocast():
                 got = model.response_logps(**part, responses=resp, response_mask=resp_mask, temperature=temperature,
                                            reference=ref, with_entropy=not ref,
-                                           truncation=None if ref else truncation)
+                                           truncation=None if ref else truncation, score_mask=scored)
             out.setdefault(name, []).append(got.logps)
             if got.entropy is not None:
                 out.setdefault("entropy", []).append(got.entropy)

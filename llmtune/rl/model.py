@@ -63,16 +63,17 @@ class PolicyModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 responses: torch.Tensor, response_mask: torch.Tensor, temperature: float = 1.0,
-                with_entropy: bool = False) -> PolicyOutput:
+                with_entropy: bool = False, score_mask: torch.Tensor | None = None) -> PolicyOutput:
         """:meth:`response_logps` of the policy, through ``forward`` so that DDP/DeepSpeed see the forward (the
         losses call the model; the rollout forwards and the evaluation call the methods)."""
         return self.response_logps(input_ids, attention_mask, position_ids, responses, response_mask, temperature,
-                                   with_entropy=with_entropy)
+                                   with_entropy=with_entropy, score_mask=score_mask)
 
     def response_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                        responses: torch.Tensor, response_mask: torch.Tensor, temperature: float = 1.0,
                        reference: bool = False, with_entropy: bool = False,
-                       truncation: tuple[int, float] | None = None) -> PolicyOutput:
+                       truncation: tuple[int, float] | None = None, score_mask: torch.Tensor | None = None
+                       ) -> PolicyOutput:
         """Log-probs of the real response tokens under ``softmax(logits / temperature)`` of the policy (or the
         reference), with the LM head applied at the positions that predict them only and no (B, N, V) fp32 logits
         (:mod:`llmtune.core.lm_head`: the masked head and :class:`~llmtune.core.lm_head.TokenLogps`, one (M, V)
@@ -88,6 +89,9 @@ class PolicyModel(nn.Module):
             with_entropy: also return the (B, N) entropy of that distribution (detached, nats).
             truncation: ``(top_k, top_p)`` of the rollout engine: also return the log-probs under that truncated
                 sampling distribution (``sampling_logps``, for the engine importance weights); None = not needed.
+            score_mask: (B, N) the positions whose log-probs are wanted, a subset of ``response_mask`` (multi-turn
+                rollouts: the tokens the policy sampled, not the tool results between them, which stay context);
+                the LM head runs there only. None = every real response token.
 
         Returns:
             :class:`PolicyOutput` (``logps`` differentiable, exactly 0 where ``response_mask`` is 0; ``entropy`` and
@@ -96,11 +100,11 @@ class PolicyModel(nn.Module):
         from llmtune.core.lm_head import TokenLogps, masked_logits
 
         width = responses.shape[1]
-        real = response_mask.bool()
+        real = (response_mask if score_mask is None else score_mask * response_mask).bool()  # positions scored
         keep = torch.zeros_like(input_ids, dtype=torch.bool)
         keep[:, input_ids.shape[1] - width - 1:input_ids.shape[1] - 1] = real  # position P - 1 + t predicts token t
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        shared = shared_prompt_batch(self.policy, input_ids, attention_mask, responses, response_mask)
+        shared = shared_prompt_batch(self.policy, input_ids, attention_mask, responses, response_mask, real)
         with adapter_scope(self.policy, None if reference else POLICY):
             if shared is None:
                 logits = masked_logits(self.policy, batch, keep)  # (M, V), row-major = the order of responses[real]
@@ -140,7 +144,8 @@ def chunked_entropy(logits: torch.Tensor, chunk: int = 256) -> torch.Tensor:
 
 
 def shared_prompt_batch(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                        responses: torch.Tensor, response_mask: torch.Tensor) -> dict[str, torch.Tensor] | None:
+                        responses: torch.Tensor, response_mask: torch.Tensor, score_mask: torch.Tensor | None = None
+                        ) -> dict[str, torch.Tensor] | None:
     """Rewrite (B, P + N) rollout rows as one row per DISTINCT prompt: ``prompt + completion_1 + ... + completion_k``
     (the real tokens of each) with :func:`llmtune.core.lm_head.pack_shared_prompts`: every response token sees
     exactly the keys, queries and positions of its own row, the same log-probs up to float rounding, for (G - 1) x p
@@ -149,12 +154,14 @@ def shared_prompt_batch(model: nn.Module, input_ids: torch.Tensor, attention_mas
     Args:
         model: the causal LM (its attention implementation decides the mask's form).
         input_ids, attention_mask: (B, P + N) from ``rollout.join`` (prompts left-padded, responses right-padded).
-        responses, response_mask: (B, N); a response's real tokens are its first ``response_mask.sum()`` ones.
+        responses, response_mask: (B, N); a response's real tokens are its first ``response_mask.sum()`` ones (all
+            of them are in the packed row: a multi-turn completion's tool results are context for what follows).
+        score_mask: (B, N) bool, the positions whose logits are kept (default ``response_mask``).
 
     Returns:
         ``input_ids``/``position_ids`` (K, S), ``attention_mask`` (K, 1, S, S) (bool for SDPA, True = attend; else
         additive), ``keep`` (K, S) bool positions whose logits are needed, ``gather`` (M,) the row among the kept
-        logits that predicts each real response token, in the row-major order of ``responses[response_mask]``.
+        logits that predicts each scored response token, in the row-major order of ``responses[score_mask]``.
         None when no prompt repeats or the attention kernel takes no 4-D mask (then use the rows as they are).
     """
     from llmtune.core.lm_head import SHARED_PROMPT_ATTENTION, _causal_lm, kept_positions, pack_shared_prompts
@@ -183,5 +190,6 @@ def shared_prompt_batch(model: nn.Module, input_ids: torch.Tensor, attention_mas
         for b, before in zip(rows, group):
             predictor[b, :before.numel()] = before
     K, S = packed["input_ids"].shape
-    keep, gather = kept_positions(predictor[response_mask.bool()], K * S)
+    scored = response_mask.bool() if score_mask is None else score_mask.bool()
+    keep, gather = kept_positions(predictor[scored], K * S)
     return {**packed, "keep": keep.view(K, S), "gather": gather}

@@ -22,6 +22,30 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return masked_sum(values, mask, dim) / mask.sum(dim if dim is not None else None).clamp(min=1)
 
 
+def pack_left(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the masked positions of each row go when packed to the left, in order: ``(index, packed_mask)``, both
+    (B, M) with M = the most masked positions of a row; ``index[b, j]`` = the column of row b's j-th masked position
+    (0 past its count), ``packed_mask`` 1 on the first ``mask[b].sum()`` columns.
+
+    Multi-turn rollouts interleave the policy's tokens with tool results (``loss_mask`` has holes); sequence
+    arithmetic that walks the policy's actions in order (PPO's per-token rewards and GAE) runs on the packed layout
+    and is scattered back (:func:`unpack_left`). For a mask that is already left-aligned this is the identity.
+    """
+    counts = mask.long().sum(1)
+    M = max(int(counts.max()) if counts.numel() else 0, 1)
+    order = torch.argsort((~mask.bool()).long(), dim=1, stable=True)  # masked columns first, in order
+    index = order[:, :M] if order.shape[1] >= M else torch.cat(
+        [order, order.new_zeros(order.shape[0], M - order.shape[1])], 1)
+    packed_mask = (torch.arange(M, device=mask.device)[None] < counts[:, None]).to(mask.dtype)
+    return index * packed_mask.long(), packed_mask
+
+
+def unpack_left(packed: torch.Tensor, index: torch.Tensor, packed_mask: torch.Tensor, width: int) -> torch.Tensor:
+    """The inverse of :func:`pack_left`: (B, M) values back to their (B, width) columns, 0 elsewhere."""
+    out = packed.new_zeros(packed.shape[0], width)
+    return out.scatter_add_(1, index, packed * packed_mask.to(packed.dtype))
+
+
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """(B, N, V) logits -> (B, N) entropy in nats, computed in fp32."""
     logits = logits.float()

@@ -5,26 +5,91 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dataclasses import dataclass
+from typing import Any, Callable
+
 from llmtune.core.stage import Stage, StageData
 
 
+@dataclass
+class AgentTools:
+    """The tools of a multi-turn run (``agent:``), loaded once: the tool functions, the environment class (or None),
+    their JSON schemas (what the prompts are rendered with) and, once the tokenizer is known, the template's ids
+    between turns (:class:`llmtune.rl.chat.ToolTurns`, checked against full renders)."""
+
+    functions: list[Callable]
+    environment: type | None
+    schemas: list[dict]
+    turns: Any = None
+
+
 class OnlineRLStage(Stage):
-    """Base of PPO and GRPO: prompt-only data (``llmtune.data.prompts``); completions are sampled in training."""
+    """Base of PPO and GRPO: prompt-only data (``llmtune.data.prompts``); completions are sampled in training, in one
+    turn or, with ``agent:`` tools or an environment, over several turns (:mod:`llmtune.rl.agent`)."""
 
     data_kind = "prompt"
+    _agent: AgentTools | None = None
+
+    def agent_tools(self) -> AgentTools | None:
+        """The run's :class:`AgentTools` (None without ``agent:``), loaded on first use.
+
+        Raises:
+            ToolSetupError: a tool or the environment cannot be loaded or has no schema (recipe keys named).
+        """
+        cfg = self.recipe.agent
+        if not cfg.enabled:
+            return None
+        if self._agent is None:
+            from llmtune.rl.toolbox import load_environment, load_tools, tool_schemas
+
+            functions = load_tools(cfg.tools, self.recipe_dir)
+            environment = load_environment(cfg.environment, self.recipe_dir) if cfg.environment else None
+            self._agent = AgentTools(functions, environment, tool_schemas(functions, environment))
+        return self._agent
 
     def build_data(self, tokenizer, base_dir: str) -> StageData:
+        """The prompts (rendered with the tools' schemas for a multi-turn run, whose chat template is checked here:
+        :func:`llmtune.rl.chat.check_tool_template`, before any weights load).
+
+        Raises:
+            DataError: bad prompt data. RecipeError: the template cannot render tool conversations
+                (``data.chat_template``). ToolSetupError: see :meth:`agent_tools`.
+        """
         from llmtune.data.prompts import PromptCollator, build_prompt_data
 
-        data = build_prompt_data(self.recipe.data, tokenizer, base_dir=base_dir)
+        agent = self.agent_tools()
+        data = build_prompt_data(self.recipe.data, tokenizer, base_dir=base_dir,
+                                 tools=agent.schemas if agent else None)
+        if agent is not None:
+            from llmtune.data.prompts import prompt_ids
+            from llmtune.data.templates import stop_token_ids
+            from llmtune.rl.chat import check_tool_template
+
+            agent.turns = check_tool_template(
+                tokenizer, agent.schemas, stop_token_ids(tokenizer),
+                lambda messages, tools, generation: prompt_ids(tokenizer, messages, tools=tools,
+                                                               generation_prompt=generation))
+            if agent.environment is not None:
+                from llmtune.rl.toolbox import check_reset_columns
+
+                check_reset_columns(agent.environment, ("prompt", "messages", "reference", "index"))
         return StageData(data.train, data.eval, data.report, PromptCollator(tokenizer), data.report.sources_lineage())
 
     def preflight(self, base_dir: str) -> list[tuple[str, str]]:
         """Every reward source exists before anything is loaded (an RM run that finished, importable functions with
-        a reward function's signature, found in the working directory or next to the recipe), and the rollout engine
-        asked for can run here (:meth:`engine_problems`)."""
+        a reward function's signature, found in the working directory or next to the recipe), the tools and the
+        environment of ``agent:`` load and have schemas, and the rollout engine asked for can run here
+        (:meth:`engine_problems`)."""
         reward = self.recipe.reward
         problems: list[tuple[str, str]] = super().preflight(base_dir) + self.engine_problems()
+        from llmtune.rl.toolbox import ToolSetupError
+
+        try:
+            self.agent_tools()
+        except ToolSetupError as exc:
+            for line in exc.problems:
+                key, sep, message = line.partition(": ")
+                problems.append((key, message) if sep and key.startswith("agent") else ("agent", line))
         if reward.from_run:
             lineage_path = Path(reward.from_run) / "lineage.json"
             if not lineage_path.is_file():
@@ -37,13 +102,14 @@ class OnlineRLStage(Stage):
                 if lineage.get("model_head") != "score":
                     problems.append(("reward.from_run", f"{reward.from_run} is a {lineage.get('stage')} run, not a "
                                      "reward model; point it to an `llmtune rm` run"))
-        from llmtune.rewards.functions import RewardFunctionError, load_reward_function
+        from llmtune.rewards.functions import KEYWORDS, MULTI_TURN_KEYWORDS, RewardFunctionError, load_reward_function
 
         specs = ([("reward.function", reward.function)] if reward.function else []) + [
             (f"reward.functions.{i}.function", f.function) for i, f in enumerate(reward.functions)]
         for key, spec in specs:
             try:
-                load_reward_function(spec, recipe_dir=self.recipe_dir)
+                load_reward_function(spec, recipe_dir=self.recipe_dir,
+                                     keywords=MULTI_TURN_KEYWORDS if self.recipe.agent.enabled else KEYWORDS)
             except RewardFunctionError as exc:
                 problems.append((key, str(exc).removeprefix("reward.function: ")))
         return problems

@@ -37,7 +37,7 @@ from llmtune.core.rundir import SAMPLES
 from llmtune.core.trainer import CoreTrainer
 from llmtune.data.prompts import PromptCollator
 from llmtune.data.templates import stop_token_ids
-from llmtune.rewards.sources import Scored, build_reward_sources, decode_completions
+from llmtune.rewards.sources import Scored, build_reward_sources, decode_completions  # noqa: F401
 from llmtune.rl import ops
 from llmtune.rl.engines import EngineSite, Policy, build_engine, sampling_from_recipe
 from llmtune.rl.forward import RolloutForward, rollout_forward
@@ -112,8 +112,13 @@ class OnlineRLTrainer(CoreTrainer):
         self._buffer: list[list[dict[str, torch.Tensor]]] = []
         self._rollout_s = 0.0  # seconds spent making experience since the last log (not training)
         self._generation_s = 0.0  # of which sampling
+        self.agent_tools = stage.agent_tools() if hasattr(stage, "agent_tools") else None  # multi-turn tools, or None
+        environment = self.agent_tools.environment if self.agent_tools else None
         self.rewards = build_reward_sources(recipe.reward, processing_class, recipe_dir=stage.recipe_dir,
-                                            precision=recipe.precision)
+                                            precision=recipe.precision,
+                                            environment_weight=recipe.agent.environment_reward_weight
+                                            if environment is not None and hasattr(environment, "reward") else None,
+                                            multi_turn=recipe.agent.enabled)
         wrapped = self.build_model(model, recipe)
         args = kwargs.pop("args")
         args.metric_for_best_model = None  # evaluated by generation: there is no eval_loss to track
@@ -127,6 +132,29 @@ class OnlineRLTrainer(CoreTrainer):
                         self.args.device, self._generation_model, can_merge=self._can_merge())
         site = EngineSite(self.run_dir, self.args.process_index, self.args.world_size, self.args.device)
         self.engine = build_engine(recipe, policy, site, self.pad_id)
+        self.agent = self._agent_loop(recipe) if self.agent_tools else None
+
+    def _agent_loop(self, recipe):
+        """The multi-turn loop of ``agent:`` (:class:`llmtune.rl.agent.AgentLoop`) on this run's engine, with the
+        template's ids between turns computed for the run's stop set."""
+        from llmtune.data.prompts import prompt_ids
+        from llmtune.rl.agent import AgentLoop, AgentSettings
+        from llmtune.rl.chat import ToolTurns
+        from llmtune.rl.tool_calls import detect_parser
+
+        cfg, tools, tok = recipe.agent, self.agent_tools, self.tokenizer
+        parser = detect_parser(tok) if cfg.tool_parser == "auto" else cfg.tool_parser
+        if parser is None and getattr(tok, "response_template", None) is None:
+            from llmtune.config import RecipeError
+
+            raise RecipeError([("agent.tool_parser", "auto cannot tell the tool-call format of this chat template (no "
+                                "<tool_call>, <|python_tag|> or [TOOL_CALLS] in it, no response template in the "
+                                "tokenizer): set agent.tool_parser to hermes, llama3 or mistral")])
+        settings = AgentSettings(cfg.max_turns, cfg.max_tool_result_tokens, cfg.tool_timeout_s, parser)
+        turns = ToolTurns(tok, tools.schemas, self.stop_ids)
+        return AgentLoop(self.engine, tok, turns, tools.functions, tools.environment, settings,
+                         lambda messages: prompt_ids(tok, messages, tools=tools.schemas),
+                         recipe.data.max_prompt_length or recipe.data.max_length)
 
     @contextlib.contextmanager
     def _generation_model(self):
@@ -233,18 +261,24 @@ class OnlineRLTrainer(CoreTrainer):
         """
         from llmtune.core.flops import forward_flops_per_token, peak_tflops
 
-        prompts = [[int(i) for i in row["input_ids"]] for row in rows]
-        start = time.perf_counter()
-        completions = self.engine.generate(prompts, self.eval_sampling if greedy else self.sampling)
-        seconds = time.perf_counter() - start
+        sampling = self.eval_sampling if greedy else self.sampling
         groups = list(range(len(rows))) if groups is None else groups
-        batch = RolloutBatch.from_trajectories(
-            [Trajectory.single_turn(row, p, c, g) for row, p, c, g in zip(rows, prompts, completions, groups)],
-            self.pad_id, self.args.device)
+        start = time.perf_counter()
+        if self.agent is not None:  # several turns with tools (token-in/token-out, llmtune.rl.agent)
+            trajectories = self.agent.run(rows, sampling, groups)
+        else:
+            prompts = [[int(i) for i in row["input_ids"]] for row in rows]
+            completions = self.engine.generate(prompts, sampling)
+            trajectories = [Trajectory.single_turn(row, p, c, g)
+                            for row, p, c, g in zip(rows, prompts, completions, groups)]
+        seconds = time.perf_counter() - start
+        batch = RolloutBatch.from_trajectories(trajectories, self.pad_id, self.args.device)
         if greedy:
             return batch
+        if self.agent is not None:
+            self.add_metrics(self._agent_metrics(trajectories))
         self._generation_s += seconds
-        tokens = batch.completion_mask
+        tokens = batch.loss_mask  # the tokens the policy sampled (multi-turn: not the tool results)
         tokens_per_s = float(tokens.sum()) / max(seconds, 1e-9)
         # a generated token attends to its prompt and the completion so far: on average prompt + half of it
         context = float(batch.prompt_mask.sum(1).float().mean()) + float(tokens.sum(1).float().mean() + 1) / 2
@@ -256,9 +290,52 @@ class OnlineRLTrainer(CoreTrainer):
 
     def score(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(total, per_source)`` of the reward sources on a rollout batch
-        (:meth:`llmtune.rewards.sources.RewardSources.score`), on the training device."""
-        scored = Scored(batch.rows, decode_completions(self.tokenizer, batch), batch)
-        return self.rewards.score(scored, self.args.device)
+        (:meth:`llmtune.rewards.sources.RewardSources.score`), on the training device. A multi-turn rollout's reward
+        functions see its final answer as the completion, and its whole conversation (``messages``) and environment
+        instance (``environments``); a rollout whose environment or tool infrastructure failed abstains from every
+        source (NaN: left out of its group's statistics, counted), never scores 0."""
+        scored = self.scored(batch)
+        total, per_source = self.rewards.score(scored, self.args.device)
+        failed = torch.tensor([bool(t.info.get("infrastructure_error")) for t in batch.trajectories],
+                              device=total.device)
+        if failed.any():
+            total = total.masked_fill(failed, float("nan"))
+            per_source = {n: v.masked_fill(failed.to(v.device), float("nan")) for n, v in per_source.items()}
+        return total, per_source
+
+    def scored(self, batch: RolloutBatch) -> Scored:
+        """What the reward sources see of a batch (:class:`llmtune.rewards.sources.Scored`)."""
+        if self.agent is None:
+            return Scored(batch.rows, decode_completions(self.tokenizer, batch), batch)
+        conversations = [t.info["messages"] for t in batch.trajectories]
+        finals = [next((m.get("content") or "" for m in reversed(c) if m["role"] == "assistant"), "")
+                  for c in conversations]
+        return Scored(batch.rows, finals, batch, conversations, [t.info.get("environment") for t in
+                                                                 batch.trajectories])
+
+    def conversation(self, batch: RolloutBatch, b: int) -> dict:
+        """What ``samples.jsonl`` shows of a multi-turn rollout beside its completion: the whole conversation, its
+        turns, finish reason, tool calls and errors (nothing for a single-turn run)."""
+        if self.agent is None:
+            return {}
+        t = batch.trajectories[b]
+        return {"messages": t.info["messages"], "turns": t.turns, "finish_reason": t.finish_reason,
+                "tool_calls": t.info.get("tool_calls", 0), "tool_errors": t.info.get("tool_errors", {}),
+                **({"infrastructure_error": t.info["infrastructure_error"]} if t.info.get("infrastructure_error")
+                   else {})}
+
+    def _agent_metrics(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        """:func:`llmtune.rl.agent.agent_metrics` over all ranks' rollouts of this batch."""
+        from llmtune.rl.agent import agent_metrics
+
+        metrics = agent_metrics(trajectories)
+        if self.args.world_size > 1:
+            keys = sorted(metrics)
+            values = torch.tensor([metrics[k] * len(trajectories) for k in keys] + [len(trajectories)],
+                                  device=self.args.device, dtype=torch.float64)
+            values = self.accelerator.reduce(values, reduction="sum")
+            metrics = {k: float(v) / max(float(values[-1]), 1.0) for k, v in zip(keys, values[:-1])}
+        return metrics
 
     def forward(self, batch: RolloutBatch, *, policy: bool = True, reference: bool = False, values: bool = False,
                 exact_kl: bool = False, temperature: float | None = None) -> RolloutForward:
@@ -270,7 +347,8 @@ class OnlineRLTrainer(CoreTrainer):
                                temperature=self.rollout.temperature if temperature is None else temperature,
                                chunk_rows=self.args.per_device_eval_batch_size, policy=policy, reference=reference,
                                values=values, exact_kl=exact_kl, truncation=truncation,
-                               autocast=self.compute_loss_context_manager)
+                               autocast=self.compute_loss_context_manager,
+                               score_mask=None if exact_kl else batch.loss_mask)
 
     def correction_truncation(self, batch: RolloutBatch) -> tuple[int, float] | None:
         """``(top_k, top_p)`` when the batch's engine log-probs are under a truncated distribution (vLLM's
@@ -381,21 +459,22 @@ class OnlineRLTrainer(CoreTrainer):
             fwd = self.forward(batch, reference=True, exact_kl=True, temperature=1.0)
             total, per_source = self.score(batch)
             mask = batch.completion_mask
-            kl = (fwd.kl_exact * mask).sum(1)
+            kl = (fwd.kl_exact * batch.loss_mask).sum(1)  # over the policy's tokens (not a tool result's)
             per_row.append(torch.stack([total.to(kl.device), kl, mask.sum(1).float(), (~batch.ended).float(),
+                                        batch.loss_mask.sum(1).float(),
                                         *(per_source[n].to(kl.device) for n in names)], 1))
             progress.update(len(rows))
             if len(samples) < 8:
-                texts = decode_completions(self.tokenizer, batch)
+                texts = self.scored(batch).completions
                 for b, (row, text) in enumerate(zip(rows, texts)):
                     samples.append({"prompt": row["prompt"], "response": text, "score": _number(total[b]),
                                     **({"rewards": {n: _number(per_source[n][b]) for n in names}}
-                                       if self.per_source_eval else {})})
+                                       if self.per_source_eval else {}), **self.conversation(batch, b)})
         progress.close()
-        stats = torch.cat(per_row) if per_row else torch.zeros(0, 4 + len(names), device=self.args.device)
+        stats = torch.cat(per_row) if per_row else torch.zeros(0, 5 + len(names), device=self.args.device)
         if self.args.world_size > 1:
             stats = self.accelerator.gather_for_metrics(stats)
-        score, kl, length, truncated = stats[:, :4].T
+        score, kl, length, truncated, sampled = stats[:, :5].T
         p, s = metric_key_prefix, self.score_name
         scored = score[~torch.isnan(score)]  # rows on which every reward function abstained have no score
         # a mean over no rows is left out (and said), never logged as NaN: metrics.jsonl stays valid JSON and a
@@ -409,11 +488,11 @@ class OnlineRLTrainer(CoreTrainer):
                         len(score), p, s, self.state.global_step)
         if self.per_source_eval:
             for i, n in enumerate(names):
-                column = stats[:, 4 + i]
+                column = stats[:, 5 + i]
                 if (~torch.isnan(column)).any():
                     metrics[f"{p}_rewards/{n}"] = float(column.nanmean())
         metrics.update({
-            f"{p}_kl": float(kl.sum() / length.sum().clamp(min=1)) if self.kl_per_token else float(kl.mean()),
+            f"{p}_kl": float(kl.sum() / sampled.sum().clamp(min=1)) if self.kl_per_token else float(kl.mean()),
             f"{p}_{self.length_name}": float(length.mean()),
             f"{p}_truncated_fraction": float(truncated.mean()),
             f"{p}_prompts": float(len(score)),

@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "llmtune"
 # pairs step) sits beside rl: rl imports rewards.sources, which reads rl.types; nothing below imports it.
 # pipeline runs the export step (pipeline.run -> export.merge), so export sits below it.
 LAYERS = {
-    "errors": 0, "utils": 0,
+    "errors": 0, "utils": 0, "tools": 0,
     "config": 1,
     "data": 2,
     "models": 3,

@@ -198,7 +198,7 @@ def test_a_signature_that_cannot_take_prompts_and_completions_is_refused_at_load
         "class Scorer:\n    def __call__(self, prompts, completions):\n        return [1.0] * len(completions)\n"
         "scorer = Scorer()\n")
     with pytest.raises(RewardFunctionError, match=r"'sigs.py:trl' has the signature trl\(completions, \*\*kwargs\), "
-                       r"which cannot be called as fn\(prompts, completions\[, references=...\]\)"):
+                       r"which cannot be called as fn\(prompts, completions\[, references=..., rows=...\]\)"):
         load_reward_function("sigs.py:trl", recipe_dir=tmp_path)
     with pytest.raises(RewardFunctionError, match=r"three\(prompts, completions, extra\)"):
         load_reward_function("sigs.py:three", recipe_dir=tmp_path)

@@ -30,9 +30,11 @@ log = get_logger("rollout")
 class RolloutEngine(Protocol):
     """What online RL calls to sample completions."""
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, budgets: list[int] | None = None
+                 ) -> list[Completion]:
         """One completion per prompt (token ids, no padding), sampled (or greedy) from the policy version the
-        engine was last synced to."""
+        engine was last synced to; ``budgets``: each prompt's own token limit (a multi-turn rollout's remaining
+        completion budget), else ``sampling.max_new_tokens`` for all."""
         ...
 
     def sync(self, version: int) -> None:

@@ -135,9 +135,12 @@ class HFEngine:
         """Nothing to free: the model is the trainer's."""
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, budgets: list[int] | None = None
+                 ) -> list[Completion]:
         """One completion per prompt (see :meth:`llmtune.rl.engines.RolloutEngine.generate`); ``logprobs`` None
-        (transformers' scores are not the trainer's log-probs; the trainer computes its own).
+        (transformers' scores are not the trainer's log-probs; the trainer computes its own). With ``budgets``,
+        ``generate`` runs to the largest and each completion is cut at its own (the tokens kept are exactly what a
+        run to that budget samples: generation is left to right).
 
         Raises:
             NonFiniteError: sampling met NaN/inf probabilities (the policy's logits are not finite).
@@ -156,7 +159,8 @@ class HFEngine:
                 with scope, merged:
                     cache = shared_prompt_cache(model, input_ids, attention_mask) if self.share else None
                     sequences = model.generate(
-                        input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=sampling.max_new_tokens,
+                        input_ids=input_ids, attention_mask=attention_mask,
+                        max_new_tokens=max(budgets) if budgets else sampling.max_new_tokens,
                         **options, eos_token_id=list(sampling.stop_token_ids), pad_token_id=self.pad_id,
                         use_cache=True, **({"cache": cache} if cache is not None else {}))
             except RuntimeError as exc:  # torch.multinomial: "probability tensor contains either inf, nan ..."
@@ -171,7 +175,8 @@ class HFEngine:
                     "No adapter or lineage.json was written.") from None
             finally:
                 model.train(was_training)
-        return cut_completions(sequences[:, input_ids.shape[1]:], sampling.stop_token_ids, self.policy.version())
+        return cut_completions(sequences[:, input_ids.shape[1]:], sampling.stop_token_ids, self.policy.version(),
+                               budgets)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,12 +192,16 @@ def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tenso
     return input_ids.to(device), mask.to(device)
 
 
-def cut_completions(generated: torch.Tensor, stop_token_ids, version: int | None) -> list[Completion]:
+def cut_completions(generated: torch.Tensor, stop_token_ids, version: int | None, budgets: list[int] | None = None
+                    ) -> list[Completion]:
     """(B, N) ids ``generate`` produced after the prompts -> B completions, each cut right after its first stop
-    token (finish reason ``stop``; ``generate`` fills a finished row with padding) or whole (``length``)."""
+    token (finish reason ``stop``; ``generate`` fills a finished row with padding) or at its budget (``length``;
+    ``budgets`` default N)."""
     is_stop = torch.isin(generated, torch.tensor(list(stop_token_ids), device=generated.device, dtype=torch.long))
     out = []
-    for row, stops in zip(generated.tolist(), is_stop.tolist()):
-        end = stops.index(True) + 1 if True in stops else len(row)
+    for b, (row, stops) in enumerate(zip(generated.tolist(), is_stop.tolist())):
+        limit = len(row) if budgets is None else min(len(row), budgets[b])
+        stops = stops[:limit]
+        end = stops.index(True) + 1 if True in stops else limit
         out.append(Completion(row[:end], None, STOP if True in stops else LENGTH, version))
     return out

@@ -198,7 +198,8 @@ class VLLMEngine:
         self.version = version
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, budgets: list[int] | None = None
+                 ) -> list[Completion]:
         """One completion per prompt on the engine (see :meth:`llmtune.rl.engines.RolloutEngine.generate`), with the
         engine's log-prob of each sampled token under its sampling distribution (temperature, then top-k/top-p
         truncation, renormalised; NaN where not finite; None for greedy decoding). One seed per prompt, drawn from
@@ -217,8 +218,9 @@ class VLLMEngine:
                 "(a bug in the trainer: please report it)")
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()  # the trainer seeded torch per iteration
         greedy = sampling.greedy
+        limits = list(budgets) if budgets is not None else [sampling.max_new_tokens] * len(prompts)
         request = {"temperature": 0.0 if greedy else sampling.temperature, "top_p": 1.0 if greedy else sampling.top_p,
-                   "top_k": 0 if greedy else sampling.top_k, "max_tokens": sampling.max_new_tokens,
+                   "top_k": 0 if greedy else sampling.top_k, "max_tokens": limits,
                    "stop_token_ids": list(sampling.stop_token_ids), "seeds": seeds}
         self._wake()
         answer = self.client.generate([list(p) for p in prompts], want, request, adapter_id=self.adapter["adapter_id"])
@@ -232,7 +234,7 @@ class VLLMEngine:
                 f"stale rollout weights: asked the engine {self.client.url} for this run's adapter "
                 f"{self.adapter['adapter_id']} (policy version {want}, sha256 {self.adapter['sha256'][:12]}), it "
                 f"answered with {served}")
-        ids_list, logps_list = check_completions(answer, len(prompts), sampling.max_new_tokens, self.vocab_size,
+        ids_list, logps_list = check_completions(answer, len(prompts), limits, self.vocab_size,
                                                  with_logprobs=not greedy, url=self.client.url,
                                                  stop_token_ids=sampling.stop_token_ids)
         return [Completion(ids, None if logps_list is None else logps_list[b],
@@ -245,8 +247,8 @@ class VLLMEngine:
             _stop(self.client.process)
 
 
-def check_completions(answer: dict, n: int, max_new_tokens: int, vocab_size: int, with_logprobs: bool, url: str,
-                      stop_token_ids=()) -> tuple[list[list[int]], list[list[float]] | None]:
+def check_completions(answer: dict, n: int, max_new_tokens: int | list[int], vocab_size: int, with_logprobs: bool,
+                      url: str, stop_token_ids=()) -> tuple[list[list[int]], list[list[float]] | None]:
     """The completions of a ``/generate`` answer, checked: nothing the engine says is trusted blindly.
 
     A malformed answer is an engine error (exit code 69; the checkpoint is intact): not ``n`` completions, a
@@ -285,8 +287,9 @@ def check_completions(answer: dict, n: int, max_new_tokens: int, vocab_size: int
         ids = c.get("token_ids") if isinstance(c, dict) else None
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise bad(f"completion {b} has no 'token_ids' list of integers")
-        if len(ids) > max_new_tokens:
-            raise bad(f"completion {b} has {len(ids)} tokens, more than max_tokens {max_new_tokens}")
+        limit = max_new_tokens[b] if isinstance(max_new_tokens, list) else max_new_tokens
+        if len(ids) > limit:
+            raise bad(f"completion {b} has {len(ids)} tokens, more than max_tokens {limit}")
         if vocab_size and any(i < 0 or i >= vocab_size for i in ids):
             raise bad(f"completion {b} holds token ids outside the vocabulary [0, {vocab_size})")
         early = next((t for t, i in enumerate(ids[:-1]) if i in stop_token_ids), None)

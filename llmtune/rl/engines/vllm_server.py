@@ -28,7 +28,7 @@ Protocol 2 (JSON over HTTP; every error answer is ``{"error": message}``):
   the newest ``--max-adapters`` pushes (older ones are unloaded). A push whose bytes do not match its ``sha256`` is
   refused (400).
 - ``POST /generate`` ``{"version": V, "adapter_id": ID, "prompts": [[ids]], "sampling": {"temperature", "top_p",
-  "top_k", "max_tokens", "stop_token_ids", "seeds": [one per prompt]}}`` -> 200 ``{"version": V, "adapter_id": ID,
+  "top_k", "max_tokens" (one for all, or a list: one per prompt), "stop_token_ids", "seeds": [one per prompt]}}`` -> 200 ``{"version": V, "adapter_id": ID,
   "sha256": hex, "completions": [{"token_ids": [...], "logprobs": [...], "finish_reason": "stop" | "length"}]}``;
   409 when the server does not hold adapter ``ID`` at version ``V`` (stale or another run's weights: never sampled
   from). ``temperature`` 0 = greedy. A completion ends with its stop token when it stopped on one; it stops on
@@ -190,14 +190,14 @@ class RolloutCore:
         shutil.rmtree(entry["lora"].lora_path, ignore_errors=True)
 
     def generate(self, prompts: list[list[int]], *, version: int, adapter_id: str | None, temperature: float,
-                 top_p: float, top_k: int, max_tokens: int, stop_token_ids: list[int], seeds: list[int]
+                 top_p: float, top_k: int, max_tokens: int | list[int], stop_token_ids: list[int], seeds: list[int]
                  ) -> tuple[dict, list[dict]]:
         """Sample one completion per prompt with adapter ``adapter_id`` (None: the newest push) at ``version``.
 
         Args:
             prompts: token ids of each prompt (no padding).
-            temperature: 0 = greedy. top_k: 0 = off. max_tokens: completion tokens at most.
-            stop_token_ids: a completion ends after the first of these (it is part of the completion); nothing
+            temperature: 0 = greedy. top_k: 0 = off. max_tokens: completion tokens at most (one for all, or one per
+                prompt). stop_token_ids: a completion ends after the first of these (it is part of the completion); nothing
                 else stops it (``ignore_eos``: not the EOS of the tokenizer or of the model's generation config).
             seeds: one per prompt.
 
@@ -217,10 +217,13 @@ class RolloutCore:
             raise StaleVersionError(f"the rollout engine does not hold adapter {adapter_id} at policy version "
                                     f"{version} (it holds: {held}); push it first (POST /adapter). Another trainer "
                                     "pushing to the same server replaces what it holds")
+        limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+        if len(limits) != len(prompts) or len(seeds) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(limits)} max_tokens and {len(seeds)} seeds")
         params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
-                                 max_tokens=max_tokens, stop_token_ids=list(stop_token_ids), ignore_eos=True,
+                                 max_tokens=int(limit), stop_token_ids=list(stop_token_ids), ignore_eos=True,
                                  seed=seed, logprobs=0, detokenize=False, skip_special_tokens=False)
-                  for seed in seeds]
+                  for seed, limit in zip(seeds, limits)]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                     lora_request=entry["lora"], use_tqdm=False)
         result = []
@@ -301,7 +304,8 @@ def _handler(state: _State):
                         adapter, completions = core.generate(
                             body["prompts"], version=int(body["version"]), adapter_id=body.get("adapter_id"),
                             temperature=float(s["temperature"]), top_p=float(s["top_p"]), top_k=int(s["top_k"]),
-                            max_tokens=int(s["max_tokens"]), stop_token_ids=s["stop_token_ids"], seeds=s["seeds"])
+                            max_tokens=s["max_tokens"] if isinstance(s["max_tokens"], list) else int(s["max_tokens"]),
+                            stop_token_ids=s["stop_token_ids"], seeds=s["seeds"])
                         return self._send(200, {**adapter, "completions": completions})
                     if self.path in ("/sleep", "/wake_up"):
                         getattr(core, self.path[1:])()

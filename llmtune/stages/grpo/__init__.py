@@ -50,11 +50,12 @@ class GRPOStage(OnlineRLStage):
         """
         cfg = self.recipe.grpo
         mask = batch["loss_mask"].float()
-        # LM head at the response tokens only, no (b, n, V) fp32 logits (PolicyModel.response_logps)
+        # LM head at the trained tokens only (the policy's sampled tokens of kept rows; no tool results), no
+        # (b, n, V) fp32 logits (PolicyModel.response_logps)
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                     position_ids=batch["position_ids"], responses=batch["responses"],
                     response_mask=batch["response_mask"], temperature=self.recipe.rollout.temperature,
-                    with_entropy=True)
+                    with_entropy=True, score_mask=batch["loss_mask"])
         logps, entropy = out.logps, out.entropy
         sequence = cfg.importance_sampling_level == "sequence"
         low, high = ((cfg.sequence_epsilon_low, cfg.sequence_epsilon_high) if sequence
@@ -63,7 +64,7 @@ class GRPOStage(OnlineRLStage):
                             cfg.loss_aggregation, self.recipe.rollout.max_new_tokens, cfg.beta, batch.get("ref_logps"),
                             cfg.kl_estimator, cfg.importance_sampling_level, batch.get("is_weights"))
         tokens = mask.sum().clamp(min=1)
-        entropy = masked_mean(entropy, batch["response_mask"].float())
+        entropy = masked_mean(entropy, mask)  # over the trained tokens (multi-turn: never a tool result's)
         local = ops.count_items(mask, cfg.loss_aggregation).clamp(min=1)  # this micro-batch's share of num_items
         metrics = {"policy_loss": float(out.loss_sum.detach() / local), "entropy": float(entropy),
                    "clip_fraction_low": float(out.clipped_low / tokens),

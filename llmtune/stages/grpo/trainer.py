@@ -25,7 +25,6 @@ import torch
 
 from llmtune.config import RecipeError
 from llmtune.core.guard import ROW_KEY
-from llmtune.rewards.sources import decode_completions
 from llmtune.rl.model import PolicyModel
 from llmtune.rl.ops import kl_estimate, masked_mean
 from llmtune.rl.trainer import OnlineRLTrainer
@@ -165,7 +164,11 @@ class GRPOTrainer(OnlineRLTrainer):
             stats = self.accelerator.reduce(stats.to(self.args.device), reduction="sum")
         advantages = ops.compute_advantages(g.advantage_estimator, reward, group_ids, keep, g.scale_rewards, stats,
                                             tokens)
-        self._check_signal(iteration, groups.abstained, keep & (advantages != 0))
+        failed = torch.tensor([bool(t.info.get("infrastructure_error")) for t in batch.trajectories],
+                              device=groups.abstained.device)
+        example = next((t.info["infrastructure_error"] for t in batch.trajectories
+                        if t.info.get("infrastructure_error")), "")
+        self._check_signal(iteration, groups.abstained, keep & (advantages != 0), failed, example)
 
         experience = Experience.from_batch(batch)
         experience.add("loss_mask", batch.loss_mask * keep[:, None].long(), Layout.TOKEN)
@@ -186,12 +189,12 @@ class GRPOTrainer(OnlineRLTrainer):
 
         self.add_metrics(self._rollout_metrics(groups, silent_first, silent, keep, rounds, kl_rollout))
         if iteration % g.sample_every == 0:
-            texts = decode_completions(self.tokenizer, batch)
+            texts = self.scored(batch).completions
             self.write_samples(iteration, [
                 {"prompt": batch.rows[b]["prompt"], "completion": texts[b],
                  "reward": None if groups.abstained[b] else float(reward[b]),
                  "rewards": {n: _finite_or_none(v[b]) for n, v in groups.per_source.items()},
-                 "advantage": float(advantages[b]), "trained": bool(keep[b])}
+                 "advantage": float(advantages[b]), "trained": bool(keep[b]), **self.conversation(batch, b)}
                 for b in range(min(len(texts), 2 * g.num_generations))])
 
         steps = []
@@ -211,25 +214,34 @@ class GRPOTrainer(OnlineRLTrainer):
                               for m in range(0, len(idx), micro)])
         return steps
 
-    def _check_signal(self, iteration: int, abstained: torch.Tensor, informative: torch.Tensor) -> None:
+    def _check_signal(self, iteration: int, abstained: torch.Tensor, informative: torch.Tensor,
+                      infrastructure: torch.Tensor, example: str = "") -> None:
         """A run that learns nothing says so (issue 30; the docs promise "never a silent 0").
 
         Raises:
             RewardFunctionError: every reward source abstained (returned None) on every completion of the rollout
-                batch on all ranks: nothing could train, so the run stops instead of finishing "done" with loss 0.
+                batch on all ranks, or (multi-turn) the environment / tool infrastructure failed on every rollout:
+                nothing could train, so the run stops instead of finishing "done" with loss 0.
 
         Warns once per streak when no completion carried a learning signal (every group's trainable rewards equal)
         (no trained row with a non-zero advantage, whatever the estimator) for ``IDLE_ITERATIONS_WARN`` iterations in
         a row, naming the likely causes.
         """
-        counts = torch.tensor([float(abstained.sum()), float(abstained.numel()), float(informative.sum())],
-                              device=self.args.device)
+        counts = torch.tensor([float(abstained.sum()), float(abstained.numel()), float(informative.sum()),
+                               float(infrastructure.sum())], device=self.args.device)
         if self.args.world_size > 1:
             counts = self.accelerator.reduce(counts, reduction="sum")
-        n_abstained, rows, n_informative = (int(x) for x in counts.tolist())
+        n_abstained, rows, n_informative, n_failed = (int(x) for x in counts.tolist())
         if rows and n_abstained == rows:
             from llmtune.rewards.functions import RewardFunctionError
 
+            if n_failed == rows:
+                raise RewardFunctionError(
+                    f"iteration {iteration} (step {self.state.global_step}): the environment or tool infrastructure "
+                    f"failed on all {rows} rollouts ({example or 'see samples.jsonl'}), so nothing can train; fix the "
+                    "environment / tool "
+                    "service (an InfrastructureError, or reset raising), then rerun the same command: the newest "
+                    "checkpoint is intact")
             names = ", ".join(self.rewards.names)
             raise RewardFunctionError(
                 f"iteration {iteration} (step {self.state.global_step}): every reward source ({names}) abstained "

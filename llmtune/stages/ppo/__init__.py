@@ -31,7 +31,7 @@ class PPOStage(OnlineRLStage):
     plot_metrics = ("score_mean", "kl", "response_length", "clipfrac", "value_loss")
 
     def count_items(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return batch["response_mask"].sum()
+        return batch["loss_mask"].sum()  # the tokens the policy sampled (multi-turn: not the tool results)
 
     def loss(self, model, batch, num_items):
         """Clipped policy loss + ``vf_coef`` x clipped value loss, token sums / ``num_items``.
@@ -44,13 +44,13 @@ class PPOStage(OnlineRLStage):
             num_items: response tokens of the whole optimizer step (all micro-batches, all ranks).
         """
         cfg = self.recipe.ppo
-        mask = batch["response_mask"].float()
+        mask = batch["loss_mask"].float()
         # the LM head at the real response tokens only (no (b, n, V) fp32 logits): the values and gradients of
         # response_token_logps over the full logits up to fp32 rounding (tests/unit/stages/test_ppo_rollout.py)
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                     position_ids=batch["position_ids"], responses=batch["responses"],
                     response_mask=batch["response_mask"], temperature=self.recipe.rollout.temperature,
-                    with_entropy=True)
+                    with_entropy=True, score_mask=batch["loss_mask"])
         logps, values, entropy = out.logps, out.values, out.entropy
         pg = ops.policy_loss(logps, batch["old_logps"], batch["advantages"], mask, cfg.cliprange,
                              batch.get("is_weights"))

@@ -25,9 +25,8 @@ from torch import nn
 
 from llmtune.core.guard import ROW_KEY
 from llmtune.models.adapters import adapter_scope
-from llmtune.rewards.sources import Scored, decode_completions
 from llmtune.rl.model import PolicyModel, PolicyOutput
-from llmtune.rl.ops import masked_sum
+from llmtune.rl.ops import masked_sum, pack_left, unpack_left
 from llmtune.rl.trainer import OnlineRLTrainer
 from llmtune.rl.types import Experience, Layout
 from llmtune.stages.ppo import ops
@@ -62,7 +61,7 @@ class PolicyValueModel(PolicyModel):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 responses: torch.Tensor, response_mask: torch.Tensor, temperature: float = 1.0,
-                with_entropy: bool = False) -> PolicyOutput:
+                with_entropy: bool = False, score_mask: torch.Tensor | None = None) -> PolicyOutput:
         """The policy's :meth:`~PolicyModel.response_logps` (the LM head at the real response tokens only, no
         (B, N, V) logits) and the values (:meth:`values`) in one forward, so that DDP/DeepSpeed see one forward and
         one backward per micro-batch.
@@ -71,12 +70,13 @@ class PolicyValueModel(PolicyModel):
             input_ids, attention_mask, position_ids: (B, P + N) prompt + response (``RolloutBatch.model_inputs``).
             responses, response_mask: (B, N) sampled ids and their real-token mask.
             temperature: divides the logits. with_entropy: also the (B, N) entropy.
+            score_mask: (B, N) the positions whose log-probs are wanted (the tokens the policy sampled).
 
         Returns:
             :class:`PolicyOutput` with ``values`` (B, N) fp32: the value of the state before response token t.
         """
         out = self.response_logps(input_ids, attention_mask, position_ids, responses, response_mask, temperature,
-                                  with_entropy=with_entropy)
+                                  with_entropy=with_entropy, score_mask=score_mask)
         return out._replace(values=self.values(input_ids, attention_mask, position_ids, responses.shape[1]))
 
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -122,11 +122,17 @@ class PPOTrainer(OnlineRLTrainer):
         indices = self.prompt_indices(iteration, self.ppo.rollout_batch_size)
         rows = [self.prompts[i] for i in indices]
         batch = self.sample(rows)
+        # a multi-turn rollout whose environment or tool infrastructure failed trains nothing (and is counted)
+        failed = torch.tensor([bool(t.info.get("infrastructure_error")) for t in batch.trajectories],
+                              device=batch.loss_mask.device)
+        if failed.any():
+            batch.loss_mask = batch.loss_mask * (~failed)[:, None].long()
         fwd = self.forward(batch, reference=True, values=True)
         maskf = batch.loss_mask.float()  # the tokens the policy sampled: values, GAE, KL and whitening over these
         logps, ref_logps, values = fwd.logps * maskf, fwd.ref_logps * maskf, fwd.values * maskf
-        texts = decode_completions(self.tokenizer, batch)
-        raw_scores = self.rewards.score_all(Scored(batch.rows, texts, batch), self.args.device).to(maskf.device)
+        scored = self.scored(batch)
+        texts = scored.completions
+        raw_scores = self.rewards.score_all(scored, self.args.device, skip=failed).to(maskf.device)
         scores = raw_scores.clone()
         if self.ppo.missing_eos_penalty is not None:
             scores = scores + self.ppo.missing_eos_penalty * (~batch.ended).float()
@@ -136,8 +142,15 @@ class PPOTrainer(OnlineRLTrainer):
             scores = (scores - self.score_stats.mean) / max(self.score_stats.std, 1e-8)
         if self.ppo.score_clip is not None:
             scores = scores.clamp(-self.ppo.score_clip, self.ppo.score_clip)
-        rewards, kl = ops.per_token_rewards(scores, logps, ref_logps, maskf, self.kl_ctl.value)
-        advantages, returns = ops.gae(rewards, values, maskf, self.ppo.gamma, self.ppo.lam)
+        # per-token rewards and GAE walk the policy's actions in order: on the sampled tokens packed to the left
+        # (multi-turn: the tool results between turns are not actions; single-turn: the identity)
+        index, packed = pack_left(maskf)
+        take = lambda x: x.gather(1, index) * packed  # noqa: E731
+        rewards, kl = ops.per_token_rewards(scores, take(logps), take(ref_logps), packed, self.kl_ctl.value)
+        advantages, returns = ops.gae(rewards, take(values), packed, self.ppo.gamma, self.ppo.lam)
+        width = maskf.shape[1]
+        rewards, kl, advantages, returns = (unpack_left(x, index, packed, width)
+                                            for x in (rewards, kl, advantages, returns))
         if self.ppo.whiten_advantages:
             stats = torch.stack([masked_sum(advantages, maskf), masked_sum(advantages**2, maskf), maskf.sum()])
             stats = self.accelerator.reduce(stats, reduction="sum") if self.args.world_size > 1 else stats
@@ -147,9 +160,10 @@ class PPOTrainer(OnlineRLTrainer):
         self.kl_ctl.update(metrics["kl"], self.ppo.rollout_batch_size)
         self.add_metrics(metrics)
         if iteration % self.ppo.sample_every == 0:
-            self.write_samples(iteration, [{"prompt": row["prompt"], "response": text, "score": score, "kl": k}
-                                           for row, text, score, k in zip(rows, texts, raw_scores.tolist(),
-                                                                          kl.sum(1).tolist())][:4])
+            self.write_samples(iteration, [{"prompt": row["prompt"], "response": text, "score": score, "kl": k,
+                                            **self.conversation(batch, b)}
+                                           for b, (row, text, score, k) in enumerate(zip(
+                                               rows, texts, raw_scores.tolist(), kl.sum(1).tolist()))][:4])
 
         experience = Experience.from_batch(batch)
         for name, value in (("old_logps", logps), ("old_values", values), ("advantages", advantages),

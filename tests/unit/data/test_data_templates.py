@@ -15,6 +15,9 @@ from chat_fixture import CHAT  # noqa: E402
 EXPECTED = {
     "chatml": "<|im_start|>system\nBe nice.<|im_end|>\n<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n"
     "«I am fine.<|im_end|>»\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n«It is 5.<|im_end|>»\n",
+    # without tools and tool messages chatml_tools renders exactly as chatml
+    "chatml_tools": "<|im_start|>system\nBe nice.<|im_end|>\n<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n"
+    "«I am fine.<|im_end|>»\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n«It is 5.<|im_end|>»\n",
     "llama2": "<|im_start|>[INST] <<SYS>>\nBe nice.\n<</SYS>>\n\nHello! [/INST]« I am fine. <|im_end|>»"
     "<|im_start|>[INST] What is 2 + 3? [/INST]« It is 5. <|im_end|>»",
     "llama3": "<|im_start|><|start_header_id|>system<|end_header_id|>\n\nBe nice.<|eot_id|><|start_header_id|>user"

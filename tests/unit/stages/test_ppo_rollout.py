@@ -265,6 +265,7 @@ def test_the_ppo_loss_through_the_masked_head_equals_the_full_logits_loss(tok, t
     mask = (torch.arange(n)[None] < torch.tensor([6, 3, 1, 4])[:, None]).long()
     responses = torch.randint(5, 60, (len(PROMPTS), n), generator=gen).masked_fill(mask == 0, tok.pad_token_id)
     batch = {**join(prompt_ids, prompt_mask, responses, mask), "responses": responses, "response_mask": mask,
+             "loss_mask": mask,
              "old_logps": -torch.rand(len(PROMPTS), n, generator=gen) * 3,
              "old_values": torch.randn(len(PROMPTS), n, generator=gen),
              "advantages": torch.randn(len(PROMPTS), n, generator=gen),

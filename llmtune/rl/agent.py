@@ -1,0 +1,241 @@
+"""The multi-turn agent loop: rollouts in which the policy calls tools or acts in an environment over several turns,
+token-in/token-out.
+
+One turn for every active rollout is one engine call: each rollout's ids so far (prompt + completion so far) in, the
+sampled ids out. A turn that ends on its stop token is read for tool calls (:func:`llmtune.rl.tool_calls.parse_tool_calls`,
+the template family's format); the calls run in the rollout's own toolbox (:class:`llmtune.rl.toolbox.Toolbox`: the
+plain tool functions and the rollout's fresh environment instance) and their results go back as the template's tool
+messages, whose ids come from :class:`llmtune.rl.chat.ToolTurns` (never from decoding and re-encoding the
+conversation). The next turn's input is the previous ids + the sampled ids + those ids.
+
+What is trained: the tokens the policy sampled (``loss_mask`` 1); tool results, the template's text around them and
+the next assistant header are context (``loss_mask`` 0, no engine log-prob). The completion budget
+(``rollout.max_new_tokens``) counts EVERY token after the prompt, so a trajectory never exceeds prompt + budget
+(the vLLM engine's ``max_model_len``).
+
+A rollout ends: ``stop`` (a turn ended on its stop token without a tool call: the final answer), ``length`` (the
+budget ran out, in a turn or in a tool result), ``turns`` (it called a tool at ``agent.max_turns``) or ``error`` (its
+environment or tool infrastructure failed: :class:`llmtune.rl.toolbox.InfrastructureError`, ``reset`` raising; the
+rollout then abstains from the reward: its group's statistics never see it, and it is counted). A malformed call, an
+unknown tool, bad arguments, a tool that raises or times out are the model's doing: the error goes back to it as the
+tool result, and is counted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from llmtune.rl.types import LENGTH, STOP, SamplingParams, Trajectory
+
+TURNS, ERROR = "turns", "error"  # multi-turn finish reasons besides stop / length
+TRUNCATION_NOTE = "\n[tool result cut to {n} tokens]"
+
+
+@dataclass
+class AgentSettings:
+    """``agent:`` of the recipe, resolved (see :class:`llmtune.config.schema.AgentConfig`)."""
+
+    max_turns: int
+    max_tool_result_tokens: int
+    tool_timeout_s: float
+    parser: str
+
+
+@dataclass
+class _Rollout:
+    row: dict
+    group: int
+    prompt_ids: list[int]
+    messages: list[dict]
+    toolbox: object | None
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    turns: int = 0
+    version: int | None = None
+    finish: str | None = None
+    tool_calls: int = 0
+    tool_errors: dict = field(default_factory=dict)
+    truncated_results: int = 0
+    infrastructure: str | None = None
+    with_logps: bool = True
+
+    def add(self, ids: list[int], sampled: bool, logps: list[float] | None = None) -> None:
+        self.ids += ids
+        self.mask += [int(sampled)] * len(ids)
+        if logps is None:
+            self.with_logps = self.with_logps and not sampled
+            logps = [math.nan] * len(ids)
+        self.logps += list(logps)
+
+
+class AgentLoop:
+    """Multi-turn rollouts through an engine (see the module docstring).
+
+    Args:
+        engine: the rollout engine (``generate(prompts, sampling, budgets)``).
+        tokenizer: the policy's tokenizer (decodes a sampled turn for the tool-call parser, cuts tool results).
+        turns: the template's ids between turns (:class:`llmtune.rl.chat.ToolTurns`).
+        tools: the tool functions. environment: the environment class, or None.
+        settings: :class:`AgentSettings`. render_prompt: ``fn(messages) -> ids`` of a prompt with the run's tools and
+            the generation prompt (a rollout whose environment returns first-turn text is rendered with it).
+        max_prompt_tokens: a prompt rendered at rollout time must fit (else the rollout fails: ``error``).
+    """
+
+    def __init__(self, engine, tokenizer, turns, tools: list, environment, settings: AgentSettings, render_prompt,
+                 max_prompt_tokens: int):
+        self.engine, self.tokenizer, self.turns = engine, tokenizer, turns
+        self.tools, self.environment, self.settings = tools, environment, settings
+        self.render_prompt, self.max_prompt_tokens = render_prompt, max_prompt_tokens
+
+    def run(self, rows: list[dict], sampling: SamplingParams, groups: list[int] | None = None) -> list[Trajectory]:
+        """One trajectory per prompt row (rows of one group each get their own toolbox / environment instance).
+
+        Args:
+            rows: B prompt rows (``input_ids``, ``messages`` JSON, and the row's columns). sampling: the sampling
+                settings; its ``max_new_tokens`` is the whole trajectory's budget. groups: (B,) group ids.
+
+        Returns:
+            B :class:`~llmtune.rl.types.Trajectory` with ``turns``, ``finish_reason`` and ``info``: ``messages`` (the
+            whole conversation: prompt, assistant turns with their tool calls, tool results), ``environment`` (the
+            instance or None), ``tool_calls``, ``tool_errors`` ({kind: count}), ``truncated_results``,
+            ``infrastructure_error`` (str or None).
+        """
+        from llmtune.rl.toolbox import InfrastructureError, make_toolbox
+
+        groups = list(range(len(rows))) if groups is None else groups
+        rollouts = []
+        for row, group in zip(rows, groups):
+            messages = json.loads(row["messages"]) if isinstance(row.get("messages"), str) else list(row["messages"])
+            prompt_ids = [int(i) for i in row["input_ids"]]
+            toolbox, failure = None, None
+            try:
+                toolbox, first = make_toolbox(self.tools, self.environment, _row_columns(row))
+                if first:
+                    messages = _with_first_turn(messages, first)
+                    prompt_ids = list(self.render_prompt(messages))
+                    if len(prompt_ids) > self.max_prompt_tokens:
+                        failure = (f"the prompt with the environment's first turn has {len(prompt_ids)} tokens, more "
+                                   f"than data.max_prompt_length {self.max_prompt_tokens}")
+            except InfrastructureError as exc:
+                failure = f"{type(exc).__name__}: {exc}"
+            r = _Rollout(row, group, prompt_ids, messages, toolbox)
+            if failure is not None:
+                r.finish, r.infrastructure = ERROR, failure
+            rollouts.append(r)
+        budget = sampling.max_new_tokens
+        while True:
+            active = [r for r in rollouts if r.finish is None]
+            if not active:
+                break
+            budgets = [budget - len(r.ids) for r in active]
+            completions = self.engine.generate([r.prompt_ids + r.ids for r in active], sampling, budgets)
+            for r, c in zip(active, completions):
+                self._step(r, c, budget)
+        return [self._trajectory(r) for r in rollouts]
+
+    def _step(self, r: _Rollout, completion, budget: int) -> None:
+        """Append one sampled turn to a rollout, run its tool calls and append their results (or end it)."""
+        from llmtune.rl.tool_calls import parse_tool_calls
+
+        r.add(list(completion.token_ids), sampled=True, logps=completion.logprobs)
+        r.turns += 1
+        r.version = completion.version if r.version is None else r.version
+        if completion.finish_reason != STOP:
+            r.finish = LENGTH
+            return
+        text = self.tokenizer.decode(completion.token_ids[:-1], skip_special_tokens=False)
+        content, calls = parse_tool_calls(text, self.settings.parser, self.tokenizer)
+        r.messages.append(_assistant_message(content, calls))
+        if not calls:
+            r.finish = STOP
+            return
+        if r.turns >= self.settings.max_turns:
+            r.finish = TURNS
+            return
+        results = [r.toolbox.call(call, self.settings.tool_timeout_s) for call in calls]
+        r.tool_calls += len(calls)
+        for res in results:
+            if res.error is not None:
+                r.tool_errors[res.error] = r.tool_errors.get(res.error, 0) + 1
+        failed = next((res for res in results if res.infrastructure), None)
+        if failed is not None:
+            r.finish, r.infrastructure = ERROR, f"tool {failed.name}: {failed.content}"
+            return
+        tool_messages = [{"role": "tool", "name": res.name or "unknown", "content": self._cap(r, res.content)}
+                         for res in results]
+        ids = self.turns.continuation_ids(tool_messages)
+        r.messages.extend(tool_messages)
+        room = budget - len(r.ids)
+        if len(ids) >= room:  # the tool results (and the next header) use up the budget: nothing left to sample
+            r.add(ids[:room], sampled=False)
+            r.finish = LENGTH
+            return
+        r.add(ids, sampled=False)
+
+    def _cap(self, r: _Rollout, content: str) -> str:
+        """A tool result cut to ``max_tool_result_tokens`` tokens (and saying so)."""
+        ids = self.tokenizer(content, add_special_tokens=False)["input_ids"]
+        n = self.settings.max_tool_result_tokens
+        if len(ids) <= n:
+            return content
+        r.truncated_results += 1
+        return self.tokenizer.decode(ids[:n]) + TRUNCATION_NOTE.format(n=n)
+
+    @staticmethod
+    def _trajectory(r: _Rollout) -> Trajectory:
+        info = {"messages": r.messages, "environment": getattr(r.toolbox, "environment", None),
+                "tool_calls": r.tool_calls, "tool_errors": dict(r.tool_errors),
+                "truncated_results": r.truncated_results, "infrastructure_error": r.infrastructure}
+        return Trajectory(r.row, r.prompt_ids, r.ids, r.mask, r.logps if r.with_logps and r.ids else None, r.version,
+                          r.finish, r.turns, r.group, info)
+
+
+def _assistant_message(content: str, calls: list) -> dict:
+    """The assistant turn as a message (for reward functions and samples): its text and its well-formed tool calls
+    (a malformed call stays in the text it was in)."""
+    message = {"role": "assistant", "content": content}
+    good = [c for c in calls if c.error is None]
+    if good:
+        message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                 for c in good]
+    return message
+
+
+def _with_first_turn(messages: list[dict], text: str) -> list[dict]:
+    """The prompt with an environment's first-turn text: appended to the last user message (TRL's environments add
+    their observation the same way), or as the user message when the prompt has none."""
+    messages = [dict(m) for m in messages]
+    last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "user"), None)
+    if last is None:
+        return [*messages, {"role": "user", "content": text}]
+    messages[last]["content"] = f"{messages[last]['content']}\n\n{text}"
+    return messages
+
+
+def _row_columns(row: dict) -> dict:
+    """What an environment's ``reset(**row)`` receives: the prompt row's columns (``prompt``, ``messages`` as a list,
+    ``reference``, ``index``; not the token ids)."""
+    out = {k: v for k, v in row.items() if k not in ("input_ids", "length")}
+    if isinstance(out.get("messages"), str):
+        out["messages"] = json.loads(out["messages"])
+    return out
+
+
+def agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Per-rollout means of a batch of agent trajectories (this rank): ``agent/turns``, ``agent/tool_calls``,
+    ``agent/tool_error_rate`` (errored calls / calls), ``agent/finish_<reason>`` (share of rollouts ended by each
+    reason: stop, length, turns, error), ``agent/truncated_tool_results`` and ``agent/infrastructure_failures``
+    (share of rollouts)."""
+    n = max(len(trajectories), 1)
+    calls = sum(t.info.get("tool_calls", 0) for t in trajectories)
+    errors = sum(sum(t.info.get("tool_errors", {}).values()) for t in trajectories)
+    out = {"agent/turns": sum(t.turns for t in trajectories) / n, "agent/tool_calls": calls / n,
+           "agent/tool_error_rate": errors / calls if calls else 0.0,
+           "agent/truncated_tool_results": sum(t.info.get("truncated_results", 0) for t in trajectories) / n,
+           "agent/infrastructure_failures": sum(bool(t.info.get("infrastructure_error")) for t in trajectories) / n}
+    for reason in (STOP, LENGTH, TURNS, ERROR):
+        out[f"agent/finish_{reason}"] = sum(t.finish_reason == reason for t in trajectories) / n
+    return out

@@ -1,0 +1,622 @@
+"""Tools and environments of multi-turn rollouts: loading them from a recipe and calling them so that nothing the
+model writes can crash the run or be executed as code (reading the calls of a sampled turn: :mod:`llmtune.rl.tool_calls`).
+
+What a user writes:
+
+- **a tool**: a plain function, named ``module:function`` or ``file.py:function``, with a type hint on every parameter
+  and a Google-style docstring whose ``Args:`` section describes every parameter. Its JSON schema (what
+  ``tokenizer.apply_chat_template(tools=...)`` shows the model) is :func:`transformers.utils.get_json_schema` of it.
+  Plain functions are shared by every rollout (and may be called from several threads).
+- **an environment**: a class ``module:Class`` that can be constructed without arguments. Each rollout gets a fresh
+  instance; its optional ``reset(self, **row)`` receives the dataset row's columns (those it names, or all of them
+  with ``**kwargs``) and may return the text of the first user turn; its public methods are the rollout's tools
+  (same schema rule; ``reset``, ``reward`` and names starting with ``_`` are not tools); an optional
+  ``reward(self, messages) -> float | None`` scores the conversation.
+- :class:`InfrastructureError` (or a subclass), raised by a tool, ``reset`` or the constructor when a failure is not
+  the model's fault (a crashed sandbox, a server down): the rollout then abstains instead of being scored.
+
+One rollout (the agent loop lives elsewhere)::
+
+    toolbox, first_user_text = make_toolbox(functions, environment_cls, row)      # InfrastructureError: abstain
+    prompt = apply_chat_template(messages, tools=toolbox.schemas, ...)
+    content, calls = parse_tool_calls(turn_text, parser, tokenizer)                # never raises on model text
+    results = [toolbox.call(c, timeout_s) for c in calls]                          # never raises on model text
+
+Safety: tool arguments are JSON values decoded with :mod:`json` (never ``eval``) and passed as keyword arguments
+after a check against the tool's schema; a tool runs in a worker thread bounded by ``timeout_s``. A Python thread
+cannot be killed: a tool that never returns keeps its (daemon) thread until the process ends, which
+:func:`abandoned_tool_threads` counts.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import functools
+import inspect
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from llmtune.errors import LlmtuneError
+from llmtune.rl.tool_calls import ToolCall, _cut, _exception_text, _json_type
+
+ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout")
+NOT_TOOLS = frozenset({"reset", "reward"})  # environment methods that are never tools (besides names starting with _)
+
+_TYPES_FIX = ("give every parameter a type hint (str, int, float, bool, list[...], dict[str, ...], Literal[...], an "
+              "Enum, or X | None)")
+_DOC_FIX = ("give it a Google-style docstring: a one-line description, then an 'Args:' section with one line "
+            "'name: what it is' per parameter")
+
+
+class ToolSetupError(LlmtuneError):
+    """A tool or environment named by the recipe cannot be loaded or has no usable schema (exit code 1).
+
+    ``problems`` lists every problem found (one line each: the recipe key, the spec, what is wrong, the fix); the
+    message is those lines joined, so that a recipe check can merge them into its all-at-once report.
+    """
+
+    def __init__(self, problems: str | list[str]):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+class InfrastructureError(Exception):
+    """Raise it (or a subclass) in a tool, an environment's ``reset`` or its constructor when the failure is not the
+    model's fault (a crashed sandbox, an unreachable server). llmtune then abstains on the rollout: it is excluded
+    from its group's statistics and counted, instead of being scored as a failure of the model."""
+
+
+@dataclass
+class ToolResult:
+    """What one :meth:`Toolbox.call` gives back.
+
+    Attributes:
+        name: the tool called (None for a malformed call without a name).
+        content: the text that goes back to the model as the tool message's content.
+        error: None (the tool returned), or one of :data:`ERROR_KINDS`.
+        infrastructure: True when the tool raised :class:`InfrastructureError` (error is then ``"raised"``): the
+            rollout abstains.
+        seconds: wall-clock seconds the call took (including a timeout's wait).
+        call_id: the call's id (:attr:`ToolCall.id`), for formats that pair results with calls.
+    """
+
+    name: str | None
+    content: str
+    error: str | None
+    infrastructure: bool
+    seconds: float
+    call_id: str | None = None
+
+    def as_message(self) -> dict:
+        """The result as a ``{"role": "tool", ...}`` message (transformers' chat format)."""
+        message = {"role": "tool", "name": self.name, "content": self.content}
+        return message if self.call_id is None else {**message, "tool_call_id": self.call_id}
+
+
+# ---------------------------------------------------------------------------------------------------------- loading
+
+
+def load_tools(specs: Iterable[str], recipe_dir: Any = None, key: str = "agent.tools") -> list[Callable]:
+    """Import the tool functions named by a recipe and check that each has a JSON schema.
+
+    Args:
+        specs: ``"package.module:function"`` or ``"path/to/file.py:function"`` each (an attribute path such as
+            ``module:obj.function`` works too).
+        recipe_dir: the directory of the recipe (str or Path; None: a recipe without a file). A relative module or
+            file is looked for in the working directory, then there (as reward functions are:
+            :func:`llmtune.rewards.functions.reward_search_dirs`).
+        key: the recipe key of the list, for messages (``agent.tools.0``, ...).
+
+    Returns:
+        The functions, in order.
+
+    Raises:
+        ToolSetupError: listing every problem at once: a spec that is not ``module:function``; a module that cannot
+            be imported or has no such attribute (close names suggested); not a function; ``*args``/``**kwargs`` or
+            positional-only parameters; no schema (a parameter without a type hint, no docstring, or no ``Args:``
+            line for a parameter: the fix is named); two tools with the same name.
+    """
+    problems: list[str] = []
+    tools: list[Callable] = []
+    seen: dict[str, str] = {}
+    for i, spec in enumerate(specs):
+        where = f"{key}.{i}"
+        try:
+            fn = _resolve(spec, recipe_dir, where)
+            if inspect.isclass(fn) or not inspect.isroutine(fn):
+                raise ToolSetupError(f"{where}: {spec!r} is {type(fn).__name__}, not a function; a tool is a function "
+                                     "with type hints and an Args: docstring (a class with tool methods is an "
+                                     "environment)")
+            _checked_schema(fn, f"{where}: {spec!r}", method=False)
+        except ToolSetupError as exc:
+            problems += exc.problems
+            continue
+        if fn.__name__ in seen:
+            problems.append(f"{where}: {spec!r}: a second tool named {fn.__name__!r} ({seen[fn.__name__]} is one); "
+                            "the model calls tools by name: rename one")
+            continue
+        seen[fn.__name__] = where
+        tools.append(fn)
+    if problems:
+        raise ToolSetupError(problems)
+    return tools
+
+
+def load_environment(spec: str, recipe_dir: Any = None, key: str = "agent.environment") -> type:
+    """Import the environment class named by a recipe and check it.
+
+    The class is not instantiated here (its constructor may start a sandbox); it must be constructible without
+    arguments, since :func:`make_toolbox` creates one instance per rollout with ``Class()`` (per-rollout data reaches
+    it through ``reset(**row)``).
+
+    Args:
+        spec: ``"package.module:Class"`` or ``"path/to/file.py:Class"``.
+        recipe_dir: the directory of the recipe (see :func:`load_tools`).
+        key: the recipe key, for messages.
+
+    Returns:
+        The class.
+
+    Raises:
+        ToolSetupError: listing every problem at once: not importable (as in :func:`load_tools`); not a class; a
+            constructor that needs arguments; ``reset`` not a method; ``reward`` not callable as
+            ``reward(messages)``; no public method (no tool); a public method without a schema (as for a tool).
+    """
+    where = f"{key}: {spec!r}"
+    cls = _resolve(spec, recipe_dir, key)
+    if not inspect.isclass(cls):
+        raise ToolSetupError(f"{where} is {type(cls).__name__}, not a class; an environment is a class whose public "
+                             "methods are the tools (a plain function is a tool: list it under the tools)")
+    problems = []
+    try:
+        inspect.signature(cls).bind()
+    except TypeError:
+        problems.append(f"{where}: {cls.__name__}{inspect.signature(cls)} needs arguments; llmtune creates one "
+                        f"instance per rollout with {cls.__name__}(): give them defaults, and take per-rollout data in "
+                        "reset(self, **row)")
+    except ValueError:  # no signature (a builtin base): found when the first rollout constructs it
+        pass
+    reset = inspect.getattr_static(cls, "reset", None)
+    if reset is not None and not inspect.isfunction(reset):
+        problems.append(f"{where}: reset is {type(reset).__name__}; write a method reset(self, **row) -> str | None")
+    reward = inspect.getattr_static(cls, "reward", None)
+    if inspect.isfunction(reward):
+        try:
+            inspect.signature(reward).bind(None, [])
+        except TypeError:
+            problems.append(f"{where}: reward{inspect.signature(reward)} cannot be called as reward(self, messages); "
+                            "write reward(self, messages) -> float | None")
+    elif reward is not None and not isinstance(reward, (staticmethod, classmethod)):
+        problems.append(f"{where}: reward is {type(reward).__name__}; write a method reward(self, messages) -> "
+                        "float | None")
+    names = environment_tool_names(cls)
+    if not names:
+        problems.append(f"{where} has no tools: its public methods (names not starting with '_', other than reset "
+                        "and reward) are the tools; add one")
+    for name in names:
+        try:
+            method = inspect.isfunction(inspect.getattr_static(cls, name))  # not a static or class method
+            _checked_schema(getattr(cls, name), f"{where}: method {name}", method)
+        except ToolSetupError as exc:
+            problems += exc.problems
+    if problems:
+        raise ToolSetupError(problems)
+    return cls
+
+
+def environment_tool_names(environment_cls: type) -> list[str]:
+    """The tool names of an environment class, in definition order (base classes first): its public methods,
+    static methods and class methods, except ``reset`` and ``reward`` (properties and attributes are not tools)."""
+    names: dict[str, None] = {}
+    for klass in reversed(environment_cls.__mro__[:-1]):  # without object
+        for name, value in vars(klass).items():
+            if name.startswith("_") or name in NOT_TOOLS:
+                continue
+            if inspect.isfunction(value) or isinstance(value, (staticmethod, classmethod)):
+                names[name] = None
+            else:
+                names.pop(name, None)  # a subclass may replace a method with an attribute
+    return list(names)
+
+
+def tool_schemas(functions: Iterable[Callable], environment_cls: type | None = None) -> list[dict]:
+    """The JSON schemas of a rollout's tools without constructing anything: the functions', then the environment's
+    methods' (what every :class:`Toolbox` of this recipe shows the model). For the recipe check at the start of a run
+    (render a conversation with tool calls and results), before any rollout.
+
+    Raises:
+        ToolSetupError: an environment method has the name of a function tool.
+    """
+    schemas = [_schema(fn) for fn in functions]
+    if environment_cls is not None:
+        schemas += [_schema(getattr(environment_cls, name)) for name in environment_tool_names(environment_cls)]
+    names = [s["function"]["name"] for s in schemas]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ToolSetupError(f"tool name(s) {', '.join(map(repr, twice))} are both a function tool and a method of "
+                             f"{environment_cls.__name__}; the model calls tools by name: rename one")
+    return copy.deepcopy(schemas)
+
+
+def check_reset_columns(environment_cls: type, columns: Iterable[str], key: str = "agent.environment") -> None:
+    """Check that every row with these columns can be passed to the environment's ``reset`` (a recipe check: without
+    it a missing column would fail every rollout).
+
+    Raises:
+        ToolSetupError: ``reset`` has a required parameter that is not a column.
+    """
+    _reset_arguments(environment_cls, dict.fromkeys(columns), key)
+
+
+def _resolve(spec: str, recipe_dir: Any, where: str) -> Any:
+    """The object ``module:attr`` names, imported as reward functions are (same search directories and import
+    helpers, :mod:`llmtune.rewards.functions`)."""
+    from llmtune.rewards.functions import RewardFunctionError, _import, _import_file, reward_search_dirs
+
+    module_name, sep, attr = str(spec).partition(":")
+    module_name, attr = module_name.strip(), attr.strip()
+    if not sep or not module_name or not attr or ":" in attr:
+        raise ToolSetupError(f"{where}: {spec!r} is not 'module:name'; write e.g. 'my_tools.py:calculator' or "
+                             "'my_package.tools:calculator'")
+    dirs = reward_search_dirs(recipe_dir)
+    for d in map(str, dirs):
+        if d not in sys.path:
+            sys.path.append(d)
+    key = (module_name, tuple(dirs))
+    if key not in _MODULES:  # a file is executed once: the tools and environment it defines share its globals
+        try:
+            _MODULES[key] = (_import_file if module_name.endswith(".py") else _import)(module_name, spec, dirs)
+        except RewardFunctionError as exc:
+            reason = str(exc).removeprefix(f"reward.function: {spec!r}: ")
+            raise ToolSetupError(f"{where}: {spec!r}: {reason}") from (exc.__cause__ or exc)
+    obj = _MODULES[key]
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            close = difflib.get_close_matches(part, names, n=3, cutoff=0.5)
+            defined = ", ".join(names)[:300] or "nothing"
+            hint = f"did you mean {', '.join(close)}?" if close else f"it defines: {defined}"
+            owner = getattr(obj, "__name__", module_name)
+            raise ToolSetupError(f"{where}: {spec!r}: {owner} has no attribute {part!r}; {hint}")
+        obj = getattr(obj, part)
+    return obj
+
+
+_MODULES: dict[tuple[str, tuple], Any] = {}  # (module or file, search directories) -> the imported module
+
+
+def _checked_schema(fn: Callable, where: str, method: bool) -> dict:
+    """:func:`_schema` with transformers' parsing errors (and what it would silently get wrong) as ToolSetupError;
+    ``method``: ``fn`` is an environment's plain method, taken from the class (its first parameter is the instance)."""
+    from transformers.utils import DocstringParsingException, TypeHintParsingException
+
+    name = getattr(fn, "__name__", "")
+    if not name.isidentifier():
+        raise ToolSetupError(f"{where}: a tool needs a name the model can write; {name!r} is not one (use def)")
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError) as exc:
+        raise ToolSetupError(f"{where}: its signature cannot be read ({exc}); write it as a Python function") from exc
+    receiver = bool(params) and params[0].name in ("self", "cls") and params[0].annotation is inspect.Parameter.empty
+    if receiver and not method:
+        raise ToolSetupError(f"{where} is a method (its first parameter is {params[0].name}); a tool is a plain "
+                             "function, and a class whose methods are tools is an environment")
+    params = params[1:] if method else params
+    odd = [p.name for p in params if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY)]
+    if odd:
+        raise ToolSetupError(f"{where}: parameter(s) {', '.join(odd)} are *args, **kwargs or positional-only; the "
+                             "model passes arguments by name: give each a name, a type hint and an Args: line")
+    try:
+        return _schema(fn)
+    except DocstringParsingException as exc:
+        raise ToolSetupError(f"{where}: no JSON schema: {exc}; {_DOC_FIX}") from exc
+    except TypeHintParsingException as exc:
+        raise ToolSetupError(f"{where}: no JSON schema: {' '.join(map(str, exc.args))}; {_TYPES_FIX}") from exc
+    except (NameError, TypeError) as exc:  # typing.get_type_hints on a hint it cannot resolve
+        raise ToolSetupError(f"{where}: its type hints cannot be resolved ({exc}); {_TYPES_FIX}") from exc
+
+
+@functools.lru_cache(maxsize=None)
+def _schema(fn: Callable) -> dict:
+    """transformers' JSON schema of a tool (cached per function: every rollout shares it; never mutate it)."""
+    from transformers.utils import get_json_schema
+
+    return get_json_schema(fn)
+
+
+# --------------------------------------------------------------------------------------------------------- toolbox
+
+
+def make_toolbox(
+    functions: Iterable[Callable], environment_cls: type | None, row: Mapping[str, Any]
+) -> tuple[Toolbox, str | None]:
+    """The tools of one rollout: a fresh environment instance (if any), reset with the row.
+
+    Args:
+        functions: the plain tool functions (:func:`load_tools`), shared by every rollout.
+        environment_cls: the environment class (:func:`load_environment`) or None.
+        row: the dataset row's columns; ``reset`` receives those it names (all of them when it takes ``**kwargs``).
+
+    Returns:
+        ``(toolbox, first_user_text)``: the text ``reset`` returned for the first user turn, or None.
+
+    Raises:
+        InfrastructureError: the constructor or ``reset`` raised (the original exception is the cause): the rollout
+            abstains. An :class:`InfrastructureError` they raise themselves propagates as it is.
+        ToolSetupError: ``reset`` needs a column the row lacks, or returned something other than str or None; a
+            tool name used twice (all recipe errors, the same for every row).
+    """
+    functions = list(functions)
+    schemas = tool_schemas(functions, environment_cls)
+    tools: dict[str, Callable] = {fn.__name__: fn for fn in functions}
+    environment, first_user_text = None, None
+    if environment_cls is not None:
+        name = environment_cls.__name__
+        kwargs = _reset_arguments(environment_cls, row, "agent.environment")
+        try:
+            environment = environment_cls()
+            if hasattr(environment, "reset"):
+                first_user_text = environment.reset(**kwargs)
+        except InfrastructureError:
+            raise
+        except Exception as exc:
+            step = "reset" if environment is not None else "construction"
+            raise InfrastructureError(f"environment {name} failed in {step}: {type(exc).__name__}: {exc}") from exc
+        if first_user_text is not None and not isinstance(first_user_text, str):
+            raise ToolSetupError(f"environment {name}.reset returned {type(first_user_text).__name__}; return the "
+                                 "text of the first user turn (str) or None")
+        tools.update({n: getattr(environment, n) for n in environment_tool_names(environment_cls)})
+    return Toolbox(tools, schemas, environment), first_user_text
+
+
+def _reset_arguments(environment_cls: type, row: Mapping[str, Any], key: str) -> dict:
+    """The keyword arguments ``reset`` gets from a row: every column with ``**kwargs``, else the columns it names."""
+    reset = inspect.getattr_static(environment_cls, "reset", None)
+    if not inspect.isfunction(reset):
+        return {}
+    params = list(inspect.signature(reset).parameters.values())[1:]  # without self
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return dict(row)
+    missing = [p.name for p in params if p.default is p.empty and p.kind is not p.VAR_POSITIONAL and p.name not in row]
+    if missing:
+        raise ToolSetupError(f"{key}: {environment_cls.__name__}.reset needs {', '.join(missing)}, which the rows do "
+                             f"not have (columns: {', '.join(row) or 'none'}); give those parameters defaults or add "
+                             "the columns to the data")
+    return {p.name: row[p.name] for p in params if p.name in row and p.kind is not p.VAR_POSITIONAL}
+
+
+class Toolbox:
+    """The tools of ONE rollout: the plain functions (shared by all rollouts) and the bound public methods of this
+    rollout's own environment instance (built by :func:`make_toolbox`).
+
+    Attributes:
+        tools: tool name -> callable.
+        schemas: the JSON schemas of the tools (what ``apply_chat_template(tools=...)`` takes), functions first.
+        environment: this rollout's environment instance, or None.
+        abandoned: how many of this toolbox's calls timed out while their thread was still running (the thread may
+            still be using ``environment``).
+    """
+
+    def __init__(self, tools: dict[str, Callable], schemas: list[dict], environment: object | None = None):
+        self.tools = tools
+        self.schemas = schemas
+        self.environment = environment
+        self.abandoned = 0
+        self._schemas = {s["function"]["name"]: s for s in schemas}
+
+    def call(self, call: ToolCall, timeout_s: float) -> ToolResult:
+        """Run one parsed call and turn every outcome into a result for the model (never raises on the model's
+        text, and never evaluates it: arguments are the decoded JSON values, passed by keyword).
+
+        Errors, as the model reads them (each short; the kinds are :data:`ERROR_KINDS`):
+        ``malformed`` "Error: malformed tool call: <why>"; ``unknown_tool`` "Error: unknown tool 'x'; available
+        tools: a, b"; ``bad_arguments`` "Error: bad arguments for f: <every problem>. Call it as f(a: integer,
+        b?: string)" (unknown keys, missing required ones, wrong JSON types or values outside an enum; an integer
+        written as 3.0 is accepted as 3); ``raised`` "Error: f raised ValueError: <message>" (cut to
+        :data:`llmtune.rl.tool_calls.MESSAGE_CHARS`); ``timeout`` "Error: f did not return within 2 s". A returned value becomes the
+        content as it is for a str, as JSON for a dict/list/tuple, else ``str(value)``.
+
+        Args:
+            call: the call (:func:`llmtune.rl.tool_calls.parse_tool_calls`).
+            timeout_s: seconds to wait for the tool (> 0). The tool runs in a daemon worker thread; past the
+                timeout the call stops waiting, but the thread cannot be killed and keeps running until the tool
+                returns (counted by :attr:`abandoned` and :func:`abandoned_tool_threads`). A tool that needs a
+                hard limit (a subprocess, a sandbox) should enforce it itself. Tools run outside the main thread,
+                so ``signal``-based timeouts inside a tool do not work.
+
+        Returns:
+            The :class:`ToolResult`; ``infrastructure`` is True when the tool raised :class:`InfrastructureError`.
+
+        Raises:
+            ValueError: ``timeout_s`` is not positive (a caller's error, never the model's).
+        """
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+        start = time.monotonic()
+
+        def result(content: str, error: str | None = None, infrastructure: bool = False) -> ToolResult:
+            return ToolResult(call.name, content, error, infrastructure, time.monotonic() - start, call.id)
+
+        if call.error is not None:
+            return result(f"Error: malformed tool call: {call.error}", "malformed")
+        fn = self.tools.get(call.name)
+        if fn is None:
+            return result(f"Error: unknown tool {_cut(repr(call.name))}; available tools: {', '.join(self.tools)}",
+                          "unknown_tool")
+        schema = self._schemas[call.name]
+        arguments, problems = check_arguments(call.arguments or {}, schema)
+        if problems:
+            return result(f"Error: bad arguments for {call.name}: {'; '.join(problems)}. Call it as "
+                          f"{_signature(schema)}", "bad_arguments")
+        done, value, exc = _run(fn, arguments, timeout_s, call.name)
+        if not done:
+            self.abandoned += 1
+            return result(f"Error: {call.name} did not return within {timeout_s:g} s", "timeout")
+        if exc is not None:
+            message = _cut(_exception_text(exc))
+            return result(f"Error: {call.name} raised {type(exc).__name__}{': ' * bool(message)}{message}", "raised",
+                          isinstance(exc, InfrastructureError))
+        return result(value)
+
+
+def check_arguments(arguments: dict, schema: dict) -> tuple[dict, list[str]]:
+    """Check a call's arguments against a tool's JSON schema (the subset :func:`transformers.utils.get_json_schema`
+    writes: ``type`` as a name or a list, ``nullable``, ``enum``, ``anyOf``, ``items``, ``prefixItems``,
+    ``additionalProperties``; ``{}`` accepts anything).
+
+    Args:
+        arguments: the decoded JSON object of the call.
+        schema: ``{"type": "function", "function": {"name", "parameters": {...}}}``.
+
+    Returns:
+        ``(arguments, problems)``: the arguments to pass (integers written as ``3.0`` become ``3``), and every problem
+        as a short phrase for the model (empty when the arguments fit).
+    """
+    parameters = schema["function"].get("parameters", {})
+    properties = parameters.get("properties", {})
+    problems = [f"unknown argument {_cut(repr(k))}" for k in arguments if k not in properties]
+    problems += [f"missing required argument {k!r}" for k in parameters.get("required", []) if k not in arguments]
+    out = {}
+    for k, v in arguments.items():
+        if k in properties:
+            out[k], problem = _conform(v, properties[k], repr(k))
+            if problem:
+                problems.append(problem)
+    return out, problems
+
+
+def abandoned_tool_threads() -> int:
+    """How many tool threads of this process timed out and are still running (never killed: see
+    :meth:`Toolbox.call`). Log it: a number that grows means a tool hangs."""
+    with _ABANDONED_LOCK:
+        _ABANDONED[:] = [t for t in _ABANDONED if t.is_alive()]
+        return len(_ABANDONED)
+
+
+_ABANDONED: list[threading.Thread] = []
+_ABANDONED_LOCK = threading.Lock()
+
+
+def _run(fn: Callable, arguments: dict, timeout_s: float, name: str) -> tuple[bool, str | None, BaseException | None]:
+    """``fn(**arguments)`` in a daemon thread, waiting at most ``timeout_s``: (finished, content, exception)."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = _to_text(fn(**arguments))
+        except BaseException as exc:  # noqa: BLE001 - SystemExit in a tool must not vanish with its thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name=f"llmtune-tool-{name}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        with _ABANDONED_LOCK:
+            _ABANDONED.append(thread)
+        return False, None, None
+    return True, box.get("value"), box.get("error")
+
+
+def _to_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (dict, list, tuple)):
+        try:
+            return json.dumps(value, ensure_ascii=False, default=str)
+        except (TypeError, ValueError):  # circular references
+            return str(value)
+    return str(value)
+
+
+def _is_type(value: Any, name: str) -> bool:
+    if name == "integer":
+        return (isinstance(value, int) and not isinstance(value, bool)) or (
+            isinstance(value, float) and value.is_integer())
+    if name == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    checks = {"string": str, "boolean": bool, "array": list, "object": dict, "null": type(None)}
+    return isinstance(value, checks[name]) if name in checks else True  # other types (image, audio): unchecked
+
+
+def _conform(value: Any, schema: dict, where: str) -> tuple[Any, str | None]:
+    """(value to pass, problem or None) for one JSON value against one schema."""
+    if value is None and schema.get("nullable"):
+        return None, None
+    if "anyOf" in schema:
+        for option in schema["anyOf"]:
+            converted, problem = _conform(value, option, where)
+            if problem is None:
+                return converted, None
+        return value, f"{where} must be {_describe(schema)}, {_got(value)}"
+    types = schema.get("type")
+    if types is not None:
+        types = [types] if isinstance(types, str) else list(types)
+        matched = next((t for t in types if _is_type(value, t)), None)
+        if matched is None:
+            return value, f"{where} must be {_describe(schema)}, {_got(value)}"
+        if matched == "integer" and isinstance(value, float):
+            value = int(value)
+        if matched == "array" and isinstance(schema.get("items"), dict):
+            value, problem = _conform_all(value, [schema["items"]] * len(value), where)
+            if problem:
+                return value, problem
+        if matched == "array" and isinstance(schema.get("prefixItems"), list):
+            if len(value) != len(schema["prefixItems"]):
+                return value, f"{where} must have {len(schema['prefixItems'])} items, got {len(value)}"
+            value, problem = _conform_all(value, schema["prefixItems"], where)
+            if problem:
+                return value, problem
+        if matched == "object" and isinstance(schema.get("additionalProperties"), dict):
+            items, problem = _conform_all(list(value.values()), [schema["additionalProperties"]] * len(value), where)
+            if problem:
+                return value, problem
+            value = dict(zip(value, items))
+    if "enum" in schema and not any(value == e and isinstance(value, bool) == isinstance(e, bool)
+                                    for e in schema["enum"]):
+        return value, f"{where} must be {_describe(schema)}, {_got(value)}"
+    return value, None
+
+
+def _got(value: Any) -> str:
+    return f"got {_json_type(value)} {_cut(json.dumps(value, ensure_ascii=False, default=str), 60)}"
+
+
+def _conform_all(values: list, schemas: list[dict], where: str) -> tuple[list, str | None]:
+    out = []
+    for i, (v, s) in enumerate(zip(values, schemas)):
+        converted, problem = _conform(v, s, f"{where}[{i}]")
+        if problem:
+            return values, problem
+        out.append(converted)
+    return out, None
+
+
+def _describe(schema: dict) -> str:
+    """A parameter's type in a few words: ``integer``, ``string or null``, ``array of number``."""
+    if "anyOf" in schema:
+        text = " or ".join(_describe(s) for s in schema["anyOf"])
+    else:
+        types = schema.get("type", "any")
+        text = " or ".join([types] if isinstance(types, str) else types)
+        if isinstance(schema.get("items"), dict):
+            text += f" of {_describe(schema['items'])}"
+        if isinstance(schema.get("enum"), list):
+            text += f" in {_cut(json.dumps(schema['enum'], ensure_ascii=False), 120)}"
+    return text + (" or null" if schema.get("nullable") else "")
+
+
+def _signature(schema: dict) -> str:
+    """``name(a: integer, b?: string)``: how to call a tool, for an error message (``?`` = optional)."""
+    fn = schema["function"]
+    parameters = fn.get("parameters", {})
+    required = set(parameters.get("required", []))
+    args = [f"{k}{'' if k in required else '?'}: {_describe(s)}" for k, s in parameters.get("properties", {}).items()]
+    return f"{fn['name']}({', '.join(args)})"
+
+
