@@ -124,13 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Build the recipe's rollout base (the model below the trained adapter: the base model, or the "
         "model.from_run chain merged in fp32 into OUTPUT_DIR.rollout_base), print the plain command line that serves "
         "it (run that line with the vLLM venv's python on another GPU/node: it needs vLLM and "
-        "llmtune/rl/vllm_server.py only) and run it here. The trainer (rollout.vllm.mode: server, rollout.vllm.url: "
+        "llmtune/rl/engines/vllm_server.py only; its memory fraction is rollout.vllm.gpu_memory_utilization, null = 0.9) and run it here. The trainer (rollout.vllm.mode: server, rollout.vllm.url: "
         "http://HOST:PORT) waits for it, pushes its LoRA adapter before every rollout batch and samples through it. "
         "Stop it with Ctrl-C or SIGTERM.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _recipe_args(rs)
-    rs.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    rs.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface; any address "
+                    "but loopback needs a shared secret: rollout.vllm.secret_file or $LLMTUNE_ROLLOUT_SECRET)")
     rs.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     rs.add_argument("--print-only", action="store_true", help="build the rollout base, print the command, exit")
     c = sub.add_parser(

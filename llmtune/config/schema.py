@@ -502,9 +502,15 @@ class VLLMConfig(Section):
         "colocate", description="colocate: vLLM runs in the training process on the same device(s); server: the "
         "trainer samples through a running rollout server at url (`llmtune rollout-server RECIPE`).")
     url: str | None = Field(None, description="server mode: http://host:port of a running rollout server.")
-    gpu_memory_utilization: float = Field(
-        0.3, gt=0, le=1, description="colocate on GPU: fraction (0, 1] of device memory for vLLM (weights + KV "
-        "cache); the trainer uses the rest.")
+    secret_file: str | None = Field(
+        None, description="server mode: a file holding the rollout server's shared secret (sent with every request; "
+        "never logged); null = $LLMTUNE_ROLLOUT_SECRET. `llmtune rollout-server` reads the same file.")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="On GPU: fraction (0, 1] of device memory for vLLM (weights + KV cache); null "
+        "= 0.3 colocated (the trainer uses the rest), 0.9 for a rollout server of its own.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="server mode: GPUs of the rollout node one engine spans (vLLM tensor parallelism; for a "
+        "model too large for one GPU, or more KV cache). Colocated engines use one device each.")
     enable_sleep_mode: bool = Field(True, description="colocate on GPU: release vLLM's KV cache and weights while "
                                     "training, wake it for each rollout batch.")
     max_model_len: int | None = Field(

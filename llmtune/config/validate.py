@@ -287,6 +287,11 @@ def rollout_problems(doc: dict, engine: str | None = None) -> list[tuple[str, st
         problems.append(("rollout.vllm.url", "rollout.vllm.mode: server needs the address of a running rollout "
                          "server, e.g. rollout.vllm.url: http://127.0.0.1:8000 (start one with `llmtune "
                          "rollout-server RECIPE`, which prints it), or use mode: colocate"))
+    tp = dotted_get(doc, "rollout.vllm.tensor_parallel_size", 1)
+    if engine != "hf" and isinstance(tp, int) and tp > 1 and dotted_get(doc, "rollout.vllm.mode", "colocate") != "server":
+        problems.append(("rollout.vllm.tensor_parallel_size", f"{tp} GPUs per engine needs a rollout server of its own "
+                         "(rollout.vllm.mode: server, started with `llmtune rollout-server RECIPE` on the rollout "
+                         "node); a colocated engine shares its trainer rank's one device: set it to 1"))
     model_len, needed = dotted_get(doc, "rollout.vllm.max_model_len"), _rollout_sequence_tokens(doc)
     if engine != "hf" and isinstance(model_len, int) and needed is not None and model_len < needed[0]:
         problems.append(("rollout.vllm.max_model_len", f"{model_len} tokens is below the longest sequence this run "

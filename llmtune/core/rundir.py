@@ -166,7 +166,8 @@ class RunDir:
         # another url, or the run continues with hf): the policy sampled from is the same
         free |= {"rollout.engine", "rollout.vllm.mode", "rollout.vllm.url", "rollout.vllm.startup_timeout_s",
                  "rollout.vllm.request_timeout_s", "rollout.vllm.gpu_memory_utilization",
-                 "rollout.vllm.enable_sleep_mode"}
+                 "rollout.vllm.enable_sleep_mode", "rollout.vllm.secret_file",
+                 "rollout.vllm.tensor_parallel_size"}
         problems = []
         for section, values in recipe_dump.items():
             if section == "output" or not isinstance(values, dict):

@@ -42,7 +42,7 @@ def rl_recipe(root, name, stage, url, max_steps=4, **extra):
              "save_steps": 2, "eval_batch_size": 4, "save_total_limit": 5, "eval_steps": 1000}
     rollout = {"engine": "vllm", "max_new_tokens": 8, "temperature": 0.9,
                "vllm": {"mode": "server", "url": url, "dtype": "float32", "startup_timeout_s": 300,
-                        "request_timeout_s": 120}}
+                        "request_timeout_s": 120, "secret_file": str(root / "rollout_secret")}}
     if stage == "grpo":
         section = {"grpo": {"num_generations": 2, "rollout_batch_size": 8, "beta": 0.1}}
         reward = {"functions": [{"function": str(root / "my_rewards.py") + ":length_reward"}]}
@@ -60,8 +60,9 @@ def start_server(root, recipe, port):
     log = (root / f"server_{port}.log").open("w")
     process = subprocess.Popen([sys.executable, "-m", "llmtune", "rollout-server", str(recipe), "--port", str(port)],
                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    VLLMClient(f"http://127.0.0.1:{port}", 60, process, root / f"server_{port}.log").wait_healthy(400)
-    return process, VLLMClient(f"http://127.0.0.1:{port}", 60)
+    secret = (root / "rollout_secret").read_text().strip()  # the recipe's rollout.vllm.secret_file
+    VLLMClient(f"http://127.0.0.1:{port}", 60, process, root / f"server_{port}.log", secret).wait_healthy(400)
+    return process, VLLMClient(f"http://127.0.0.1:{port}", 60, secret=secret)
 
 
 def stop(process):
@@ -73,7 +74,9 @@ def stop(process):
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     # hidden 128 = head size 32: the smallest vLLM's CPU attention takes
-    return rl_workspace(tmp_path_factory.mktemp("vllm_rl"), hidden_size=128)
+    root = rl_workspace(tmp_path_factory.mktemp("vllm_rl"), hidden_size=128)
+    (root / "rollout_secret").write_text("the-shared-secret-of-this-test\n")
+    return root
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +116,20 @@ def test_two_iterations_train_checkpoint_and_resume(workspace, server, stage):
     assert client.health()["version"] == 6
 
 
+@pytest.mark.slow
+def test_two_trainer_ranks_sample_through_one_server(workspace, server):
+    url, _, client = server
+    recipe = rl_recipe(workspace, "two_ranks", "grpo", url, max_steps=2)
+    assert main(["grpo", str(recipe), "--nproc-per-node", "2"]) == 0
+    logs = list(read_jsonl(workspace / "two_ranks" / "metrics.jsonl"))
+    assert [r["step"] for r in logs if "loss" in r] == [1, 2]
+    assert all(r["rollout/logprob_diff_max"] < 2e-4 for r in logs if "rollout/logprob_diff_max" in r)
+    # both ranks pushed under one identity per version: the server holds the last two versions, one adapter each
+    health = client.health()
+    assert health["version"] == 2 and len(health["adapters"]) == 2
+    assert len({a.rsplit("-v", 1)[0] for a in health["adapters"]}) == 1
+
+
 def test_a_server_of_another_base_is_refused(workspace, server, capfd):
     from llmtune.config import load_recipe
     from llmtune.rl.engines.vllm_base import base_identity
@@ -131,6 +148,52 @@ def test_a_server_of_another_base_is_refused(workspace, server, capfd):
     lines = re.findall(r"error: [^\r\n]*", err)
     assert len(lines) == 1 and f"the rollout server {url} serves another base model" in lines[0], err[-3000:]
     assert not list((workspace / "other_base").glob("checkpoints/checkpoint-*"))  # refused before training
+
+
+def test_the_real_server_lets_no_one_in(workspace, server, capfd):
+    import base64
+    import pickle
+
+    from llmtune.rl.engines.vllm_client import RolloutEngineError, _HTTPStatus
+
+    url, _, client = server
+    for secret in (None, "another-secret"):  # over HTTP, against the running vLLM server: 401, with the fix
+        with pytest.raises(RolloutEngineError, match=r"refused this trainer's secret \(HTTP 401\)"):
+            VLLMClient(url, 10, secret=secret).health()
+    version = client.health()["version"]
+    for weights in (pickle.dumps({"lora_A": [0.0]}), b"\0" * 64):  # not safetensors: 400, nothing loaded
+        body = {"version": 99, "adapter_id": "intruder", "adapter_config": {"peft_type": "LORA", "r": 4},
+                "adapter_model": base64.b64encode(weights).decode()}
+        with pytest.raises(_HTTPStatus, match="safetensors") as refused:
+            client._request("POST", "/adapter", body)
+        assert refused.value.code == 400
+    assert client.health()["version"] == version and "intruder" not in client.health()["adapters"]
+    # a trainer with the wrong secret: exit 69, one error line naming the fix, nothing trained
+    (workspace / "wrong_secret").write_text("not-the-servers-secret")
+    recipe = rl_recipe(workspace, "wrong_secret_run", "grpo", url, max_steps=2)
+    code = main(["grpo", str(recipe), f"rollout.vllm.secret_file={workspace / 'wrong_secret'}"])
+    err = capfd.readouterr().err
+    lines = re.findall(r"error: [^\r\n]*", err)
+    assert code == 69 and len(lines) == 1 and "refused this trainer's secret" in lines[0], err[-3000:]
+    assert "the-shared-secret" not in err and "not-the-servers-secret" not in err  # never printed
+
+
+def test_rollout_server_beyond_loopback_needs_a_secret_and_prints_a_reachable_url(workspace, capfd, monkeypatch):
+    monkeypatch.delenv("LLMTUNE_ROLLOUT_SECRET", raising=False)
+    recipe = rl_recipe(workspace, "remote", "grpo", "http://127.0.0.1:1", max_steps=2)
+    doc = yaml.safe_load(recipe.read_text())
+    del doc["rollout"]["vllm"]["secret_file"]
+    recipe.write_text(yaml.safe_dump(doc))
+    code = main(["rollout-server", str(recipe), "--host", "0.0.0.0", "--print-only"])
+    err = capfd.readouterr().err
+    assert code != 0 and "not loopback" in err and "Traceback" not in err
+    assert not (workspace / "remote.rollout_base").exists()  # refused before building anything
+    monkeypatch.setenv("LLMTUNE_ROLLOUT_SECRET", "from-the-environment")
+    assert main(["rollout-server", str(recipe), "--host", "0.0.0.0", "--port", "8123", "--print-only"]) == 0
+    err = capfd.readouterr().err
+    assert f"http://{socket.getfqdn()}:8123" in err and "0.0.0.0:8123" not in err.split("\n")[0]
+    assert "from-the-environment" not in err  # the secret reaches the server in its environment only
+    assert "--gpu-memory-utilization" not in err or "--gpu-memory-utilization 0.9" in err
 
 
 def test_server_killed_mid_run_then_the_same_command_resumes(workspace, server, capfd):

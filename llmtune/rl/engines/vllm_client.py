@@ -9,6 +9,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 from llmtune.errors import EXIT_ENGINE, EXIT_ERROR, LlmtuneError
-from llmtune.rl.engines.vllm_server import engine_lora_rank
+from llmtune.rl.engines.vllm_server import SECRET_ENV, engine_lora_rank
 
 SERVER_SCRIPT = Path(__file__).with_name("vllm_server.py")
 SERVER_LOG = "rollout_server.log"
@@ -66,18 +67,25 @@ class VLLMClient:
         url: ``http://host:port``. request_timeout_s: seconds per request.
         process: the server's process when this client started it (colocate), for its exit status and log.
         log_path: that process's log.
+        secret: the server's shared secret (sent as ``Authorization: Bearer``; never logged), None = none.
     """
 
     def __init__(self, url: str, request_timeout_s: float = 600.0, process: subprocess.Popen | None = None,
-                 log_path: Path | None = None):
+                 log_path: Path | None = None, secret: str | None = None):
         self.url = url.rstrip("/")
         self.timeout = request_timeout_s
         self.process, self.log_path = process, log_path
+        self._secret = secret
+
+    def __repr__(self) -> str:  # never the secret
+        return f"VLLMClient({self.url!r})"
 
     def _request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if self._secret:
+            headers["Authorization"] = f"Bearer {self._secret}"
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
                 return json.loads(resp.read())
@@ -86,6 +94,11 @@ class VLLMClient:
                 message = json.loads(err.read()).get("error", "")
             except (ValueError, OSError):
                 message = ""
+            if err.code == 401:
+                raise RolloutEngineError(
+                    f"the rollout server {self.url} refused this trainer's secret (HTTP 401): give the trainer the "
+                    f"server's secret (${SECRET_ENV}, or rollout.vllm.secret_file: a file holding it), then rerun the "
+                    "same command") from None
             raise _HTTPStatus(err.code, message or str(err)) from None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
             error = self.unavailable(f"{method} {path}: {getattr(err, 'reason', err)}")
@@ -207,6 +220,8 @@ def server_command(python: str, base: Path | str, s, *, host: str = "127.0.0.1",
            "--dtype", s.dtype, "--seed", str(s.seed)]
     if base_id:
         cmd += ["--base-id", base_id]
+    if s.tensor_parallel_size > 1:
+        cmd += ["--tensor-parallel-size", str(s.tensor_parallel_size)]
     if torch.cuda.is_available():
         cmd += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
         if s.enable_sleep_mode:
@@ -242,6 +257,8 @@ def start_colocated(base: Path, s, run_dir: Path, device_index: int | None = Non
     port_file = Path(tempfile.mkdtemp(prefix="llmtune-vllm-")) / "port"
     log_path = run_dir / SERVER_LOG
     env = server_env()
+    secret = secrets.token_urlsafe(32)  # this run's only: in the child's environment, never on its command line
+    env[SECRET_ENV] = secret
     if device_index is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(device_index)
     with log_path.open("w") as log:
@@ -254,7 +271,8 @@ def start_colocated(base: Path, s, run_dir: Path, device_index: int | None = Non
             raise RolloutEngineError(f"the rollout engine failed to start (exit code {process.returncode}): "
                                      f"{_start_failure(log_path)}")
         time.sleep(0.1)
-    client = VLLMClient(f"http://127.0.0.1:{port_file.read_text().strip()}", s.request_timeout_s, process, log_path)
+    client = VLLMClient(f"http://127.0.0.1:{port_file.read_text().strip()}", s.request_timeout_s, process, log_path,
+                        secret)
     shutil.rmtree(port_file.parent, ignore_errors=True)
     try:
         client.wait_healthy(max(deadline - time.monotonic(), 1.0))

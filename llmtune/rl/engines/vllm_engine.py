@@ -36,6 +36,11 @@ Design (issue 22):
   per prompt (drawn from the torch RNG that the trainer seeds per (seed, iteration, rank)). The engine returns the
   log-prob of each sampled token under its processed (temperature-scaled) distribution: ``engine_logps`` of the
   rollout protocol.
+- **No one else gets in** (issue 32). Every request carries the server's shared secret (``Authorization: Bearer``,
+  compared in constant time, never logged or printed on a command line): colocated, a fresh one per run in the
+  child's environment; a server reads ``$LLMTUNE_ROLLOUT_SECRET`` or ``--secret-file`` (the trainer: the recipe's
+  ``rollout.vllm.secret_file``, else the same variable) and refuses to listen beyond loopback without one. Request
+  bodies and adapters have size caps; only safetensors LoRA adapters are accepted.
 - **Refused** by ``llmtune validate`` (:func:`llmtune.config.validate.rollout_problems`, with the reason and the
   alternative): full fine-tuning, a 4/8-bit base, DoRA, ``modules_to_save``, ZeRO-3.
 - **Faults** raise :class:`RolloutEngineError` (exit code 69, ``EXIT_ENGINE``) with the cause and the fix: vLLM not
@@ -49,9 +54,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import tempfile
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -60,7 +66,7 @@ from llmtune.config.schema import RolloutConfig, VLLMConfig
 from llmtune.rl.engines.vllm_base import ROLLOUT_BASE, base_identity, check_base, rollout_base
 from llmtune.rl.engines.vllm_client import (RolloutEngineError, VLLMClient, _stop, not_installed_error,
                                             start_colocated, vllm_python)
-from llmtune.rl.engines.vllm_server import PROTOCOL
+from llmtune.rl.engines.vllm_server import PROTOCOL, SECRET_ENV
 from llmtune.rl.types import LENGTH, STOP, Completion, SamplingParams
 from llmtune.utils import get_logger
 
@@ -71,6 +77,8 @@ log = get_logger("rollout")
 # settings
 # ---------------------------------------------------------------------------------------------------------------
 _VLLM, _ROLLOUT = VLLMConfig(), RolloutConfig()  # the recipe's defaults: one source for both
+COLOCATE_GPU_MEMORY = 0.3  # rollout.vllm.gpu_memory_utilization: null, colocated (the trainer shares the device)
+SERVER_GPU_MEMORY = 0.9  # ... null, a rollout server of its own (vLLM's own default)
 
 
 @dataclass
@@ -81,8 +89,9 @@ class VLLMSettings:
 
     mode: str = _VLLM.mode
     url: str | None = _VLLM.url
-    gpu_memory_utilization: float = _VLLM.gpu_memory_utilization
+    gpu_memory_utilization: float = COLOCATE_GPU_MEMORY
     enable_sleep_mode: bool = _VLLM.enable_sleep_mode
+    tensor_parallel_size: int = _VLLM.tensor_parallel_size
     max_model_len: int = 1024
     max_lora_rank: int = 16
     dtype: str = "float32"
@@ -92,23 +101,53 @@ class VLLMSettings:
     top_p: float = _ROLLOUT.top_p
     top_k: int = _ROLLOUT.top_k
     seed: int = 0
+    secret: str | None = field(default=None, repr=False)  # the rollout server's shared secret (server mode)
 
 
 def settings_from_recipe(recipe) -> VLLMSettings:
     """The engine settings of a recipe: ``rollout.vllm.*`` with nulls resolved (``max_model_len``: longest prompt +
     longest completion (sampled or eval); ``max_lora_rank``: ``adapter.lora_r``; ``dtype: auto``: the trainer's
-    precision; ``seed``: ``rollout.seed``, else ``train.seed``)."""
+    precision; ``seed``: ``rollout.seed``, else ``train.seed``; ``gpu_memory_utilization``: 0.3 colocated, 0.9 for
+    a server of its own; ``secret`` (server mode): :func:`recipe_secret`).
+
+    Raises:
+        RolloutEngineError: ``rollout.vllm.secret_file`` cannot be read or is empty (server mode).
+    """
     r = recipe.rollout
     v = r.vllm
     dtype = v.dtype
     if dtype == "auto":
         dtype = "bfloat16" if recipe.precision.bf16 else "float16" if recipe.precision.fp16 else "float32"
+    memory = v.gpu_memory_utilization or (SERVER_GPU_MEMORY if v.mode == "server" else COLOCATE_GPU_MEMORY)
     return VLLMSettings(
-        mode=v.mode, url=v.url, gpu_memory_utilization=v.gpu_memory_utilization,
-        enable_sleep_mode=v.enable_sleep_mode, max_model_len=v.max_model_len or needed_model_len(recipe),
+        mode=v.mode, url=v.url, gpu_memory_utilization=memory, secret=recipe_secret(recipe) if v.mode == "server"
+        else None, enable_sleep_mode=v.enable_sleep_mode, tensor_parallel_size=v.tensor_parallel_size, max_model_len=v.max_model_len or needed_model_len(recipe),
         max_lora_rank=v.max_lora_rank or recipe.adapter.lora_r, dtype=dtype, startup_timeout_s=v.startup_timeout_s,
         request_timeout_s=v.request_timeout_s, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
         seed=r.seed if r.seed is not None else recipe.train.seed)
+
+
+def recipe_secret(recipe) -> str | None:
+    """The rollout server's shared secret as the trainer (and ``llmtune rollout-server``) reads it: the file
+    ``rollout.vllm.secret_file`` (``~`` expanded, relative to the working directory), else
+    ``$LLMTUNE_ROLLOUT_SECRET``, else None.
+
+    Raises:
+        RolloutEngineError: the file cannot be read or holds nothing.
+    """
+    path = recipe.rollout.vllm.secret_file
+    if path:
+        file = Path(path).expanduser()
+        try:
+            secret = file.read_text().strip()
+        except OSError as err:
+            raise RolloutEngineError(f"rollout.vllm.secret_file: cannot read {file.resolve()}: "
+                                     f"{err.strerror or err}") from None
+        if not secret:
+            raise RolloutEngineError(f"rollout.vllm.secret_file: {file.resolve()} is empty: write the rollout "
+                                     "server's secret into it")
+        return secret
+    return os.environ.get(SECRET_ENV, "").strip() or None
 
 
 def vllm_recipe_problems(recipe) -> list[tuple[str, str]]:
@@ -159,6 +198,7 @@ class VLLMEngine:
         self.asleep = False
         health = client.health() if health is None else health
         self.max_lora_rank = int(health["max_lora_rank"])
+        self.max_adapter_bytes = health.get("max_adapter_bytes")  # refused before sending, with the fix
         self.vocab_size = int(getattr(getattr(policy.model, "config", None), "vocab_size", 0) or 0)
 
     def check_adapter(self) -> None:
@@ -190,6 +230,12 @@ class VLLMEngine:
             folder = Path(tmp) if self.policy.adapter == "default" else Path(tmp) / self.policy.adapter
             config = json.loads((folder / "adapter_config.json").read_text())
             weights = (folder / "adapter_model.safetensors").read_bytes()
+        if self.max_adapter_bytes is not None and len(weights) > int(self.max_adapter_bytes):
+            raise RolloutEngineError(
+                f"the policy adapter has {len(weights) / 2**20:.0f} MiB, above the rollout server's limit of "
+                f"{int(self.max_adapter_bytes) / 2**20:.0f} MiB: restart it with a larger --max-adapter-mb (and "
+                "--max-request-mb, 4/3 of it for the base64 encoding), or train a smaller adapter (adapter.lora_r, "
+                "adapter.target_modules); then rerun the same command")
         digest = hashlib.sha256(weights).hexdigest()
         if self.adapter is not None and (self.adapter["version"], self.adapter["sha256"]) == (version, digest):
             self.version = version
@@ -339,6 +385,20 @@ def check_server(health: dict, url: str, needed_len: int) -> None:
             "the prompt / completion lengths")
 
 
+def shared_token(token: str) -> str:
+    """Rank 0's ``token`` on every rank (``torch.distributed``, when initialized): the ranks of one run that sample
+    through one server push their (identical, data-parallel) adapter under one identity per version; the server
+    loads the first push and answers the others as already held, and a rank whose bytes differ from what the server
+    holds for that identity is refused (the sha256 the server states back)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return token
+    box = [token]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def build_vllm_engine(recipe, policy, site, pad_id: int | None = None) -> VLLMEngine:
     """The vLLM engine of an online-RL run (a colocated child process, or a server), checked against the run
     (protocol, context length, base) and the adapter's rank, not yet synced (the trainer syncs before every rollout
@@ -361,7 +421,7 @@ def build_vllm_engine(recipe, policy, site, pad_id: int | None = None) -> VLLMEn
         if not s.url:
             raise RolloutEngineError("rollout.vllm.mode: server needs rollout.vllm.url (http://host:port of a running "
                                      "`llmtune rollout-server RECIPE`)")
-        client = VLLMClient(s.url, s.request_timeout_s)
+        client = VLLMClient(s.url, s.request_timeout_s, secret=s.secret)
         health = client.wait_healthy(s.startup_timeout_s)
         check_server(health, s.url, needed_model_len(recipe))
         check_base(health, base_identity(recipe), s.url)
@@ -379,6 +439,8 @@ def build_vllm_engine(recipe, policy, site, pad_id: int | None = None) -> VLLMEn
         check_server(health, client.url, needed_model_len(recipe))
         owns = True
     engine = VLLMEngine(client, policy, s, owns, health)
+    if not owns and site.world_size > 1:
+        engine.token = shared_token(engine.token)
     try:
         engine.check_adapter()  # before training: the trainer syncs before every rollout batch and evaluation
     except BaseException:

@@ -13,10 +13,17 @@ processed_logprobs`` (the log-prob of each sampled token under the distribution 
 temperature, top-k and top-p, as TRL's vLLM path requests), and ``generation_config="vllm"`` (the model's
 generation_config.json never changes the sampling settings the trainer sends). ``enforce_eager`` on CPU.
 
-Protocol 2 (JSON over HTTP; every error answer is ``{"error": message}``):
+Protocol 2 (JSON over HTTP; every error answer is ``{"error": message}``). Every request carries the server's shared
+secret as ``Authorization: Bearer <secret>`` (compared in constant time; 401 without it or with another one; the
+secret is never logged). The server takes it from ``$LLMTUNE_ROLLOUT_SECRET`` or ``--secret-file``; without either it
+generates one and prints it once, on a loopback address only: on any other address it refuses to start. A request
+body above ``--max-request-mb`` is refused (413) before it is read, an adapter above ``--max-adapter-mb`` (413) before
+it is written; an adapter that is not a safetensors LoRA is
+refused (400): a pickle is never loaded.
 
 - ``GET /health`` -> 200 ``{"status": "ok", "version": V | null, "adapter_id": the newest adapter | null,
-  "adapters": [ids held], "max_lora_rank", "max_model_len", "model", "base_id", "protocol": 2, "vllm_version"}``
+  "adapters": [ids held], "max_lora_rank", "max_model_len", "model", "base_id", "protocol": 2, "vllm_version",
+  "max_request_bytes", "max_adapter_bytes"}``
   (``base_id``: the ``--base-id`` it was started with, null without; trainers refuse a server whose base is not
   theirs, whose protocol is not theirs, or whose ``max_model_len`` is below their prompts + completions) once the
   engine runs; 503 ``{"status": "starting"}`` while it starts.
@@ -53,7 +60,12 @@ if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.a
 import argparse  # noqa: E402
 import base64  # noqa: E402
 import hashlib  # noqa: E402
+import hmac  # noqa: E402
+import ipaddress  # noqa: E402
 import json  # noqa: E402
+import secrets  # noqa: E402
+import socket  # noqa: E402
+import struct  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
 import tempfile  # noqa: E402
@@ -63,6 +75,9 @@ from collections import OrderedDict  # noqa: E402
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: E402
 
 PROTOCOL = 2
+SECRET_ENV = "LLMTUNE_ROLLOUT_SECRET"  # the shared secret of a rollout server (server and trainer)
+MAX_REQUEST_MB = 2048  # default --max-request-mb: an 8B model's LoRA r=64 adapter is ~0.6 GB, ~0.8 GB in base64
+MAX_ADAPTER_MB = 1536  # default --max-adapter-mb: the safetensors bytes of one adapter
 # vLLM accepts only these LoRA ranks as max_lora_rank (vllm.config.lora.LoRAConfig)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -71,6 +86,51 @@ CPU_KV_CACHE_BYTES = 1 << 30
 def engine_lora_rank(rank: int) -> int:
     """The smallest rank vLLM accepts as ``max_lora_rank`` that holds an adapter of rank ``rank``."""
     return next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) is this machine's loopback only."""
+    if host in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None))
+        except (OSError, ValueError):
+            return False
+
+
+def check_safetensors_adapter(adapter_config, adapter_model: bytes) -> None:
+    """Refuse an upload that is not a safetensors LoRA adapter: the config must be a peft LoRA config, the weights a
+    safetensors file (an 8-byte little-endian header length, a JSON header of tensors whose byte ranges fit the
+    file); nothing else is written to disk or given to vLLM (a pickle could run code when loaded).
+
+    Raises:
+        ValueError: naming what is wrong.
+    """
+    if not isinstance(adapter_config, dict) or str(adapter_config.get("peft_type", "")).upper() != "LORA":
+        raise ValueError("the adapter_config is not a peft LoRA config (peft_type LORA): only LoRA adapters are served")
+    if len(adapter_model) < 8:
+        raise ValueError("the adapter weights are not a safetensors file (too short): only safetensors are accepted")
+    (size,) = struct.unpack("<Q", adapter_model[:8])
+    if not 2 <= size <= len(adapter_model) - 8:
+        raise ValueError("the adapter weights are not a safetensors file (bad header length): only safetensors "
+                         "adapters are accepted")
+    try:
+        header = json.loads(adapter_model[8:8 + size])
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError("the adapter weights are not a safetensors file (the header is not JSON): only safetensors "
+                         "adapters are accepted") from None
+    data = len(adapter_model) - 8 - size
+    for name, entry in (header.items() if isinstance(header, dict) else []):
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and 0 <= offsets[0] <= offsets[1] <= data):
+            raise ValueError(f"the adapter weights are not a valid safetensors file (tensor {name!r})")
+    if not isinstance(header, dict):
+        raise ValueError("the adapter weights are not a safetensors file (the header is not an object)")
 
 
 class StaleVersionError(RuntimeError):
@@ -258,6 +318,9 @@ class _State:
     args: argparse.Namespace | None = None
     base_id: str | None = None
     vllm_version: str | None = None
+    secret: bytes = b""
+    max_request_bytes: int = MAX_REQUEST_MB << 20
+    max_adapter_bytes: int = MAX_ADAPTER_MB << 20
 
 
 def _handler(state: _State):
@@ -267,15 +330,31 @@ def _handler(state: _State):
         def log_message(self, fmt, *args):  # one line per request on stderr is noise at one request per step
             return
 
-        def _send(self, code: int, body: dict) -> None:
+        def _send(self, code: int, body: dict, close: bool = False) -> None:
             data = json.dumps(body).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if close:  # the request body was not read: the connection cannot be reused
+                self.send_header("Connection", "close")
+                self.close_connection = True
             self.end_headers()
             self.wfile.write(data)
 
+        def _authorized(self) -> bool:
+            """The request carries the server's secret (constant-time comparison); else a 401 is sent."""
+            given = self.headers.get("Authorization", "")
+            token = given[len("Bearer "):].encode() if given.startswith("Bearer ") else b""
+            if state.secret and hmac.compare_digest(token, state.secret):
+                return True
+            length = int(self.headers.get("Content-Length") or 0)
+            self._send(401, {"error": "unauthorized: this rollout server needs its shared secret (the trainer reads it "
+                             f"from ${SECRET_ENV} or rollout.vllm.secret_file)"}, close=length > 0)
+            return False
+
         def do_GET(self):
+            if not self._authorized():
+                return
             if self.path != "/health":
                 return self._send(404, {"error": f"no endpoint GET {self.path}"})
             core = state.core
@@ -285,19 +364,35 @@ def _handler(state: _State):
             self._send(200, {"status": "ok", "version": latest.get("version"), "adapter_id": latest.get("adapter_id"),
                              "adapters": list(core.adapters), "max_lora_rank": core.max_lora_rank,
                              "max_model_len": core.max_model_len, "model": core.model, "base_id": state.base_id,
-                             "protocol": PROTOCOL, "vllm_version": state.vllm_version})
+                             "protocol": PROTOCOL, "vllm_version": state.vllm_version,
+                             "max_request_bytes": state.max_request_bytes, "max_adapter_bytes": state.max_adapter_bytes})
 
         def do_POST(self):
+            if not self._authorized():
+                return
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                return self._send(400, {"error": "a bad Content-Length"}, close=True)
+            if length > state.max_request_bytes:
+                return self._send(413, {"error": f"the request has {length} bytes, above this server's limit of "
+                                        f"{state.max_request_bytes} (--max-request-mb)"}, close=True)
             core = state.core
             if core is None:
+                self.rfile.read(length)
                 return self._send(503, {"error": "the engine is still starting"})
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                body = json.loads(self.rfile.read(length) or b"{}")
+                if self.path == "/adapter":  # checked before anything is written or loaded
+                    weights = base64.b64decode(body["adapter_model"], validate=True)
+                    if len(weights) > state.max_adapter_bytes:
+                        return self._send(413, {"error": f"the adapter has {len(weights)} bytes, above this server's "
+                                                f"limit of {state.max_adapter_bytes} (--max-adapter-mb)"})
+                    check_safetensors_adapter(body["adapter_config"], weights)
                 with state.lock:
                     if self.path == "/adapter":
                         loaded = core.load_adapter(int(body["version"]), str(body["adapter_id"]),
-                                                   body["adapter_config"], base64.b64decode(body["adapter_model"]),
-                                                   body.get("sha256"))
+                                                   body["adapter_config"], weights, body.get("sha256"))
                         return self._send(200, loaded)
                     if self.path == "/generate":
                         s = body["sampling"]
@@ -313,7 +408,7 @@ def _handler(state: _State):
                 return self._send(404, {"error": f"no endpoint POST {self.path}"})
             except StaleVersionError as exc:
                 return self._send(409, {"error": str(exc)})
-            except (KeyError, TypeError, ValueError) as exc:
+            except (KeyError, TypeError, ValueError) as exc:  # binascii.Error (bad base64) is a ValueError
                 return self._send(400, {"error": f"{type(exc).__name__}: {exc}"})
             except Exception as exc:  # noqa: BLE001 - the engine failed: say so to the trainer, keep serving health
                 traceback.print_exc()
@@ -335,16 +430,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--enable-sleep-mode", action="store_true")
     p.add_argument("--engine-args", default=None, help="JSON object of further vllm.LLM keyword arguments")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs one engine spans (vLLM tensor "
+                   "parallelism)")
     p.add_argument("--max-adapters", type=int, default=2, help="adapters held at once (the newest pushes)")
     p.add_argument("--base-id", default=None, help="identity of the base (llmtune's base_identity of the recipe), "
                    "stated in /health so that a trainer of another model refuses this server")
+    p.add_argument("--secret-file", default=None, help=f"file holding the shared secret (default: ${SECRET_ENV}; "
+                   "neither: one is generated and printed, on a loopback address only)")
+    p.add_argument("--max-request-mb", type=int, default=MAX_REQUEST_MB, help="largest request body accepted (MiB)")
+    p.add_argument("--max-adapter-mb", type=int, default=MAX_ADAPTER_MB, help="largest adapter accepted (MiB of "
+                   "safetensors)")
     return p.parse_args(argv)
+
+
+def server_secret(args: argparse.Namespace) -> tuple[str, bool]:
+    """The server's shared secret and whether it was generated here: from ``--secret-file``, else
+    ``$LLMTUNE_ROLLOUT_SECRET``, else a new random one, on a loopback address only.
+
+    Raises:
+        SystemExit: no secret given and the address is not loopback; the secret file cannot be read or is empty.
+    """
+    if args.secret_file:
+        try:
+            secret = open(args.secret_file).read().strip()
+        except OSError as exc:
+            raise SystemExit(f"error: cannot read --secret-file {args.secret_file}: {exc.strerror}") from None
+        if not secret:
+            raise SystemExit(f"error: --secret-file {args.secret_file} is empty")
+        return secret, False
+    if os.environ.get(SECRET_ENV, "").strip():
+        return os.environ[SECRET_ENV].strip(), False
+    if not is_loopback(args.host):
+        raise SystemExit(f"error: a rollout server on {args.host} (not loopback) would let anyone who can reach it "
+                         f"push adapters and generate: give it a shared secret (${SECRET_ENV}=... or --secret-file "
+                         "PATH; e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`) and the same "
+                         f"secret to the trainer (${SECRET_ENV} or rollout.vllm.secret_file)")
+    return secrets.token_urlsafe(32), True
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    secret, generated = server_secret(args)
     state = _State()
     state.base_id = args.base_id
+    state.secret = secret.encode()
+    state.max_request_bytes = args.max_request_mb << 20
+    state.max_adapter_bytes = args.max_adapter_mb << 20
     server = ThreadingHTTPServer((args.host, args.port), _handler(state))
     server.daemon_threads = True
     port = server.server_address[1]
@@ -355,11 +486,16 @@ def main(argv: list[str] | None = None) -> int:
         os.replace(tmp, args.port_file)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     print(f"rollout server listening on http://{args.host}:{port} (starting the engine)", file=sys.stderr, flush=True)
+    if generated:  # printed once, here only (a secret that was given is never printed)
+        print(f"rollout server secret (give it to the trainer: {SECRET_ENV}={secret}; or start the server with "
+              f"{SECRET_ENV} or --secret-file set)", file=sys.stderr, flush=True)
     try:
         state.core = RolloutCore(args.model, max_lora_rank=args.max_lora_rank, max_model_len=args.max_model_len,
                                  dtype=args.dtype, seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization,
                                  enable_sleep_mode=args.enable_sleep_mode,
-                                 engine_args=json.loads(args.engine_args) if args.engine_args else None,
+                                 engine_args={**({"tensor_parallel_size": args.tensor_parallel_size}
+                                                 if args.tensor_parallel_size > 1 else {}),
+                                              **(json.loads(args.engine_args) if args.engine_args else {})},
                                  max_adapters=args.max_adapters)
         state.vllm_version = vllm_version()
     except Exception as exc:  # noqa: BLE001 - the trainer reads this line from the log

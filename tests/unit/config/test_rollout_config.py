@@ -28,7 +28,7 @@ def test_defaults_and_stage_max_new_tokens():
     assert load_recipe(raw={**GRPO, "rollout": {"max_new_tokens": 7}}).rollout.max_new_tokens == 7
     v = grpo.vllm
     assert (v.mode, v.url, v.gpu_memory_utilization, v.enable_sleep_mode, v.max_model_len, v.max_lora_rank,
-            v.dtype) == ("colocate", None, 0.3, True, None, None, "auto")
+            v.dtype) == ("colocate", None, None, True, None, None, "auto")  # null: 0.3 colocated, 0.9 server
     assert (v.importance_sampling_correction, v.importance_sampling_cap) == (True, 2.0)
     assert (v.startup_timeout_s, v.request_timeout_s) == (600.0, 600.0)
 
@@ -66,6 +66,7 @@ def test_field_ranges(section, path):
     (["distributed.zero_stage=3"], "rollout.engine", "ZeRO-3"),
     (["rollout.vllm.max_lora_rank=8"], "rollout.vllm.max_lora_rank", "below the trained adapter's rank"),
     (["rollout.vllm.mode=server"], "rollout.vllm.url", "needs the address of a running rollout server"),
+    (["rollout.vllm.tensor_parallel_size=2"], "rollout.vllm.tensor_parallel_size", "needs a rollout server"),
 ])
 def test_vllm_refuses_with_reason_and_alternative(overrides, key, needle):
     problems = _problems(GRPO, ["rollout.engine=vllm", *overrides])
@@ -130,3 +131,29 @@ def test_help_lists_the_rollout_keys():
                     "rollout.vllm.importance_sampling_cap"):
             assert key in text, (stage, key)
     assert "rollout." not in options_help("sft")
+
+
+def test_server_settings_memory_secret_and_tensor_parallelism(tmp_path, monkeypatch):
+    from llmtune.rl.engines.vllm_client import server_command
+    from llmtune.rl.engines.vllm_engine import RolloutEngineError, settings_from_recipe
+
+    monkeypatch.delenv("LLMTUNE_ROLLOUT_SECRET", raising=False)
+    colocate = settings_from_recipe(load_recipe(raw=GRPO, overrides=["rollout.engine=vllm"]))
+    assert colocate.gpu_memory_utilization == 0.3 and colocate.secret is None
+    server = ["rollout.engine=vllm", "rollout.vllm.mode=server", "rollout.vllm.url=http://10.0.0.7:8000"]
+    s = settings_from_recipe(load_recipe(raw=GRPO, overrides=server))
+    assert s.gpu_memory_utilization == 0.9 and s.secret is None  # a server of its own: most of its GPU
+    assert settings_from_recipe(load_recipe(raw=GRPO, overrides=[
+        *server, "rollout.vllm.gpu_memory_utilization=0.5"])).gpu_memory_utilization == 0.5
+    monkeypatch.setenv("LLMTUNE_ROLLOUT_SECRET", "from-env")
+    assert settings_from_recipe(load_recipe(raw=GRPO, overrides=server)).secret == "from-env"
+    (tmp_path / "secret").write_text("from-file\n")
+    s = settings_from_recipe(load_recipe(raw=GRPO, overrides=[*server, f"rollout.vllm.secret_file={tmp_path}/secret"]))
+    assert s.secret == "from-file" and "from-file" not in repr(s)  # never in a log line
+    (tmp_path / "empty").write_text("")
+    for name, needle in (("empty", "is empty"), ("missing", "cannot read")):
+        with pytest.raises(RolloutEngineError, match=needle):
+            settings_from_recipe(load_recipe(raw=GRPO, overrides=[*server, f"rollout.vllm.secret_file={tmp_path}/{name}"]))
+    tp = settings_from_recipe(load_recipe(raw=GRPO, overrides=[*server, "rollout.vllm.tensor_parallel_size=4"]))
+    cmd = server_command("python", "base", tp)
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "4" and "from-env" not in " ".join(cmd)
