@@ -5,6 +5,7 @@
     python scripts/bench.py --cpu --cases grpo --threads 1   # GRPO only: llmtune vs TRL's GRPOTrainer
     python scripts/bench.py --gpu     # Llama-3-8B shape (random init), 2,048-token rows, LoRA / QLoRA nf4 / DPO, bf16
     python scripts/bench.py --tiny    # tiny random Llama, a few steps: the same code path in well under a minute
+    python scripts/bench.py --async-rollouts   # GRPO max_staleness 1 vs 0 on one rollout server (bench_async.py)
 
 DPO pairs: HH-RLHF from ``--hh-pairs PATH`` (or ``$LLMTUNE_BENCH_HH_PAIRS``), else pairs built from GSM8K.
 
@@ -596,11 +597,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch threads per run (OMP_NUM_THREADS; default torch's own: one per core)")
     ap.add_argument("--generation", action="store_true", help="instead: rollout generation tokens/s of the hf and "
                     "vLLM engines side by side (scripts/bench_generation.py)")
+    ap.add_argument("--async-rollouts", action="store_true", help="instead: GRPO with rollout.max_staleness 1 vs 0 "
+                    "on one rollout server (scripts/bench_async.py)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         worker(args.worker)
         return 0
+    if args.async_rollouts:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_async import main as async_main
+
+        return async_main(["--tiny"] if args.tiny else [])
     if args.generation:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from bench_generation import main as generation_main

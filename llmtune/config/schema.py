@@ -501,7 +501,10 @@ class VLLMConfig(Section):
     mode: Literal["colocate", "server"] = Field(
         "colocate", description="colocate: vLLM runs in the training process on the same device(s); server: the "
         "trainer samples through a running rollout server at url (`llmtune rollout-server RECIPE`).")
-    url: str | None = Field(None, description="server mode: http://host:port of a running rollout server.")
+    url: str | list[str] | None = Field(
+        None, description="server mode: http://host:port of a running rollout server, or a list of several (each "
+        "request's prompts are spread over them, the turns of one trajectory and the prompts of one group stay on one "
+        "server; every server holds the same adapter versions).")
     secret_file: str | None = Field(
         None, description="server mode: a file holding the rollout server's shared secret (sent with every request; "
         "never logged); null = $LLMTUNE_ROLLOUT_SECRET. `llmtune rollout-server` reads the same file.")
@@ -538,8 +541,14 @@ class VLLMConfig(Section):
     @field_validator("url")
     @classmethod
     def _http_url(cls, value):
-        if value is not None and not re.fullmatch(r"https?://[^/\s:]+(:\d{1,5})?/?", value):
-            raise ValueError(f"must look like http://host:port (e.g. http://127.0.0.1:8000), got {value!r}")
+        for url in [value] if isinstance(value, str) else value or []:
+            if not re.fullmatch(r"https?://[^/\s:]+(:\d{1,5})?/?", url):
+                raise ValueError(f"must look like http://host:port (e.g. http://127.0.0.1:8000), got {url!r}")
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("an empty list: give one url or several (or null in colocate mode)")
+            if len(set(u.rstrip("/") for u in value)) < len(value):
+                raise ValueError(f"the same server twice in {value}: each url once")
         return value
 
 
@@ -563,6 +572,12 @@ class RolloutConfig(Section):
                                             "(null = max_new_tokens).")
     seed: int | None = Field(None, ge=0, le=SEED_MAX, description="Seed of the sampling; null = train.seed. The "
                              "engine's per-request seeds derive from (seed, iteration, rank).")
+    max_staleness: int = Field(
+        0, ge=0, description="Asynchronous rollouts: the next rollout batches are sampled (vLLM, in the background) "
+        "while the trainer trains, from a policy at most this many optimizer steps older than the one that trains "
+        "on them; a multiple of the steps per iteration (k x steps = k iterations ahead). 0 = synchronous: sample, "
+        "then train. The importance-sampling correction (rollout.vllm.importance_sampling_correction) covers the "
+        "off-policy gap; a rollout beyond the bound is never trained on (rollout/stale_dropped_fraction).")
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
 

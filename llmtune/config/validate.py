@@ -287,6 +287,20 @@ def rollout_problems(doc: dict, engine: str | None = None) -> list[tuple[str, st
         problems.append(("rollout.vllm.url", "rollout.vllm.mode: server needs the address of a running rollout "
                          "server, e.g. rollout.vllm.url: http://127.0.0.1:8000 (start one with `llmtune "
                          "rollout-server RECIPE`, which prints it), or use mode: colocate"))
+    staleness = dotted_get(doc, "rollout.max_staleness", 0)
+    if isinstance(staleness, int) and staleness > 0:
+        if engine == "hf":
+            problems.append(("rollout.max_staleness", f"{staleness} samples the next rollout batches while the trainer "
+                             "trains, which needs an engine in another process: the hf engine samples on the training "
+                             "model itself. Use rollout.engine: vllm (colocate or server), or max_staleness: 0"))
+        if dotted_get(doc, "grpo.dynamic_sampling", "off") == "resample":
+            problems.append(("rollout.max_staleness", "asynchronous rollouts with grpo.dynamic_sampling: resample "
+                             "(its extra rounds sample from the current policy in the middle of an iteration): use "
+                             "dynamic_sampling: filter, or max_staleness: 0"))
+        if dotted_get(doc, "rollout.vllm.importance_sampling_correction", True) is False:
+            problems.append(("rollout.max_staleness", "asynchronous rollouts are sampled from an older policy; without "
+                             "rollout.vllm.importance_sampling_correction the loss would treat them as on-policy. Set "
+                             "it to true, or max_staleness: 0"))
     tp = dotted_get(doc, "rollout.vllm.tensor_parallel_size", 1)
     if engine != "hf" and isinstance(tp, int) and tp > 1 and dotted_get(doc, "rollout.vllm.mode", "colocate") != "server":
         problems.append(("rollout.vllm.tensor_parallel_size", f"{tp} GPUs per engine needs a rollout server of its own "

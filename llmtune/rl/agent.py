@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from llmtune.rl.types import LENGTH, STOP, SamplingParams, Trajectory
 
@@ -90,12 +90,15 @@ class AgentLoop:
         self.tools, self.environment, self.settings = tools, environment, settings
         self.render_prompt, self.max_prompt_tokens = render_prompt, max_prompt_tokens
 
-    def run(self, rows: list[dict], sampling: SamplingParams, groups: list[int] | None = None) -> list[Trajectory]:
+    def run(self, rows: list[dict], sampling: SamplingParams, groups: list[int] | None = None,
+            version: int | None = None) -> list[Trajectory]:
         """One trajectory per prompt row (rows of one group each get their own toolbox / environment instance).
 
         Args:
             rows: B prompt rows (``input_ids``, ``messages`` JSON, and the row's columns). sampling: the sampling
-                settings; its ``max_new_tokens`` is the whole trajectory's budget. groups: (B,) group ids.
+                settings; its ``max_new_tokens`` is the whole trajectory's budget (with ``seed``, turn t's call is
+                seeded ``seed + t``). groups: (B,) group ids: every turn of a group's trajectories goes to one
+                server (the engine's ``keys``). version: the policy version to sample with (default the current).
 
         Returns:
             B :class:`~llmtune.rl.types.Trajectory` with ``turns``, ``finish_reason`` and ``info``: ``messages`` (the
@@ -126,12 +129,16 @@ class AgentLoop:
                 r.finish, r.infrastructure = ERROR, failure
             rollouts.append(r)
         budget = sampling.max_new_tokens
+        turn = 0
         while True:
             active = [r for r in rollouts if r.finish is None]
             if not active:
                 break
             budgets = [budget - len(r.ids) for r in active]
-            completions = self.engine.generate([r.prompt_ids + r.ids for r in active], sampling, budgets)
+            call = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + turn)
+            completions = self.engine.generate([r.prompt_ids + r.ids for r in active], call, budgets,
+                                               keys=[r.group for r in active], version=version)
+            turn += 1
             for r, c in zip(active, completions):
                 self._step(r, c, budget)
         return [self._trajectory(r) for r in rollouts]

@@ -112,6 +112,8 @@ class OnlineRLTrainer(CoreTrainer):
         self._buffer: list[list[dict[str, torch.Tensor]]] = []
         self._rollout_s = 0.0  # seconds spent making experience since the last log (not training)
         self._generation_s = 0.0  # of which sampling
+        self._iteration_start: float | None = None  # when the current iteration started (its rollout batch)
+        self._eval_s = 0.0  # seconds of evaluation since then
         self.agent_tools = stage.agent_tools() if hasattr(stage, "agent_tools") else None  # multi-turn tools, or None
         environment = self.agent_tools.environment if self.agent_tools else None
         self.rewards = build_reward_sources(recipe.reward, processing_class, recipe_dir=stage.recipe_dir,
@@ -133,6 +135,35 @@ class OnlineRLTrainer(CoreTrainer):
         site = EngineSite(self.run_dir, self.args.process_index, self.args.world_size, self.args.device)
         self.engine = build_engine(recipe, policy, site, self.pad_id)
         self.agent = self._agent_loop(recipe) if self.agent_tools else None
+        self.prefetch = self._prefetcher(recipe) if self.rollout.max_staleness else None
+
+    def _prefetcher(self, recipe):
+        """The background sampler of ``rollout.max_staleness`` > 0 (:class:`llmtune.rl.prefetch.RolloutPrefetcher`),
+        ``max_staleness // steps_per_iteration`` iterations ahead.
+
+        Raises:
+            RecipeError: the engine samples on the training model (hf: nothing to overlap), or the bound is below
+                one iteration's optimizer steps (no whole rollout batch could be sampled ahead).
+        """
+        from llmtune.config import RecipeError
+        from llmtune.rl.prefetch import RolloutPrefetcher
+
+        bound, spi = self.rollout.max_staleness, self.steps_per_iteration
+        if not hasattr(self.engine, "snapshot"):
+            self.close()
+            raise RecipeError([("rollout.max_staleness", f"{bound} samples the next rollout batches while the trainer "
+                                "trains, which needs an engine in another process: the hf engine samples on the "
+                                "training model itself. Use rollout.engine: vllm (colocate or server), or "
+                                "max_staleness: 0")])
+        if bound < spi:
+            self.close()
+            raise RecipeError([("rollout.max_staleness", f"{bound} optimizer steps is less than one iteration "
+                                f"({spi} steps: {self.cfg.__class__.__name__.removesuffix('Config').lower()} "
+                                "rollout batch / train.global_batch_size x its passes): a batch sampled one iteration "
+                                f"ahead is {spi} steps stale. Set it to 0 or >= {spi} (a multiple of {spi}: "
+                                f"{spi} = one iteration ahead)")])
+        iterations = -(-(self.args.max_steps or 0) // spi)
+        return RolloutPrefetcher(self.engine, self._trajectories, bound // spi, iterations)
 
     def _agent_loop(self, recipe):
         """The multi-turn loop of ``agent:`` (:class:`llmtune.rl.agent.AgentLoop`) on this run's engine, with the
@@ -208,8 +239,16 @@ class OnlineRLTrainer(CoreTrainer):
                 break
         if not self._buffer:
             start = time.perf_counter()
-            self.engine.sync(self.state.global_step)  # the engine samples from the policy of this step
-            self._buffer = self.make_experience(self.state.global_step // self.steps_per_iteration)
+            if self._iteration_start is not None:  # the previous iteration, sampling + training, evaluations excluded
+                self.add_metrics({"iteration_s": start - self._iteration_start - self._eval_s})
+            self._iteration_start, self._eval_s = start, 0.0
+            step = self.state.global_step
+            iteration = step // self.steps_per_iteration
+            if self.prefetch is None:
+                self.engine.sync(step)  # the engine samples from the policy of this step
+            else:  # the next batches are sampled in the background, from the policy of this step
+                self.prefetch.schedule(iteration, self._plan, lambda: self.engine.snapshot(step))
+            self._buffer = self.make_experience(iteration)
             self._rollout_s += time.perf_counter() - start
         micro_batches = self._buffer.pop(0)
         return micro_batches, self._get_num_items_in_batch(micro_batches, device)
@@ -233,12 +272,61 @@ class OnlineRLTrainer(CoreTrainer):
     def _seed(self, iteration: int, salt: int = 0) -> None:
         from transformers import set_seed
 
+        set_seed(self.iteration_seed(iteration, salt))
+
+    def iteration_seed(self, iteration: int, salt: int = 0) -> int:
+        """The seed of iteration ``iteration`` on this rank: (``rollout.seed``, else ``train.seed``) + iteration and
+        rank terms, modulo numpy's seed range (seed + 1_000_003 x iteration passes 2**32 after ~4,300 iterations)."""
         seed = self.args.seed if self.rollout.seed is None else self.rollout.seed
-        # modulo numpy's seed range: seed + 1_000_003 x iteration passes 2**32 after ~4,300 iterations
-        set_seed((seed + 1_000_003 * iteration + 7919 * self.args.process_index + salt) % 2**32)
+        return (seed + 1_000_003 * iteration + 7919 * self.args.process_index + salt) % 2**32
+
+    # ---- what each iteration samples ------------------------------------------------------------------
+    def rollout_rows(self, iteration: int) -> tuple[list[dict], list[int]]:
+        """This rank's prompt rows of iteration ``iteration`` (one per trajectory) and their group ids."""
+        raise NotImplementedError
+
+    def _plan(self, iteration: int):
+        """What the background sampler samples for ``iteration``: its rows, groups, and the sampling settings with
+        the iteration's own seed (never torch's global RNG, which the training thread uses)."""
+        from dataclasses import replace
+
+        rows, groups = self.rollout_rows(iteration)
+        return rows, groups, replace(self.sampling, seed=self.iteration_seed(iteration, salt=17))
+
+    def rollout_batch(self, iteration: int) -> RolloutBatch:
+        """The rollouts of iteration ``iteration``: sampled now from the policy of this step, or (``max_staleness``
+        > 0) taken from the background sampler, sampled from an earlier version (``rollout/staleness_*``)."""
+        if self.prefetch is None:
+            rows, groups = self.rollout_rows(iteration)
+            return self.sample(rows, groups)
+        got, waited = self.prefetch.take(iteration)
+        self._generation_s += waited  # the time the trainer did not train
+        batch = self._batch(got.trajectories, got.seconds)
+        staleness = (self.state.global_step - batch.versions).float()
+        stale = self.too_stale(batch)
+        self.add_metrics({"rollout/staleness_mean": float(staleness.mean()),
+                          "rollout/staleness_max": float(staleness.max()),
+                          "rollout/stale_dropped_fraction": float(stale.float().mean()),
+                          "rollout/wait_s": waited, "rollout/engine_idle_s": got.engine_idle_s})
+        if stale.any():
+            log.warning("%d of %d rollouts of iteration %d are more than rollout.max_staleness = %d optimizer steps "
+                        "stale: not trained on", int(stale.sum()), len(stale), iteration, self.rollout.max_staleness)
+        return batch
+
+    def too_stale(self, batch: RolloutBatch) -> torch.Tensor:
+        """(B,) bool: rollouts sampled more than ``rollout.max_staleness`` optimizer steps before the current step
+        (or by an unknown version) when rollouts are sampled ahead; never trained on. All False when they are not
+        (every rollout is sampled from the current policy)."""
+        if self.prefetch is None:
+            return torch.zeros(len(batch.trajectories), dtype=torch.bool, device=batch.versions.device)
+        return (batch.versions < 0) | (self.state.global_step - batch.versions > self.rollout.max_staleness)
 
     def close(self) -> None:
-        """Free the rollout engine (the runner calls this when the stage ends, also on errors)."""
+        """Free the rollout engine and the background sampler (the runner calls this when the stage ends, also on
+        errors)."""
+        prefetch = getattr(self, "prefetch", None)
+        if prefetch is not None:
+            prefetch.close()
         engine = getattr(self, "engine", None)
         if engine is None:
             return
@@ -256,28 +344,42 @@ class OnlineRLTrainer(CoreTrainer):
             greedy: the evaluation's decoding (``rollout.eval_max_new_tokens``; no metrics logged).
 
         Sampling logs ``generation_tokens_per_s`` (real completion tokens per second of sampling, this rank),
-        ``generation_tflops_per_s`` (their model FLOPs, a KV-cached forward per token, :mod:`llmtune.core.flops`)
-        and ``generation_mfu`` (that over this device's peak, where known).
+        ``generation_tflops_per_s`` (their model FLOPs, a KV-cached forward per token, :mod:`llmtune.core.flops`),
+        ``generation_mfu`` (that over this device's peak, where known) and ``rollout/sample_s`` (seconds the engine
+        sampled the batch; with ``max_staleness`` > 0 while the trainer trained). Every iteration also logs
+        ``iteration_s`` (wall seconds of the previous iteration, sampling + training, evaluations excluded).
         """
-        from llmtune.core.flops import forward_flops_per_token, peak_tflops
-
         sampling = self.eval_sampling if greedy else self.sampling
         groups = list(range(len(rows))) if groups is None else groups
         start = time.perf_counter()
+        trajectories = self._trajectories(rows, groups, sampling)
+        return self._batch(trajectories, time.perf_counter() - start, greedy)
+
+    def _trajectories(self, rows: list[dict], groups: list[int], sampling, version: int | None = None
+                      ) -> list[Trajectory]:
+        """One trajectory per row through the engine (or the agent loop), nothing else: no metrics, no collectives,
+        no device tensors (the background sampler runs it in its own thread). ``version``: the policy version to
+        sample with (default the current one)."""
         if self.agent is not None:  # several turns with tools (token-in/token-out, llmtune.rl.agent)
-            trajectories = self.agent.run(rows, sampling, groups)
-        else:
-            prompts = [[int(i) for i in row["input_ids"]] for row in rows]
-            completions = self.engine.generate(prompts, sampling)
-            trajectories = [Trajectory.single_turn(row, p, c, g)
-                            for row, p, c, g in zip(rows, prompts, completions, groups)]
-        seconds = time.perf_counter() - start
+            return self.agent.run(rows, sampling, groups, version=version)
+        prompts = [[int(i) for i in row["input_ids"]] for row in rows]
+        extra = {} if version is None else {"version": version}
+        completions = self.engine.generate(prompts, sampling, keys=groups, **extra)
+        return [Trajectory.single_turn(row, p, c, g) for row, p, c, g in zip(rows, prompts, completions, groups)]
+
+    def _batch(self, trajectories: list[Trajectory], seconds: float, greedy: bool = False) -> RolloutBatch:
+        """Trajectories padded into a batch on the training device, with the sampling metrics (see :meth:`sample`;
+        ``seconds``: the sampling time)."""
+        from llmtune.core.flops import forward_flops_per_token, peak_tflops
+
         batch = RolloutBatch.from_trajectories(trajectories, self.pad_id, self.args.device)
         if greedy:
             return batch
         if self.agent is not None:
             self.add_metrics(self._agent_metrics(trajectories))
-        self._generation_s += seconds
+        if self.prefetch is None:  # sampled in the background: the trainer's share is the time it waited
+            self._generation_s += seconds
+        self.add_metrics({"rollout/sample_s": seconds})
         tokens = batch.loss_mask  # the tokens the policy sampled (multi-turn: not the tool results)
         tokens_per_s = float(tokens.sum()) / max(seconds, 1e-9)
         # a generated token attends to its prompt and the completion so far: on average prompt + half of it
@@ -444,6 +546,9 @@ class OnlineRLTrainer(CoreTrainer):
         rows_all = eval_dataset if eval_dataset is not None else self.eval_prompts
         if rows_all is None or len(rows_all) == 0:
             return {}
+        eval_start = time.perf_counter()
+        if self.prefetch is not None:  # the engine is the background sampler's until it is done
+            self.prefetch.drain()
         self.engine.sync(self.state.global_step)  # greedy answers of the policy of this step
         indices = list(range(len(rows_all)))[self.args.process_index::self.args.world_size]
         size = self.args.per_device_eval_batch_size
@@ -502,6 +607,7 @@ class OnlineRLTrainer(CoreTrainer):
         if self.is_world_process_zero():
             path = self.run_dir / f"eval_samples_step{self.state.global_step}.jsonl"
             path.write_text("".join(json.dumps(s) + "\n" for s in samples[:8]))
+        self._eval_s += time.perf_counter() - eval_start
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
@@ -522,6 +628,21 @@ class OnlineRLTrainer(CoreTrainer):
 
     def save_extra(self, out: Path, model, state_dict: dict | None) -> None:
         """What a stage saves beside the policy adapter (PPO: its value model); default nothing."""
+
+    def save_extra_state(self, checkpoint: Path) -> None:
+        """With rollouts sampled ahead: the adapters of the batches submitted but not yet trained on
+        (:func:`llmtune.rl.prefetch.save_snapshots`), so that a run resumed here samples them again identically."""
+        if self.prefetch is not None:
+            from llmtune.rl.prefetch import save_snapshots
+
+            save_snapshots(checkpoint, self.prefetch.untaken())
+
+    def load_counters(self, checkpoint) -> None:
+        super().load_counters(checkpoint)
+        if self.prefetch is not None:
+            from llmtune.rl.prefetch import load_snapshots
+
+            self.prefetch.restore(load_snapshots(Path(checkpoint)))
 
     def can_stop_here(self) -> bool:
         """A signal stops online RL only at the end of an iteration (PPO, GRPO): a checkpoint inside one would lose

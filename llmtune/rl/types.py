@@ -36,6 +36,9 @@ class SamplingParams:
             (:func:`llmtune.data.templates.stop_token_ids`).
         temperature: divides the logits (ignored when ``greedy``). top_p: nucleus threshold (1 = off).
         top_k: top-k (0 = off). greedy: argmax decoding (evaluation).
+        seed: seeds this call's per-prompt seeds (engines that take them: vLLM); None = drawn from torch's global
+            RNG, which the trainer seeds per (seed, iteration, rank). Rollouts sampled in a background thread
+            (``rollout.max_staleness`` > 0) carry their own: the global RNG belongs to the training thread.
     """
 
     max_new_tokens: int
@@ -44,6 +47,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     greedy: bool = False
+    seed: int | None = None
 
     @property
     def truncation(self) -> tuple[int, float] | None:
@@ -52,6 +56,22 @@ class SamplingParams:
         if self.greedy or (self.top_k <= 0 and self.top_p >= 1.0):
             return None
         return self.top_k, self.top_p
+
+
+@dataclass(frozen=True)
+class AdapterSnapshot:
+    """The policy adapter as it was at one version: what an engine in another process is sent, and what a
+    checkpoint of an asynchronous run keeps for the rollouts still to be trained on.
+
+    Attributes:
+        version: optimizer steps applied. config: peft's ``adapter_config.json`` content.
+        weights: ``adapter_model.safetensors`` bytes. sha256: their hex digest.
+    """
+
+    version: int
+    config: dict
+    weights: bytes
+    sha256: str
 
 
 @dataclass

@@ -81,6 +81,28 @@ def test_a_greedy_rollout_is_the_full_render_of_its_conversation_token_for_token
     assert batch.ended.tolist() == [True] and int(batch.loss_mask.sum()) == sum(mask)
 
 
+class KeyRecorder:
+    """The engine's calls as the agent loop makes them: the server key of every prompt of every turn."""
+
+    def __init__(self, engine):
+        self.engine, self.keys = engine, []
+
+    def generate(self, prompts, sampling, budgets=None, keys=None, version=None):
+        self.keys.append(list(keys))
+        return self.engine.generate(prompts, sampling, budgets)
+
+
+def test_every_turn_of_a_trajectory_goes_to_its_groups_server(parts):
+    """Over several servers, a prompt's key picks its server (tests/unit/rl/test_server_routing.py): every turn of
+    a trajectory carries its group as key, so all its turns (and its group's) are served by one server."""
+    tok, policy = parts
+    recorder = KeyRecorder(hf_engine(tok, policy))
+    agent, stop = loop(tok, recorder)
+    trajectories = agent.run([row(tok)] * 3, SamplingParams(96, tuple(stop), greedy=True), groups=[4, 4, 9])
+    assert [t.turns for t in trajectories] == [2, 2, 2]
+    assert recorder.keys == [[4, 4, 9], [4, 4, 9]]
+
+
 def tool(fn_body: str, name: str = "calculator", params: str = "expression: str"):
     scope = {}
     exec(f"def {name}({params}) -> str:\n    \"\"\"A tool.\n\n    Args:\n        "

@@ -117,17 +117,57 @@ def test_two_iterations_train_checkpoint_and_resume(workspace, server, stage):
 
 
 @pytest.mark.slow
-def test_two_trainer_ranks_sample_through_one_server(workspace, server):
+@pytest.mark.parametrize("max_staleness", [0, 2])
+def test_two_trainer_ranks_sample_through_one_server(workspace, server, max_staleness):
+    """2 processes on gloo, one server: rank 0 uploads each version once, both ranks sample with it; with
+    max_staleness, both sample ahead and every rollout's version tag is the step it was submitted at."""
     url, _, client = server
-    recipe = rl_recipe(workspace, "two_ranks", "grpo", url, max_steps=2)
+    name = f"two_ranks_{max_staleness}"
+    # 2 optimizer steps per iteration (rollout batch 8 = 2 x global batch 4): max_staleness 2 = one iteration ahead
+    recipe = rl_recipe(workspace, name, "grpo", url, max_steps=6)
+    doc = yaml.safe_load(recipe.read_text())
+    doc["rollout"]["max_staleness"] = max_staleness
+    doc["train"]["logging_steps"] = 2  # one log per iteration
+    recipe.write_text(yaml.safe_dump(doc))
     assert main(["grpo", str(recipe), "--nproc-per-node", "2"]) == 0
-    logs = list(read_jsonl(workspace / "two_ranks" / "metrics.jsonl"))
-    assert [r["step"] for r in logs if "loss" in r] == [1, 2]
-    assert all(r["rollout/logprob_diff_max"] < 2e-4 for r in logs if "rollout/logprob_diff_max" in r)
-    # both ranks pushed under one identity per version: the server holds the last two versions, one adapter each
+    logs = [r for r in read_jsonl(workspace / name / "metrics.jsonl") if "rollout/logprob_diff_max" in r]
+    assert len(logs) == 3  # 3 iterations
+    if max_staleness:  # iteration 0 from step 0; iterations 1, 2 sampled one iteration (2 steps) ahead, all ranks
+        assert [r["rollout/staleness_mean"] for r in logs] == [0.0, 2.0, 2.0]
+        assert all(r["rollout/stale_dropped_fraction"] == 0.0 for r in logs)
+    else:
+        assert all(r["rollout/logprob_diff_max"] < 2e-4 for r in logs)
+        assert not any("rollout/staleness_mean" in r for r in logs)
+    # one identity per version for both ranks: the server holds the last two versions, one adapter each
     health = client.health()
-    assert health["version"] == 2 and len(health["adapters"]) == 2
+    assert health["version"] == 6 and len(health["adapters"]) == 2
     assert len({a.rsplit("-v", 1)[0] for a in health["adapters"]}) == 1
+
+
+@pytest.mark.slow
+def test_rollouts_spread_over_two_servers(workspace, server):
+    url, _, client = server
+    port = _free_port()
+    second_process, second = start_server(workspace, workspace / "server.yaml", port)
+    try:
+        urls = [url, f"http://127.0.0.1:{port}"]
+        recipe = rl_recipe(workspace, "two_servers", "grpo", urls, max_steps=2)
+        before = [client.health(), second.health()]
+        assert main(["grpo", str(recipe)]) == 0
+        logs = [r for r in read_jsonl(workspace / "two_servers" / "metrics.jsonl") if "loss" in r]
+        assert [r["step"] for r in logs] == [1, 2]
+        diffs = [r["rollout/logprob_diff_max"] for r in logs if "rollout/logprob_diff_max" in r]
+        assert diffs and all(d < 2e-4 for d in diffs)  # both serve the policy of the step
+        # every server holds the run's versions: the same identity on both
+        after = [client.health(), second.health()]
+        assert after[0]["version"] == after[1]["version"] == 2
+        assert after[0]["adapters"] == after[1]["adapters"] and after[0]["adapters"] != before[0]["adapters"]
+        # both sampled: the iteration's 8 prompts + 4 greedy eval prompts per evaluation, spread over the two
+        evals = [r for r in read_jsonl(workspace / "two_servers" / "metrics.jsonl") if "eval_reward" in r]
+        served = [a["prompts_served"] - b["prompts_served"] for a, b in zip(after, before)]
+        assert sum(served) == 8 + 4 * len(evals) and min(served) > 0, (served, len(evals))
+    finally:
+        stop(second_process)
 
 
 def test_a_server_of_another_base_is_refused(workspace, server, capfd):

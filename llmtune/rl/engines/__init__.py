@@ -30,16 +30,21 @@ log = get_logger("rollout")
 class RolloutEngine(Protocol):
     """What online RL calls to sample completions."""
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, budgets: list[int] | None = None
-                 ) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, budgets: list[int] | None = None,
+                 keys: list[int] | None = None, version: int | None = None) -> list[Completion]:
         """One completion per prompt (token ids, no padding), sampled (or greedy) from the policy version the
         engine was last synced to; ``budgets``: each prompt's own token limit (a multi-turn rollout's remaining
-        completion budget), else ``sampling.max_new_tokens`` for all."""
+        completion budget), else ``sampling.max_new_tokens`` for all; ``keys``: prompts of one key are served by
+        one server (an engine over several); ``version``: the version to sample with (default the trainer's
+        current one; a rollout sampled in the background names the version pushed for it)."""
         ...
 
     def sync(self, version: int) -> None:
         """Make the engine sample from the policy as it is now; ``version`` = optimizer steps applied."""
         ...
+
+    # engines in another process (vLLM) also split sync in two, for rollouts sampled while the trainer trains:
+    # snapshot(version) -> AdapterSnapshot (in the training thread), push(snapshot) (anywhere)
 
     def close(self) -> None:
         """Free the engine (processes, memory)."""

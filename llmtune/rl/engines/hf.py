@@ -135,16 +135,22 @@ class HFEngine:
         """Nothing to free: the model is the trainer's."""
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, budgets: list[int] | None = None
-                 ) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, budgets: list[int] | None = None,
+                 keys: list[int] | None = None, version: int | None = None) -> list[Completion]:
         """One completion per prompt (see :meth:`llmtune.rl.engines.RolloutEngine.generate`); ``logprobs`` None
         (transformers' scores are not the trainer's log-probs; the trainer computes its own). With ``budgets``,
         ``generate`` runs to the largest and each completion is cut at its own (the tokens kept are exactly what a
-        run to that budget samples: generation is left to right).
+        run to that budget samples: generation is left to right). ``keys`` are ignored (one engine);
+        ``sampling.seed`` too (this engine draws from torch's global RNG, which the trainer seeds).
 
         Raises:
             NonFiniteError: sampling met NaN/inf probabilities (the policy's logits are not finite).
+            ValueError: ``version`` is not the policy's current one (this engine samples the training model as it
+                is: it has no other version).
         """
+        if version is not None and int(version) != int(self.policy.version()):
+            raise ValueError(f"the hf engine samples the training model as it is (version {self.policy.version()}), "
+                             f"not version {version}")
         input_ids, attention_mask = left_pad(prompts, self.pad_id, self.policy.device)
         options = {"do_sample": False} if sampling.greedy else {
             "do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k}

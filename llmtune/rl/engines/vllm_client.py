@@ -164,16 +164,29 @@ class VLLMClient:
                                      "serve what this run pushed; is it an llmtune rollout server of this version?")
         return answer
 
-    def generate(self, prompts: list[list[int]], version: int, sampling: dict, adapter_id: str | None = None
-                 ) -> dict:
-        try:
-            return self._request("POST", "/generate", {"version": version, "adapter_id": adapter_id,
-                                                       "prompts": prompts, "sampling": sampling})
-        except _HTTPStatus as err:
-            if err.code == 409:
-                raise RolloutEngineError(f"stale rollout weights: {err.message}") from None
-            raise RolloutEngineError(f"the rollout engine {self.url} failed to generate (HTTP {err.code}): "
-                                     f"{err.message}") from None
+    def generate(self, prompts: list[list[int]], version: int, sampling: dict, adapter_id: str | None = None,
+                 wait_s: float = 0.0) -> dict:
+        """``POST /generate``. ``wait_s``: how long to keep asking while the server does not hold the adapter yet
+        (409; a rank whose adapter another rank uploads), else 409 is an error at once.
+
+        Raises:
+            RolloutEngineError: stale weights (409 past ``wait_s``), the server failed or cannot be reached.
+        """
+        deadline, pause = time.monotonic() + wait_s, 0.02
+        while True:
+            try:
+                return self._request("POST", "/generate", {"version": version, "adapter_id": adapter_id,
+                                                           "prompts": prompts, "sampling": sampling})
+            except _HTTPStatus as err:
+                if err.code == 409 and time.monotonic() + pause < deadline:
+                    time.sleep(pause)
+                    pause = min(pause * 2, 0.5)
+                    continue
+                if err.code == 409:
+                    waited = f" (waited {wait_s:g} s for it)" if wait_s else ""
+                    raise RolloutEngineError(f"stale rollout weights{waited}: {err.message}") from None
+                raise RolloutEngineError(f"the rollout engine {self.url} failed to generate (HTTP {err.code}): "
+                                         f"{err.message}") from None
 
 
 class _HTTPStatus(Exception):
@@ -212,9 +225,11 @@ def _start_failure(log_path: Path | None) -> str:
 
 
 def server_command(python: str, base: Path | str, s, *, host: str = "127.0.0.1", port: int = 8000,
-                   port_file: Path | None = None, base_id: str | None = None) -> list[str]:
+                   port_file: Path | None = None, base_id: str | None = None, parent_pid: int | None = None
+                   ) -> list[str]:
     """The plain command line of a rollout server (runs in the vLLM venv, no llmtune needed there); ``base_id``:
-    :func:`base_identity` of the recipe, stated by the server so that trainers can check it."""
+    :func:`base_identity` of the recipe, stated by the server so that trainers can check it; ``parent_pid``: the
+    server stops when that process is gone (a colocated engine and its trainer)."""
     cmd = [python, str(SERVER_SCRIPT), "--model", str(base), "--host", host, "--port", str(port),
            "--max-lora-rank", str(engine_lora_rank(s.max_lora_rank)), "--max-model-len", str(s.max_model_len),
            "--dtype", s.dtype, "--seed", str(s.seed)]
@@ -231,6 +246,8 @@ def server_command(python: str, base: Path | str, s, *, host: str = "127.0.0.1",
         cmd += ["--engine-args", extra]
     if port_file is not None:
         cmd += ["--port-file", str(port_file)]
+    if parent_pid is not None:
+        cmd += ["--parent-pid", str(parent_pid)]
     return cmd
 
 
@@ -262,7 +279,8 @@ def start_colocated(base: Path, s, run_dir: Path, device_index: int | None = Non
     if device_index is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(device_index)
     with log_path.open("w") as log:
-        process = subprocess.Popen(server_command(python, base, s, port=0, port_file=port_file), stdout=log,
+        process = subprocess.Popen(server_command(python, base, s, port=0, port_file=port_file,
+                                                  parent_pid=os.getpid()), stdout=log,
                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
     deadline = time.monotonic() + s.startup_timeout_s
     while not port_file.is_file():

@@ -67,7 +67,7 @@ from llmtune.rl.engines.vllm_base import ROLLOUT_BASE, base_identity, check_base
 from llmtune.rl.engines.vllm_client import (RolloutEngineError, VLLMClient, _stop, not_installed_error,
                                             start_colocated, vllm_python)
 from llmtune.rl.engines.vllm_server import PROTOCOL, SECRET_ENV
-from llmtune.rl.types import LENGTH, STOP, Completion, SamplingParams
+from llmtune.rl.types import LENGTH, STOP, AdapterSnapshot, Completion, SamplingParams
 from llmtune.utils import get_logger
 
 log = get_logger("rollout")
@@ -88,7 +88,7 @@ class VLLMSettings:
     (:func:`settings_from_recipe`), their defaults those of a small test engine."""
 
     mode: str = _VLLM.mode
-    url: str | None = _VLLM.url
+    url: str | list[str] | None = _VLLM.url
     gpu_memory_utilization: float = COLOCATE_GPU_MEMORY
     enable_sleep_mode: bool = _VLLM.enable_sleep_mode
     tensor_parallel_size: int = _VLLM.tensor_parallel_size
@@ -172,34 +172,46 @@ def needed_model_len(recipe) -> int:
 # the engine
 # ---------------------------------------------------------------------------------------------------------------
 class VLLMEngine:
-    """The rollout engine protocol on a vLLM server (``generate``, ``sync``, ``close``).
+    """The rollout engine protocol on one or several vLLM servers (``generate``, ``sync``, ``close``; and
+    ``snapshot``/``push``, the two halves of ``sync``, for rollouts sampled in a background thread).
 
     Args:
-        client: the server's client. policy: what it samples from (:class:`llmtune.rl.engines.Policy`: the peft
-            model whose adapter ``policy.adapter`` is pushed, and the version getter).
+        client: the server's client, or a list of them (``rollout.vllm.url`` with several servers: each request's
+            prompts are spread over them by key, every server holds the same adapter versions).
+        policy: what it samples from (:class:`llmtune.rl.engines.Policy`: the peft model whose adapter
+            ``policy.adapter`` is pushed, and the version getter).
         settings: the engine's settings (its seed; ``enable_sleep_mode``).
         owns_process: stop the server process at :meth:`close` (colocate).
-        health: the server's ``/health`` answer (fetched when None).
+        health: the (first) server's ``/health`` answer (fetched when None).
+        pushes: this process uploads the adapter; False on the ranks > 0 of a run whose ranks share servers: rank 0
+            uploads each version once, the others sample with it under the same identity (:func:`shared_token`),
+            waiting (up to ``request_timeout_s``) for it to arrive.
+        rank: this process's rank (spreads the ranks' prompts over the servers).
 
-    Every push has an identity of its own: ``adapter_id`` = a random token of this engine object + the version
-    (another run, or this run resumed at a step the server already holds from an earlier process, never shares
-    it), and the sha256 of the adapter bytes, which the server states back in every answer.
+    Every push has an identity of its own: ``adapter_id`` = a random token of this run + the version (another run,
+    or this run resumed at a step the server already holds from an earlier process, never shares it), and the
+    sha256 of the adapter bytes, which the server states back in every answer.
     """
 
-    def __init__(self, client: VLLMClient, policy, settings: VLLMSettings, owns_process: bool = False,
-                 health: dict | None = None):
-        self.client, self.policy, self.s = client, policy, settings
-        self.owns_process = owns_process
+    def __init__(self, client: VLLMClient | list[VLLMClient], policy, settings: VLLMSettings,
+                 owns_process: bool = False, health: dict | None = None, pushes: bool = True, rank: int = 0):
+        self.clients = list(client) if isinstance(client, (list, tuple)) else [client]
+        self.client = self.clients[0]
+        self.policy, self.s = policy, settings
+        self.owns_process, self.pushes, self.rank = owns_process, pushes, rank
         self.version: int | None = None
         self.adapter: dict | None = None  # {"adapter_id", "version", "sha256"} of the last push
         self.token = uuid.uuid4().hex[:12]
-        # colocated on a GPU: the engine sleeps (KV cache freed, weights off the device) between rollout batches
+        # colocated on a GPU: the engine sleeps (KV cache freed, weights off the device) between rollout batches;
+        # not while rollouts are sampled in the background (the engine works while the trainer trains)
         self.sleeps = owns_process and settings.enable_sleep_mode and torch.cuda.is_available()
         self.asleep = False
-        health = client.health() if health is None else health
+        health = self.client.health() if health is None else health
         self.max_lora_rank = int(health["max_lora_rank"])
         self.max_adapter_bytes = health.get("max_adapter_bytes")  # refused before sending, with the fix
         self.vocab_size = int(getattr(getattr(policy.model, "config", None), "vocab_size", 0) or 0)
+        self._pool = None  # threads talking to several servers at once
+        self.background = False  # rollouts are sampled while the trainer trains: the engine never sleeps
 
     def check_adapter(self) -> None:
         """Refuse an adapter the engine cannot hold (before anything is pushed).
@@ -220,11 +232,25 @@ class VLLMEngine:
             self.client._request("POST", "/wake_up", {})
             self.asleep = False
 
-    def sync(self, version: int) -> None:
-        """Upload the policy adapter as version ``version`` (the trainer's optimizer steps applied), unless the
-        engine already holds exactly these bytes at this version (an evaluation right after a rollout batch)."""
+    def _parallel(self, fn, n: int) -> list:
+        """``[fn(0), ..., fn(n - 1)]``, at once when ``n`` > 1 (one thread per server); the first error is raised."""
+        if n == 1:
+            return [fn(0)]
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(len(self.clients), thread_name_prefix="llmtune-servers")
+        return [f.result() for f in [self._pool.submit(fn, i) for i in range(n)]]
+
+    def snapshot(self, version: int) -> AdapterSnapshot:
+        """The policy adapter as it is now, as version ``version`` (the trainer's optimizer steps applied): peft's
+        files in memory, checked against the server's size cap. Call it where the policy is not being trained
+        (the training thread); :meth:`push` may run elsewhere.
+
+        Raises:
+            RolloutEngineError: the adapter's rank or size is above what the server accepts.
+        """
         self.check_adapter()
-        self._wake()
         with tempfile.TemporaryDirectory(prefix="llmtune-adapter-") as tmp:
             self.policy.model.save_pretrained(tmp, selected_adapters=[self.policy.adapter], safe_serialization=True)
             folder = Path(tmp) if self.policy.adapter == "default" else Path(tmp) / self.policy.adapter
@@ -236,59 +262,105 @@ class VLLMEngine:
                 f"{int(self.max_adapter_bytes) / 2**20:.0f} MiB: restart it with a larger --max-adapter-mb (and "
                 "--max-request-mb, 4/3 of it for the base64 encoding), or train a smaller adapter (adapter.lora_r, "
                 "adapter.target_modules); then rerun the same command")
-        digest = hashlib.sha256(weights).hexdigest()
-        if self.adapter is not None and (self.adapter["version"], self.adapter["sha256"]) == (version, digest):
-            self.version = version
+        return AdapterSnapshot(version, config, weights, hashlib.sha256(weights).hexdigest())
+
+    def push(self, snapshot: AdapterSnapshot) -> None:
+        """Make every server hold ``snapshot`` (this rank uploads it unless ``pushes`` is False), unless the engine
+        already holds exactly these bytes at this version (an evaluation right after a rollout batch)."""
+        if self.adapter is not None and (self.adapter["version"], self.adapter["sha256"]) == (snapshot.version,
+                                                                                             snapshot.sha256):
+            self.version = snapshot.version
             return
-        self.adapter = self.client.push_adapter(version, f"{self.token}-v{version}", config, weights)
-        self.version = version
+        adapter_id = f"{self.token}-v{snapshot.version}"
+        if self.pushes:
+            self._wake()
+            answers = self._parallel(lambda i: self.clients[i].push_adapter(snapshot.version, adapter_id,
+                                                                            snapshot.config, snapshot.weights),
+                                     len(self.clients))
+            self.adapter = answers[0]
+        else:  # rank 0 uploads it; the servers' answers name the sha256 they sample with: checked in generate
+            self.adapter = {"adapter_id": adapter_id, "version": snapshot.version, "sha256": snapshot.sha256}
+        self.version = snapshot.version
+
+    def sync(self, version: int) -> None:
+        """Upload the policy adapter as version ``version`` (:meth:`snapshot` then :meth:`push`)."""
+        self.push(self.snapshot(version))
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, budgets: list[int] | None = None
-                 ) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, budgets: list[int] | None = None,
+                 keys: list[int] | None = None, version: int | None = None) -> list[Completion]:
         """One completion per prompt on the engine (see :meth:`llmtune.rl.engines.RolloutEngine.generate`), with the
         engine's log-prob of each sampled token under its sampling distribution (temperature, then top-k/top-p
         truncation, renormalised; NaN where not finite; None for greedy decoding). One seed per prompt, drawn from
-        the torch RNG that the trainer seeds per (seed, iteration, rank).
+        ``sampling.seed``, else from the torch RNG that the trainer seeds per (seed, iteration, rank).
+
+        Args:
+            keys: one per prompt; with several servers, prompts of one key always go to one server (the turns of
+                one trajectory, the prompts of one group: its prefix cache), spread as ``(key + rank) % servers``.
+                Default: the prompt's position.
+            version: the policy version to sample with (a rollout sampled in the background: the version pushed
+                for it); default the trainer's current one.
 
         Raises:
-            RolloutEngineError: the engine does not hold this run's adapter at the trainer's current policy version
-                (a skipped sync, another run's push), it cannot be reached, or its answer is malformed
+            RolloutEngineError: the engine does not hold this run's adapter at that version (a skipped sync,
+                another run's push), a server cannot be reached, or an answer is malformed
                 (:func:`check_completions`).
         """
-        want = int(self.policy.version())
+        want = int(self.policy.version()) if version is None else int(version)
         if self.version != want or self.adapter is None:
             raise RolloutEngineError(
                 f"stale rollout weights: the trainer is at policy version {want} (optimizer steps applied) but the "
                 f"engine was last synced to version {self.version}; sync(version) must follow every optimizer step "
                 "(a bug in the trainer: please report it)")
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()  # the trainer seeded torch per iteration
+        gen = None if sampling.seed is None else torch.Generator().manual_seed(int(sampling.seed))
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=gen).tolist()
         greedy = sampling.greedy
         limits = list(budgets) if budgets is not None else [sampling.max_new_tokens] * len(prompts)
-        request = {"temperature": 0.0 if greedy else sampling.temperature, "top_p": 1.0 if greedy else sampling.top_p,
-                   "top_k": 0 if greedy else sampling.top_k, "max_tokens": limits,
-                   "stop_token_ids": list(sampling.stop_token_ids), "seeds": seeds}
+        base = {"temperature": 0.0 if greedy else sampling.temperature, "top_p": 1.0 if greedy else sampling.top_p,
+                "top_k": 0 if greedy else sampling.top_k, "stop_token_ids": list(sampling.stop_token_ids)}
+        n = len(self.clients)
+        keys = list(range(len(prompts))) if keys is None else list(keys)
+        parts = [[b for b in range(len(prompts)) if (keys[b] + self.rank) % n == i] for i in range(n)]
         self._wake()
-        answer = self.client.generate([list(p) for p in prompts], want, request, adapter_id=self.adapter["adapter_id"])
-        if self.sleeps:  # the trainer trains next: give the device back
+
+        def ask(i: int) -> tuple[list[list[int]], list[list[float]] | None]:
+            client, idx = self.clients[i], parts[i]
+            if not idx:
+                return [], None if greedy else []
+            request = {**base, "max_tokens": [limits[b] for b in idx], "seeds": [seeds[b] for b in idx]}
+            answer = client.generate([list(prompts[b]) for b in idx], want, request,
+                                     adapter_id=self.adapter["adapter_id"],
+                                     wait_s=0.0 if self.pushes else self.s.request_timeout_s)
+            served = (answer.get("version"), answer.get("adapter_id"), answer.get("sha256")) \
+                if isinstance(answer, dict) else None
+            if served != (want, self.adapter["adapter_id"], self.adapter["sha256"]):
+                raise RolloutEngineError(
+                    f"stale rollout weights: asked the engine {client.url} for this run's adapter "
+                    f"{self.adapter['adapter_id']} (policy version {want}, sha256 {self.adapter['sha256'][:12]}), it "
+                    f"answered with {served}" + ("" if self.pushes else ": the adapter rank 0 pushed differs from "
+                                                 "this rank's (the ranks' policies diverged)"))
+            return check_completions(answer, len(idx), [limits[b] for b in idx], self.vocab_size,
+                                     with_logprobs=not greedy, url=client.url, stop_token_ids=sampling.stop_token_ids)
+
+        answers = self._parallel(ask, n)
+        if self.sleeps and not self.background:  # the trainer trains next: give the device back
             self.client._request("POST", "/sleep", {})
             self.asleep = True
-        served = (answer.get("version"), answer.get("adapter_id"), answer.get("sha256")) \
-            if isinstance(answer, dict) else None
-        if served != (want, self.adapter["adapter_id"], self.adapter["sha256"]):
-            raise RolloutEngineError(
-                f"stale rollout weights: asked the engine {self.client.url} for this run's adapter "
-                f"{self.adapter['adapter_id']} (policy version {want}, sha256 {self.adapter['sha256'][:12]}), it "
-                f"answered with {served}")
-        ids_list, logps_list = check_completions(answer, len(prompts), limits, self.vocab_size,
-                                                 with_logprobs=not greedy, url=self.client.url,
-                                                 stop_token_ids=sampling.stop_token_ids)
+        ids_list: list = [None] * len(prompts)
+        logps_list: list | None = None if greedy else [None] * len(prompts)
+        for idx, (ids, logps) in zip(parts, answers):
+            for j, b in enumerate(idx):
+                ids_list[b] = ids[j]
+                if logps_list is not None:
+                    logps_list[b] = logps[j]
         return [Completion(ids, None if logps_list is None else logps_list[b],
                            STOP if ids and ids[-1] in sampling.stop_token_ids else LENGTH, want)
                 for b, ids in enumerate(ids_list)]
 
     def close(self) -> None:
         """Stop the engine process when this engine started it (colocate); a server of its own keeps running."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
         if self.owns_process:
             _stop(self.client.process)
 
@@ -421,10 +493,14 @@ def build_vllm_engine(recipe, policy, site, pad_id: int | None = None) -> VLLMEn
         if not s.url:
             raise RolloutEngineError("rollout.vllm.mode: server needs rollout.vllm.url (http://host:port of a running "
                                      "`llmtune rollout-server RECIPE`)")
-        client = VLLMClient(s.url, s.request_timeout_s, secret=s.secret)
-        health = client.wait_healthy(s.startup_timeout_s)
-        check_server(health, s.url, needed_model_len(recipe))
-        check_base(health, base_identity(recipe), s.url)
+        urls = [s.url] if isinstance(s.url, str) else list(s.url)
+        client = [VLLMClient(url, s.request_timeout_s, secret=s.secret) for url in urls]
+        identity = base_identity(recipe)
+        healths = [c.wait_healthy(s.startup_timeout_s) for c in client]
+        for url, answer in zip(urls, healths):
+            check_server(answer, url, needed_model_len(recipe))
+            check_base(answer, identity, url)
+        health = min(healths, key=lambda h: int(h["max_lora_rank"]))  # what every server accepts
         owns = False
     else:
         if vllm_python() is None:
@@ -438,8 +514,10 @@ def build_vllm_engine(recipe, policy, site, pad_id: int | None = None) -> VLLMEn
         health = client.health()
         check_server(health, client.url, needed_model_len(recipe))
         owns = True
-    engine = VLLMEngine(client, policy, s, owns, health)
-    if not owns and site.world_size > 1:
+    # ranks sharing servers: one identity per version, uploaded once (by rank 0)
+    shared = not owns and site.world_size > 1
+    engine = VLLMEngine(client, policy, s, owns, health, pushes=not shared or site.rank == 0, rank=site.rank)
+    if shared:
         engine.token = shared_token(engine.token)
     try:
         engine.check_adapter()  # before training: the trainer syncs before every rollout batch and evaluation

@@ -23,7 +23,7 @@ refused (400): a pickle is never loaded.
 
 - ``GET /health`` -> 200 ``{"status": "ok", "version": V | null, "adapter_id": the newest adapter | null,
   "adapters": [ids held], "max_lora_rank", "max_model_len", "model", "base_id", "protocol": 2, "vllm_version",
-  "max_request_bytes", "max_adapter_bytes"}``
+  "max_request_bytes", "max_adapter_bytes", "prompts_served"}``
   (``base_id``: the ``--base-id`` it was started with, null without; trainers refuse a server whose base is not
   theirs, whose protocol is not theirs, or whose ``max_model_len`` is below their prompts + completions) once the
   engine runs; 503 ``{"status": "starting"}`` while it starts.
@@ -44,7 +44,8 @@ refused (400): a pickle is never loaded.
 - ``POST /sleep``, ``POST /wake_up`` (GPU, ``--enable-sleep-mode``): free / restore weights and KV cache while
   the trainer trains (vLLM's sleep level 1).
 
-Engine calls are serialized by one lock; ``/health`` answers while a generate request runs.
+Engine calls are serialized (:class:`Batcher`): generate requests that arrive while the engine is busy run together
+as one vLLM batch; ``/health`` answers while a generate request runs.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ import shutil  # noqa: E402
 import signal  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
+import time  # noqa: E402
 import traceback  # noqa: E402
 from collections import OrderedDict  # noqa: E402
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: E402
@@ -173,6 +175,7 @@ class RolloutCore:
         from vllm import LLM
 
         self.model, self.max_model_len = model, max_model_len
+        self.prompts_served = 0  # prompts sampled since the start (in /health)
         self.max_lora_rank = engine_lora_rank(max_lora_rank)
         self.max_adapters = max(1, int(max_adapters))
         self.adapters: OrderedDict[str, dict] = OrderedDict()  # adapter_id -> {lora, version, sha256}, oldest first
@@ -269,6 +272,15 @@ class RolloutCore:
         Raises:
             StaleVersionError: the engine does not hold ``adapter_id`` at ``version``.
         """
+        job = self.prepare(prompts, version=version, adapter_id=adapter_id, temperature=temperature, top_p=top_p,
+                           top_k=top_k, max_tokens=max_tokens, stop_token_ids=stop_token_ids, seeds=seeds)
+        return self.run([job])[0]
+
+    def prepare(self, prompts: list[list[int]], *, version: int, adapter_id: str | None, temperature: float,
+                top_p: float, top_k: int, max_tokens: int | list[int], stop_token_ids: list[int], seeds: list[int]
+                ) -> tuple[dict, list, list]:
+        """A generate request checked and turned into vLLM inputs: ``(adapter entry, prompts, sampling params)``
+        (arguments as :meth:`generate`; raises as it does)."""
         from vllm import SamplingParams, TokensPrompt
 
         entry = self.adapters.get(adapter_id) if adapter_id is not None else self.latest
@@ -284,15 +296,27 @@ class RolloutCore:
                                  max_tokens=int(limit), stop_token_ids=list(stop_token_ids), ignore_eos=True,
                                  seed=seed, logprobs=0, detokenize=False, skip_special_tokens=False)
                   for seed, limit in zip(seeds, limits)]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                                    lora_request=entry["lora"], use_tqdm=False)
-        result = []
-        for out in outputs:
-            completion = out.outputs[0]
-            ids = list(completion.token_ids)
-            logprobs = [float(step[tok].logprob) for tok, step in zip(ids, completion.logprobs or [])]
-            result.append({"token_ids": ids, "logprobs": logprobs, "finish_reason": completion.finish_reason})
-        return {k: entry[k] for k in ("adapter_id", "version", "sha256")}, result
+        return entry, [TokensPrompt(prompt_token_ids=p) for p in prompts], params
+
+    def run(self, jobs: list[tuple[dict, list, list]]) -> list[tuple[dict, list[dict]]]:
+        """Run prepared requests (:meth:`prepare`) as ONE vLLM batch (each prompt with its own adapter and sampling
+        params: the requests of several trainer ranks share the engine's batch) and split the outputs back."""
+        prompts = [p for _, ps, _ in jobs for p in ps]
+        params = [x for _, _, xs in jobs for x in xs]
+        loras = [entry["lora"] for entry, ps, _ in jobs for _ in ps]
+        outputs = self.llm.generate(prompts, params, lora_request=loras, use_tqdm=False) if prompts else []
+        self.prompts_served += len(prompts)
+        results, at = [], 0
+        for entry, ps, _ in jobs:
+            completions = []
+            for out in outputs[at:at + len(ps)]:
+                completion = out.outputs[0]
+                ids = list(completion.token_ids)
+                logprobs = [float(step[tok].logprob) for tok, step in zip(ids, completion.logprobs or [])]
+                completions.append({"token_ids": ids, "logprobs": logprobs, "finish_reason": completion.finish_reason})
+            at += len(ps)
+            results.append(({k: entry[k] for k in ("adapter_id", "version", "sha256")}, completions))
+        return results
 
     def sleep(self) -> None:
         """Free the KV cache and move the weights off the GPU (vLLM sleep level 1) while the trainer trains."""
@@ -312,15 +336,55 @@ def _on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+class Batcher:
+    """One engine call at a time; generate requests that arrive while the engine is busy are run together, as one
+    vLLM batch, when it is free (the requests of several trainer ranks, or of several rollout threads, share the
+    engine's continuous batching instead of queueing one behind the other). Adapter loads and sleep/wake run alone,
+    in arrival order with respect to the batches."""
+
+    def __init__(self):
+        self.engine = threading.Lock()  # held while the engine runs
+        self._pending: list[dict] = []
+        self._guard = threading.Lock()
+
+    def generate(self, core: RolloutCore, request: dict) -> tuple[dict, list[dict]]:
+        job = {"request": request, "done": threading.Event(), "result": None, "error": None}
+        with self._guard:
+            self._pending.append(job)
+        with self.engine:
+            if not job["done"].is_set():  # nobody ran it yet: run everything queued, this one included
+                with self._guard:
+                    jobs, self._pending = self._pending, []
+                prepared = []
+                for j in jobs:
+                    try:
+                        prepared.append((j, core.prepare(**j["request"])))
+                    except Exception as exc:  # noqa: BLE001 - this request's own error (409/400), not the batch's
+                        j["error"] = exc
+                try:
+                    results = core.run([p for _, p in prepared])
+                    for (j, _), result in zip(prepared, results):
+                        j["result"] = result
+                except Exception as exc:  # noqa: BLE001 - the engine failed: every request of the batch says so
+                    for j, _ in prepared:
+                        j["error"] = exc
+                for j in jobs:
+                    j["done"].set()
+        job["done"].wait()
+        if job["error"] is not None:
+            raise job["error"]
+        return job["result"]
+
+
 class _State:
-    core: RolloutCore | None = None
-    lock = threading.Lock()
-    args: argparse.Namespace | None = None
-    base_id: str | None = None
-    vllm_version: str | None = None
-    secret: bytes = b""
-    max_request_bytes: int = MAX_REQUEST_MB << 20
-    max_adapter_bytes: int = MAX_ADAPTER_MB << 20
+    def __init__(self):
+        self.core: RolloutCore | None = None
+        self.batcher = Batcher()
+        self.base_id: str | None = None
+        self.vllm_version: str | None = None
+        self.secret: bytes = b""
+        self.max_request_bytes: int = MAX_REQUEST_MB << 20
+        self.max_adapter_bytes: int = MAX_ADAPTER_MB << 20
 
 
 def _handler(state: _State):
@@ -365,7 +429,8 @@ def _handler(state: _State):
                              "adapters": list(core.adapters), "max_lora_rank": core.max_lora_rank,
                              "max_model_len": core.max_model_len, "model": core.model, "base_id": state.base_id,
                              "protocol": PROTOCOL, "vllm_version": state.vllm_version,
-                             "max_request_bytes": state.max_request_bytes, "max_adapter_bytes": state.max_adapter_bytes})
+                             "max_request_bytes": state.max_request_bytes, "max_adapter_bytes": state.max_adapter_bytes,
+                             "prompts_served": getattr(core, "prompts_served", 0)})
 
         def do_POST(self):
             if not self._authorized():
@@ -389,19 +454,20 @@ def _handler(state: _State):
                         return self._send(413, {"error": f"the adapter has {len(weights)} bytes, above this server's "
                                                 f"limit of {state.max_adapter_bytes} (--max-adapter-mb)"})
                     check_safetensors_adapter(body["adapter_config"], weights)
-                with state.lock:
+                if self.path == "/generate":
+                    s = body["sampling"]
+                    request = dict(prompts=body["prompts"], version=int(body["version"]),
+                                   adapter_id=body.get("adapter_id"), temperature=float(s["temperature"]),
+                                   top_p=float(s["top_p"]), top_k=int(s["top_k"]),
+                                   max_tokens=s["max_tokens"] if isinstance(s["max_tokens"], list)
+                                   else int(s["max_tokens"]), stop_token_ids=s["stop_token_ids"], seeds=s["seeds"])
+                    adapter, completions = state.batcher.generate(core, request)
+                    return self._send(200, {**adapter, "completions": completions})
+                with state.batcher.engine:
                     if self.path == "/adapter":
                         loaded = core.load_adapter(int(body["version"]), str(body["adapter_id"]),
                                                    body["adapter_config"], weights, body.get("sha256"))
                         return self._send(200, loaded)
-                    if self.path == "/generate":
-                        s = body["sampling"]
-                        adapter, completions = core.generate(
-                            body["prompts"], version=int(body["version"]), adapter_id=body.get("adapter_id"),
-                            temperature=float(s["temperature"]), top_p=float(s["top_p"]), top_k=int(s["top_k"]),
-                            max_tokens=s["max_tokens"] if isinstance(s["max_tokens"], list) else int(s["max_tokens"]),
-                            stop_token_ids=s["stop_token_ids"], seeds=s["seeds"])
-                        return self._send(200, {**adapter, "completions": completions})
                     if self.path in ("/sleep", "/wake_up"):
                         getattr(core, self.path[1:])()
                         return self._send(200, {"status": self.path[1:]})
@@ -415,6 +481,23 @@ def _handler(state: _State):
                 return self._send(500, {"error": f"{type(exc).__name__}: {exc}"})
 
     return Handler
+
+
+def watch_parent(pid: int, interval_s: float = 1.0) -> threading.Thread:
+    """Stop this server (its whole process group: vLLM's workers too) when process ``pid`` (the trainer that
+    started it colocated) is gone, e.g. killed with SIGKILL: a colocated engine never outlives its trainer."""
+    def loop():
+        while os.getppid() == pid:  # a child whose parent died is given to another parent
+            time.sleep(interval_s)
+        print(f"rollout server: the trainer process {pid} is gone: stopping", file=sys.stderr, flush=True)
+        try:
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        finally:
+            os._exit(1)
+
+    thread = threading.Thread(target=loop, daemon=True, name="llmtune-parent-watch")
+    thread.start()
+    return thread
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -435,6 +518,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-adapters", type=int, default=2, help="adapters held at once (the newest pushes)")
     p.add_argument("--base-id", default=None, help="identity of the base (llmtune's base_identity of the recipe), "
                    "stated in /health so that a trainer of another model refuses this server")
+    p.add_argument("--parent-pid", type=int, default=None, help="stop when this process (the trainer of a colocated "
+                   "engine) is gone")
     p.add_argument("--secret-file", default=None, help=f"file holding the shared secret (default: ${SECRET_ENV}; "
                    "neither: one is generated and printed, on a loopback address only)")
     p.add_argument("--max-request-mb", type=int, default=MAX_REQUEST_MB, help="largest request body accepted (MiB)")
@@ -470,6 +555,8 @@ def server_secret(args: argparse.Namespace) -> tuple[str, bool]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.parent_pid is not None:
+        watch_parent(args.parent_pid)
     secret, generated = server_secret(args)
     state = _State()
     state.base_id = args.base_id

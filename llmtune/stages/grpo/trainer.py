@@ -79,12 +79,24 @@ class GRPOTrainer(OnlineRLTrainer):
         return PolicyModel(policy)
 
     # ---- rollouts ---------------------------------------------------------------------------------
+    def rollout_rows(self, iteration: int) -> tuple[list[dict], list[int]]:
+        """This rank's prompts of iteration ``iteration``, each ``num_generations`` times (group id = the prompt's
+        index among this rank's prompts)."""
+        rows = [self.prompts[i] for i in self.prompt_indices(iteration, self.local_prompts * self.args.world_size)]
+        return self._grouped(rows)
+
+    def _grouped(self, rows: list[dict]) -> tuple[list[dict], list[int]]:
+        G = self.grpo.num_generations
+        return [row for row in rows for _ in range(G)], [b // G for b in range(len(rows) * G)]
+
     def sample_groups(self, rows: list[dict]) -> Groups:
-        """``num_generations`` trajectories of each prompt row, scored (:class:`Groups`; B = len(rows) x G, the
-        group id of a row = its prompt's index in ``rows``)."""
-        g, G = self.grpo, self.grpo.num_generations
-        rows = [row for row in rows for _ in range(G)]
-        batch = self.sample(rows, groups=[b // G for b in range(len(rows))])
+        """``num_generations`` trajectories of each prompt row, sampled now and scored (:class:`Groups`;
+        B = len(rows) x G, the group id of a row = its prompt's index in ``rows``)."""
+        return self.score_groups(self.sample(*self._grouped(rows)))
+
+    def score_groups(self, batch) -> Groups:
+        """A rollout batch of groups scored (rewards, abstentions, penalties): :class:`Groups`."""
+        g = self.grpo
         total, per_source = self.score(batch)
         abstained = torch.isnan(total)
         reward = torch.nan_to_num(total, nan=0.0)
@@ -98,9 +110,9 @@ class GRPOTrainer(OnlineRLTrainer):
         return Groups(batch, reward, abstained, overlong, per_source)
 
     def trainable(self, groups: Groups) -> torch.Tensor:
-        """(B,) bool: rows that can train before dynamic sampling — not abstained, and ended when
-        ``mask_truncated_completions``."""
-        keep = ~groups.abstained
+        """(B,) bool: rows that can train before dynamic sampling — not abstained, not beyond
+        ``rollout.max_staleness``, and ended when ``mask_truncated_completions``."""
+        keep = ~groups.abstained & ~self.too_stale(groups.batch)
         if self.grpo.mask_truncated_completions:
             keep &= groups.batch.ended
         return keep
@@ -145,8 +157,7 @@ class GRPOTrainer(OnlineRLTrainer):
         dicts."""
         g = self.grpo
         self._seed(iteration)
-        rows = [self.prompts[i] for i in self.prompt_indices(iteration, self.local_prompts * self.args.world_size)]
-        groups = self.sample_groups(rows)
+        groups = self.score_groups(self.rollout_batch(iteration))
         silent_first = self._silent(groups)  # counted before any resampling
         rounds = 0
         if g.dynamic_sampling == "resample":

@@ -115,16 +115,20 @@ class PPOTrainer(OnlineRLTrainer):
         return PolicyValueModel(policy, add_value_model(policy, recipe, self.rewards.run_dir))
 
     # ---- rollouts ---------------------------------------------------------------------------------
+    def rollout_rows(self, iteration: int) -> tuple[list[dict], list[int]]:
+        """This rank's prompts of iteration ``iteration`` (one trajectory each, its own group)."""
+        rows = [self.prompts[i] for i in self.prompt_indices(iteration, self.ppo.rollout_batch_size)]
+        return rows, list(range(len(rows)))
+
     def make_experience(self, iteration: int) -> list[list[dict[str, torch.Tensor]]]:
         """Sample and score one rollout batch, compute advantages/returns, log its metrics and return the PPO
         minibatches (``ppo_epochs`` shuffled passes), each a list of micro-batch dicts."""
         self._seed(iteration)
-        indices = self.prompt_indices(iteration, self.ppo.rollout_batch_size)
-        rows = [self.prompts[i] for i in indices]
-        batch = self.sample(rows)
-        # a multi-turn rollout whose environment or tool infrastructure failed trains nothing (and is counted)
+        batch = self.rollout_batch(iteration)
+        # a multi-turn rollout whose environment or tool infrastructure failed trains nothing (and is counted); nor
+        # does one beyond rollout.max_staleness
         failed = torch.tensor([bool(t.info.get("infrastructure_error")) for t in batch.trajectories],
-                              device=batch.loss_mask.device)
+                              device=batch.loss_mask.device) | self.too_stale(batch).to(batch.loss_mask.device)
         if failed.any():
             batch.loss_mask = batch.loss_mask * (~failed)[:, None].long()
         fwd = self.forward(batch, reference=True, values=True)

@@ -8,8 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
-from http.server import ThreadingHTTPServer
 
 import pytest
 import torch
@@ -17,46 +15,17 @@ from safetensors.torch import save
 
 from llmtune.rl.engines import vllm_server
 from llmtune.rl.engines.vllm_client import RolloutEngineError, VLLMClient
-from llmtune.rl.engines.vllm_server import (SECRET_ENV, _handler, _State, check_safetensors_adapter, is_loopback,
-                                            parse_args, server_secret)
+from llmtune.rl.engines.vllm_server import (SECRET_ENV, check_safetensors_adapter, is_loopback, parse_args,
+                                            server_secret)
+from tests.unit.rl.stand_in_server import SECRET, serve
 
-SECRET = "s3cret-token-for-the-test"
 LORA = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
-
-
-class RecordingCore:
-    """What the handler asks of the engine core, recorded (the engine itself is vLLM: exercised in the
-    integration tests)."""
-
-    max_lora_rank, max_model_len, model = 8, 64, "tiny"
-
-    def __init__(self):
-        self.adapters, self.loaded, self.generated = {}, [], []
-
-    @property
-    def latest(self):
-        return next(reversed(self.adapters.values()), None)
-
-    def load_adapter(self, version, adapter_id, adapter_config, adapter_model, sha256=None):
-        self.loaded.append((version, adapter_id, len(adapter_model)))
-        self.adapters[adapter_id] = {"adapter_id": adapter_id, "version": version, "sha256": sha256}
-        return self.adapters[adapter_id]
-
-    def generate(self, prompts, **kwargs):
-        self.generated.append(prompts)
-        return self.latest, [{"token_ids": [1], "logprobs": [-0.5], "finish_reason": "stop"} for _ in prompts]
 
 
 @pytest.fixture
 def server():
-    state = _State()
-    state.core, state.secret = RecordingCore(), SECRET.encode()
-    state.max_request_bytes, state.max_adapter_bytes = 64 << 10, 16 << 10
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield httpd.server_address[1], state.core
-    httpd.shutdown()
+    with serve() as (port, core):
+        yield port, core
 
 
 def request(port, method, path, body=None, secret=SECRET, raw=None):
