@@ -91,7 +91,7 @@ class DatasetConfig(Section):
     columns: dict[str, str] = Field(
         default_factory=dict,
         description="Map canonical field names to this file's column names, e.g. {instruction: question, "
-        "output: answer} or {messages: conversations, role: from, content: value}.",
+        "output: answer} or {messages: conversations, role: from, content: value, tools: functions}.",
     )
     split: str = Field("train", description="Split to read from hub datasets and datasets directories.")
     name: str | None = Field(None, description="Hub dataset configuration name.")
@@ -116,8 +116,9 @@ class DataConfig(Section):
     )
     chat_template: str | None = Field(
         None,
-        description="Chat template: null = the tokenizer's own, a builtin name (chatml, llama2, llama3, "
-        "alpaca, zephyr), or a Jinja string. Saved with the adapter.",
+        description="Chat template: null = the tokenizer's own, a builtin name (chatml, chatml_tools, llama2, llama3, "
+        "alpaca, zephyr), or a Jinja string. Saved with the adapter. Tool conversations need one that renders tool "
+        "schemas, calls and results (chatml_tools).",
     )
     max_length: int = Field(1024, ge=8, description="Maximum tokens per training sequence.")
     truncation: Literal["truncate", "drop"] = Field(
