@@ -131,7 +131,7 @@ def _read_source(ds, index: int, base_dir, kind: str, store: SpillList
         raise DataError(schema_message(last, fmt, cols, bad, key))  # the last batch knows the columns found
     source_report = SourceReport(path=ds.path, location=head.location, format=fmt, rows_read=rows_read,
                                  rows_valid=len(pool), weight=ds.weight, stopped_early=last.stopped_early,
-                                 truncated_json=last.truncated_json, tool_rows=tool_rows)
+                                 truncated_json=last.truncated_json, tool_rows=tool_rows, skipped_rows=ds.skip_rows)
     return pool, source_report, bad
 
 

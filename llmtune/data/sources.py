@@ -134,8 +134,9 @@ def iter_source(
     ``rows``, ``row_ids`` and ``bad`` hold only that batch's rows (at most ``batch_rows`` rows and bad rows
     together; a batch may have no rows). ``columns`` is the column list of the first dict row of the whole
     source, on every batch from the one holding that row on. Only the last batch carries
-    ``truncated_json`` and ``stopped_early``; at least one batch is yielded. ``ds.max_samples`` counts across
-    batches (for JSON lines, rows and bad rows together).
+    ``truncated_json`` and ``stopped_early``; at least one batch is yielded. ``ds.skip_rows`` rows are skipped
+    first, then ``ds.max_samples`` counts across batches (both count rows and bad rows together, for JSON lines
+    too); row ids stay the rows' indices in the file.
 
     Memory: JSON, JSON lines and CSV files (also ``.gz``) are decoded chunk by chunk (``READ_CHUNK_BYTES`` per
     read) and held only from the record being parsed on; parquet is read by record batches; datasets
@@ -153,19 +154,23 @@ def iter_source(
 
     Raises:
         DataError: as :func:`read_source`, raised during the iteration at the point where the problem is found
-            (earlier batches may already have been yielded).
+            (earlier batches may already have been yielded); ``skip_rows`` skips every row of the source.
     """
     size = BATCH_ROWS if batch_rows is None else batch_rows
     if size < 1:
         raise ValueError(f"batch_rows must be >= 1, got {size}")
-    limit = ds.max_samples if ds.max_samples is not None else float("inf")
+    skip = ds.skip_rows
+    limit = skip + ds.max_samples if ds.max_samples is not None else float("inf")
     key = f"data.datasets[{index}]"
     state = ReadState()
     template, events = _open_source(ds, index, key, limit, base_dir, size, state)
     columns: list[str] = []
     batch = replace(template, rows=[], row_ids=[], bad=[])
-    n = 0
+    n = seen = 0
     for row_id, row, error in events:
+        seen += 1
+        if seen <= skip:
+            continue
         if n >= size:
             yield batch
             batch, n = replace(template, rows=[], row_ids=[], bad=[], columns=list(columns)), 0
@@ -178,6 +183,9 @@ def iter_source(
         else:
             batch.bad.append((row_id, error))
         n += 1
+    if skip and seen <= skip:
+        raise DataError(f"{key}.skip_rows: {skip} skips every row of {template.location} (it has {seen} rows); lower "
+                        f"{key}.skip_rows below {seen}.")
     batch.truncated_json, batch.stopped_early = state.truncated_json, state.stopped_early
     yield batch
 
