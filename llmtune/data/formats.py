@@ -351,7 +351,7 @@ def _parse_turns(turns: Any, cols: dict[str, str], field: str, where: str = "", 
         tool_role = isinstance(role, str) and (role in TOOL_ROLES or role == CALL_ROLE or bool(turn.get("tool_calls")))
         if tool_role and not tools:
             raise RowError("tool turn", f"{where}turn {t} is a tool call or result (role {role!r}); tool "
-                           "conversations are read as SFT conversations (formats messages, sharegpt) and prompts, not "
+                           "conversations are read from formats messages and sharegpt (SFT rows, prompts), not "
                            "here; remove the tool turns from this data")
         canonical = (ROLE_ALIASES.get(role) or (TOOL_ROLES.get(role) if tools else None)
                      if isinstance(role, str) else None)

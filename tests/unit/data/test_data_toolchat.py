@@ -154,7 +154,8 @@ def test_tool_turns_in_preference_data_are_a_bad_row(tok, write, cfg):
 
     path = write("pairs.jsonl", [{"chosen": [U, A2, T3, AF], "rejected": [U, A2, T3, {**AF, "content": "88"}]}])
     with pytest.raises(DataError, match=r"row 0: 'chosen' turn 1 is a tool call or result \(role 'assistant'\); tool "
-                                        "conversations are read as SFT conversations"):
+                                        r"conversations are read from formats messages and sharegpt \(SFT rows, "
+                                        r"prompts\), not here"):
         build_preference_data(cfg(path), tok)
 
 
