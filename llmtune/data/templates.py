@@ -193,11 +193,12 @@ def _probe_call(x: str) -> dict:
 
 
 def tool_probe_conversation() -> list[dict]:
-    """A two-round tool conversation (several calls in one turn, text before a call, a call turn without text, a final
-    answer) that :func:`tool_render_problem` renders with :data:`PROBE_TOOL`."""
+    """A two-round tool conversation (several calls in one turn, text with a think block before a call, a call turn
+    without text, a final answer) that :func:`tool_render_problem` renders with :data:`PROBE_TOOL` (the think block
+    lets a caller catch templates that rewrite history, e.g. strip earlier ``<think>`` blocks)."""
     return [
         {"role": "user", "content": "What is 12 * 7 + 3?"},
-        {"role": "assistant", "content": "Let me compute.",
+        {"role": "assistant", "content": "<think>\nfirst the product\n</think>\n\nLet me compute.",
          "tool_calls": [_probe_call("12 * 7"), _probe_call("84 + 3")]},
         {"role": "tool", "name": "probe_tool", "content": "eighty-four"},
         {"role": "tool", "name": "probe_tool", "content": "eighty-seven"},
