@@ -102,8 +102,8 @@ class DatasetConfig(Section):
     max_samples: int | None = Field(None, ge=1, description="Read at most this many rows of this source (after "
                                     "skip_rows).")
     skip_rows: int = Field(0, ge=0, description="Skip this many rows at the start of this source before reading "
-                           "(with max_samples: a row range; SFT on max_samples: 1000 and GRPO on skip_rows: 1000 of the "
-                           "same file share no row). Row indices in reports stay indices in the file.")
+                           "(with max_samples: a row range; SFT on max_samples: 1000 and GRPO on skip_rows: 1000 of "
+                           "the same file share no row). Row indices in reports stay indices in the file.")
     allow_truncated_json: bool = Field(
         False,
         description="If the JSON file is cut off mid-record, keep the complete records before the cut "

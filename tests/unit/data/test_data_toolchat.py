@@ -11,7 +11,7 @@ from llmtune.data import DataError, build_prompt_data, build_sft_data
 from llmtune.data.formats import to_canonical
 from llmtune.data.sources import read_source
 
-from tool_fixture import A1, A2, AF, CALC, T1, T2, T3, TWO_ROUNDS, U, call  # noqa: E402
+from tool_fixture import A1, A2, AF, CALC, T1, T3, TWO_ROUNDS, U, call  # noqa: E402
 
 U2 = {"role": "user", "content": "And then?"}
 GOOD = {"messages": TWO_ROUNDS, "tools": [CALC]}
