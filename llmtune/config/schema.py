@@ -73,7 +73,7 @@ class DatasetConfig(Section):
     path: str = Field(
         ...,
         description="Local .json/.jsonl/.parquet/.csv file, a datasets save_to_disk directory, a hub dataset "
-        "name (needs network), builtin:gsm8k, builtin:sharegpt or builtin:hh-rlhf-harmless.",
+        "name (needs network), builtin:gsm8k, builtin:gsm8k-calculator, builtin:sharegpt or builtin:hh-rlhf-harmless.",
     )
     format: Literal[
         "auto", "alpaca", "sharegpt", "messages", "text", "prompt_completion", "prompt", "preference",
@@ -91,7 +91,7 @@ class DatasetConfig(Section):
     columns: dict[str, str] = Field(
         default_factory=dict,
         description="Map canonical field names to this file's column names, e.g. {instruction: question, "
-        "output: answer} or {messages: conversations, role: from, content: value}.",
+        "output: answer} or {messages: conversations, role: from, content: value, tools: functions}.",
     )
     split: str = Field("train", description="Split to read from hub datasets and datasets directories.")
     name: str | None = Field(None, description="Hub dataset configuration name.")
@@ -99,7 +99,11 @@ class DatasetConfig(Section):
         1.0, gt=0, description="Rows taken = weight x this source's valid rows (0.5 = a seeded random half, "
         "2 = every row twice, 1.5 = once plus a random half)."
     )
-    max_samples: int | None = Field(None, ge=1, description="Read at most this many rows of this source.")
+    max_samples: int | None = Field(None, ge=1, description="Read at most this many rows of this source (after "
+                                    "skip_rows).")
+    skip_rows: int = Field(0, ge=0, description="Skip this many rows at the start of this source before reading "
+                           "(with max_samples: a row range; SFT on max_samples: 1000 and GRPO on skip_rows: 1000 of "
+                           "the same file share no row). Row indices in reports stay indices in the file.")
     allow_truncated_json: bool = Field(
         False,
         description="If the JSON file is cut off mid-record, keep the complete records before the cut "
@@ -116,8 +120,9 @@ class DataConfig(Section):
     )
     chat_template: str | None = Field(
         None,
-        description="Chat template: null = the tokenizer's own, a builtin name (chatml, llama2, llama3, "
-        "alpaca, zephyr), or a Jinja string. Saved with the adapter.",
+        description="Chat template: null = the tokenizer's own, a builtin name (chatml, chatml_tools, llama2, llama3, "
+        "alpaca, zephyr), or a Jinja string. Saved with the adapter. Tool conversations need one that renders tool "
+        "schemas, calls and results (chatml_tools).",
     )
     max_length: int = Field(1024, ge=8, description="Maximum tokens per training sequence.")
     truncation: Literal["truncate", "drop"] = Field(

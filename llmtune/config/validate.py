@@ -193,7 +193,7 @@ def cross_field_problems(doc: dict) -> list[tuple[str, str]]:
 # Every canonical field a ``data.datasets[i].columns`` mapping may name: the union of the fields of the data formats
 # (llmtune.data.formats.FORMAT_FIELDS; a test keeps the two equal). Checked here, before any data is read.
 CANONICAL_COLUMNS = ("chosen", "completion", "content", "input", "instruction", "label", "messages", "output",
-                     "prompt", "reference", "rejected", "role", "system", "text")
+                     "prompt", "reference", "rejected", "role", "system", "text", "tools")
 
 
 def column_key_problems(columns: dict, key: str) -> list[tuple[str, str]]:

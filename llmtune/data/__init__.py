@@ -39,7 +39,7 @@ from llmtune.data.preference import PreferenceData, build_preference_data, rende
 from llmtune.data.prompts import PromptCollator, PromptData, build_prompt_data, prompt_ids
 from llmtune.data.report import DataReport
 from llmtune.data.spill import SpillView
-from llmtune.data.templates import BUILTIN_TEMPLATES, apply_chat_template_config
+from llmtune.data.templates import BUILTIN_TEMPLATES, apply_chat_template_config, check_tool_rendering
 from llmtune.data.tokenize import IGNORE_INDEX, SFTTokenizer, Tokenized, render_labels
 
 if TYPE_CHECKING:
@@ -74,7 +74,8 @@ def build_sft_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".") ->
     """Read, validate, mix, tokenize, split and (optionally) pack the SFT data of a recipe.
 
     Sets ``tokenizer.chat_template`` from ``cfg.chat_template`` when there are chat rows (see
-    :func:`apply_chat_template_config`).
+    :func:`apply_chat_template_config`). Tool conversations (tool calls, tool results, a ``tools`` column) need a
+    template that renders them (:func:`~llmtune.data.templates.check_tool_rendering`, checked once before tokenizing).
 
     Args:
         cfg: the recipe's ``data`` section.
@@ -87,7 +88,8 @@ def build_sft_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".") ->
     Raises:
         DataError: a source cannot be read, a format cannot be detected, no valid rows in a source,
             bad rows under ``bad_rows: error`` (first 10 listed with file, row index and reason), no chat
-            template, ``max_prompt_length >= max_length``, ``val_size`` too large, or no rows left at all.
+            template, a template that cannot render the data's tool conversations, ``max_prompt_length >=
+            max_length``, ``val_size`` too large, or no rows left at all.
     """
     return cached_build("sft", cfg, tokenizer, base_dir, lambda: _build_sft_data(cfg, tokenizer, base_dir=base_dir))
 
@@ -97,6 +99,11 @@ def _build_sft_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".") -
     pools = read_sources(cfg, base_dir, report)
     if any(row_kind(row) == "chat" for pool in pools for row in pool.rows):
         apply_chat_template_config(cfg, tokenizer)
+    tool_sources = [f"{s.tool_rows} rows of data.datasets[{i}] ({s.path})" for i, s in enumerate(report.sources)
+                    if s.tool_rows]
+    if tool_sources:  # one configuration error, not a bad row per conversation
+        where = "data.chat_template" if cfg.chat_template else "the tokenizer's chat template (data.chat_template: null)"
+        check_tool_rendering(tokenizer, where, " and ".join(tool_sources))
     fn = SFTTokenizer(tokenizer, cfg.max_length, cfg.truncation, cfg.train_on, cfg.max_prompt_length,
                       cfg.truncation_mode, cfg.truncation_keep_system)
     train_rows, eval_rows = tokenize_and_split(cfg, pools, fn, report)

@@ -9,8 +9,8 @@ Every builder (:func:`~llmtune.data.build_sft_data`, preference pairs, prompts, 
 * every source's resolved location and the SHA-256 of its bytes (all files of a datasets directory);
 * the tokenizer: its serialized vocabulary/normalizer/pre-tokenizer (``tokenizer.json``), special tokens, chat
   template, padding/truncation side and class;
-* the code that tokenizes: the SHA-256 of ``llmtune/data/*.py``, and the versions of llmtune, tokenizers,
-  transformers and datasets.
+* the code that tokenizes: the SHA-256 of ``llmtune/data/*.py`` and ``llmtune/tools.py`` (see :func:`code_files`),
+  and the versions of llmtune, tokenizers, transformers and datasets.
 
 So an edited data file, another tokenizer or template, another ``max_length`` or a changed llmtune is a new entry,
 never a stale hit. Hub datasets (``datasets.load_dataset``) have no content hash before they are loaded and are not
@@ -148,13 +148,20 @@ def tokenizer_fingerprint(tokenizer) -> str | None:
     return hashlib.sha256(json.dumps(state, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def code_files() -> list[Path]:
+    """The files of the code that builds data: ``llmtune/data/*.py`` and ``llmtune/tools.py`` (the calculator computes
+    the tool results of ``builtin:gsm8k-calculator``, and its docstring is the tool schema in those rows)."""
+    here = Path(__file__).parent
+    return [*sorted(here.glob("*.py")), here.parent / "tools.py"]
+
+
 def _code_fingerprint() -> dict:
     from importlib import metadata
 
     import llmtune
 
     digest = hashlib.sha256()
-    for file in sorted(Path(__file__).parent.glob("*.py")):
+    for file in code_files():
         digest.update(file.name.encode() + b"\0" + file.read_bytes())
     versions = {}
     for name in ("tokenizers", "transformers", "datasets", "jinja2"):

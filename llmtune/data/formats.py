@@ -3,7 +3,9 @@
 Canonical rows (plain dicts, so they can be stored as JSON or Arrow):
 
 * chat: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`` — optional system
-  first, then user/assistant alternating, ending with assistant (alpaca, sharegpt, messages formats);
+  first, then user/assistant alternating, ending with assistant (alpaca, sharegpt, messages formats); messages and
+  sharegpt rows may be tool conversations (assistant ``tool_calls``, ``tool`` turns, ``"tools": [JSON schemas]``
+  beside ``messages``; :mod:`llmtune.data.toolchat`);
 * text: ``{"text": str}``;
 * prompt/completion: ``{"prompt": str, "completion": str}`` (raw strings, no chat template).
 
@@ -38,11 +40,13 @@ from typing import Any, Callable
 from llmtune.config.schema import DatasetConfig
 from llmtune.data.errors import DataError, RowError
 from llmtune.data.sources import RawSource
+from llmtune.data.toolchat import (CALL_ROLE, ORDER, TOOL_ROLES, calls_from_text, check_calls_known, check_tool_order,
+                                   is_tool_conversation, json_type_name, parse_tool_calls, parse_tools, tool_turn)
 
 FORMAT_FIELDS: dict[str, dict[str, str]] = {
     "alpaca": {"instruction": "instruction", "input": "input", "output": "output", "system": "system"},
-    "sharegpt": {"messages": "conversations", "role": "from", "content": "value", "system": "system"},
-    "messages": {"messages": "messages", "role": "role", "content": "content", "system": "system"},
+    "sharegpt": {"messages": "conversations", "role": "from", "content": "value", "system": "system", "tools": "tools"},
+    "messages": {"messages": "messages", "role": "role", "content": "content", "system": "system", "tools": "tools"},
     "text": {"text": "text"},
     "prompt_completion": {"prompt": "prompt", "completion": "completion"},
     "preference": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "system": "system"},
@@ -86,19 +90,12 @@ ROLE_ALIASES: dict[str, str] = {
     "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
     "model": "assistant",
 }
-ORDER = "roles out of order"
 PROMPT_MISMATCH = "prompt mismatch"
 SAME_PAIR = "chosen equals rejected"
 HH_ASSISTANT = "\n\nAssistant:"
 _HH_TURN = re.compile(r"\n\n(Human|Assistant):")
 HH_ROLES = {"Human": "user", "Assistant": "assistant"}
-_JSON_TYPE = {
-    dict: "an object", list: "an array", int: "a number", float: "a number", bool: "a boolean", type(None): "null",
-}
-
-
-def _type_name(value: Any) -> str:
-    return _JSON_TYPE.get(type(value), type(value).__name__)
+_type_name = json_type_name
 
 
 def resolve_columns(fmt: str, ds: DatasetConfig, key: str, builtin: dict[str, str] | None = None) -> dict[str, str]:
@@ -283,8 +280,12 @@ def _check_order(messages: list[dict], *, last: str = "assistant", what: str = "
     """Check turn order: optional system first, then user/assistant alternating, ending with ``last``.
 
     ``what`` names the checked part in messages ("conversation", "prompt"); ``check_empty`` rejects empty
-    assistant turns (they would be trained on).
+    assistant turns (they would be trained on). Conversations with tool turns are checked by
+    :func:`~llmtune.data.toolchat.check_tool_order`.
     """
+    if is_tool_conversation(messages):
+        check_tool_order(messages, last=last, what=what, check_empty=check_empty)
+        return
     roles = [m["role"] for m in messages]
     for t, role in enumerate(roles):
         if role == "system" and t != 0:
@@ -326,10 +327,12 @@ def _alpaca_user(instruction: str, extra: str | None) -> str:
     return f"{instruction}\n\n{extra}" if extra and instruction else (instruction or extra or "")
 
 
-def _parse_turns(turns: Any, cols: dict[str, str], field: str, where: str = "") -> list[dict]:
+def _parse_turns(turns: Any, cols: dict[str, str], field: str, where: str = "", tools: bool = False) -> list[dict]:
     """Canonical ``{role, content}`` messages from the list of turns in column ``field``.
 
     ``where`` prefixes turn-level reasons (e.g. ``"'chosen' "`` -> "'chosen' turn 1 lacks field 'content'").
+    With ``tools`` (SFT conversations and prompts), assistant turns may carry ``tool_calls`` and ``tool`` turns are
+    read (:mod:`llmtune.data.toolchat`); elsewhere (preference pairs, KTO) they are a bad row.
     """
     if turns is None:
         raise RowError(f"missing field '{field}'")
@@ -345,11 +348,33 @@ def _parse_turns(turns: Any, cols: dict[str, str], field: str, where: str = "") 
         role = turn.get(cols["role"])
         if role is None:
             raise RowError(f"missing field '{cols['role']}'", f"{where}turn {t} lacks field '{cols['role']}'")
-        canonical = ROLE_ALIASES.get(role) if isinstance(role, str) else None
+        tool_role = isinstance(role, str) and (role in TOOL_ROLES or role == CALL_ROLE or bool(turn.get("tool_calls")))
+        if tool_role and not tools:
+            raise RowError("tool turn", f"{where}turn {t} is a tool call or result (role {role!r}); tool "
+                           "conversations are read from formats messages and sharegpt (SFT rows, prompts), not "
+                           "here; remove the tool turns from this data")
+        canonical = (ROLE_ALIASES.get(role) or (TOOL_ROLES.get(role) if tools else None)
+                     if isinstance(role, str) else None)
+        if role == CALL_ROLE and tools:
+            at = f"{where}turn {t} ({role})"
+            messages.append({"role": "assistant", "content": "",
+                             "tool_calls": calls_from_text(turn.get(cols["content"]), at)})
+            continue
         if canonical is None:
+            known = ("system, user (or human), assistant (or gpt), tool (or observation) or function_call" if tools
+                     else "system, user (or human) or assistant (or gpt)")
             raise RowError("unknown role", f"{where}turn {t} has unknown role {role!r} in field '{cols['role']}'; "
-                           "expected system, user (or human) or assistant (or gpt)")
+                           f"expected {known}")
         content = turn.get(cols["content"])
+        if canonical == "tool":
+            messages.append(tool_turn(turn, content, t, where, cols["content"]))
+            continue
+        calls = parse_tool_calls(turn.get("tool_calls"), f"{where}turn {t} ({canonical})") if tools else []
+        if calls and canonical != "assistant":
+            raise RowError("malformed tool_calls", f"{where}turn {t} is {canonical} but has 'tool_calls'; only "
+                           "assistant turns call tools")
+        if calls and content is None:  # OpenAI writes content: null beside tool calls
+            content = ""
         if content is None:
             raise RowError(f"missing field '{cols['content']}'", f"{where}turn {t} lacks field '{cols['content']}'")
         if not isinstance(content, str):
@@ -357,14 +382,20 @@ def _parse_turns(turns: Any, cols: dict[str, str], field: str, where: str = "") 
                 "non-string content",
                 f"{where}turn {t} ({canonical}) field '{cols['content']}' must be a string, got {_type_name(content)}",
             )
-        messages.append({"role": canonical, "content": content})
+        messages.append({"role": canonical, "content": content, **({"tool_calls": calls} if calls else {})})
     return messages
 
 
 def _chat(row: dict, cols: dict[str, str], ds: DatasetConfig) -> dict:
-    messages = _parse_turns(row.get(cols["messages"]), cols, cols["messages"])
+    """A conversation, with tool calls, tool results and a ``tools`` column of JSON schemas where the row has them
+    (:mod:`llmtune.data.toolchat`): ``{"messages": [...], "tools"?: [...]}``."""
+    messages = _parse_turns(row.get(cols["messages"]), cols, cols["messages"], tools=True)
     messages = _with_system(messages, _field(row, cols["system"], required=False) or ds.system_prompt)
     _check_order(messages)
+    tools = parse_tools(row.get(cols["tools"]), cols["tools"])
+    if tools:
+        check_calls_known(messages, tools, cols["tools"])
+        return {"messages": messages, "tools": tools}
     return {"messages": messages}
 
 
@@ -560,9 +591,19 @@ def _prompt_row(messages: list[dict], reference: str | None, where: str) -> dict
 
 
 def _prompt_chat(row: dict, cols: dict[str, str], ds: DatasetConfig) -> dict:
-    messages = _parse_turns(row.get(cols["messages"]), cols, cols["messages"])
+    """The conversation without its final assistant turn, which is the reference. A tool conversation's prompt ends
+    with its last user turn; what follows (calls, results, the answer) is the policy's to produce, and the text of
+    its final assistant turn is the reference."""
+    messages = _parse_turns(row.get(cols["messages"]), cols, cols["messages"], tools=True)
     messages = _with_system(messages, _field(row, cols["system"], required=False) or ds.system_prompt)
-    reference = messages.pop()["content"] if messages[-1]["role"] == "assistant" else None
+    if is_tool_conversation(messages):
+        last = messages[-1]
+        _check_order(messages, last="user" if last["role"] == "user" else "assistant", check_empty=False)
+        reference = last["content"] if last["role"] == "assistant" and not last.get("tool_calls") else None
+        user = max(t for t, m in enumerate(messages) if m["role"] == "user")
+        messages = messages[: user + 1]
+    else:
+        reference = messages.pop()["content"] if messages[-1]["role"] == "assistant" else None
     return _prompt_row(messages, reference, f"the last user turn (turn {len(messages) - 1}) of '{cols['messages']}'")
 
 

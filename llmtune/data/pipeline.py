@@ -36,6 +36,7 @@ from llmtune.data.cache import ARROW_CHUNK_ROWS, write_dataset
 from llmtune.data.errors import DataError, RowError
 from llmtune.data import sources
 from llmtune.data.formats import check_column_mapping, convert_rows, row_columns, schema_message, source_format
+from llmtune.data.toolchat import is_tool_row
 from llmtune.data.report import DataReport, SourceReport
 from llmtune.data.spill import RowPool, SpillList, SpillView, current_spill_dir
 from llmtune.data.tokenize import RowTokenizer
@@ -116,12 +117,13 @@ def _read_source(ds, index: int, base_dir, kind: str, store: SpillList
     fmt, cols, adapter = source_format(head, ds, kind)
     pool = RowPool(store)
     bad: list[tuple[int, RowError]] = []
-    rows_read = 0
+    rows_read = tool_rows = 0
     last = head
     for raw in itertools.chain(pending, batches):
         valid, batch_bad = convert_rows(raw, ds, cols, adapter)
         for row_id, row in valid:
             pool.append(row_id, row)
+            tool_rows += is_tool_row(row)
         bad += batch_bad
         rows_read += len(raw.rows) + len(raw.bad)
         last = raw
@@ -129,7 +131,7 @@ def _read_source(ds, index: int, base_dir, kind: str, store: SpillList
         raise DataError(schema_message(last, fmt, cols, bad, key))  # the last batch knows the columns found
     source_report = SourceReport(path=ds.path, location=head.location, format=fmt, rows_read=rows_read,
                                  rows_valid=len(pool), weight=ds.weight, stopped_early=last.stopped_early,
-                                 truncated_json=last.truncated_json)
+                                 truncated_json=last.truncated_json, tool_rows=tool_rows, skipped_rows=ds.skip_rows)
     return pool, source_report, bad
 
 

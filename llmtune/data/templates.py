@@ -1,4 +1,4 @@
-"""Chat templates: the builtin ones and :func:`apply_chat_template_config`.
+"""Chat templates: the builtin ones, :func:`apply_chat_template_config` and the tool-capability check.
 
 Every builtin template renders each assistant turn followed by its end-of-turn token (``<|im_end|>``,
 ``<|eot_id|>`` or the tokenizer's EOS), and renders ``messages[:i]`` with ``add_generation_prompt=True``
@@ -175,6 +175,76 @@ def check_chat_template(tokenizer, where: str) -> None:
         logging.getLogger("llmtune.data").warning(
             "%s: an assistant turn renders as %r, which does not end with the EOS token %r; the model will not learn "
             "to stop. Use a template that closes assistant turns with the EOS.", where, turn[-40:], eos)
+
+
+# The tool-capability probe (SFT tool conversations check it before tokenizing; multi-turn rollouts can use it too):
+# a two-round tool conversation with several calls in one turn, text before a call and an empty-content call turn.
+PROBE_TOOL = {"type": "function", "function": {
+    "name": "probe_tool", "description": "A probe tool.",
+    "parameters": {"type": "object", "properties": {"x": {"type": "string", "description": "A value."}},
+                   "required": ["x"]}}}
+TOOL_TEMPLATE_FIX = ("set data.chat_template to a template that renders tools, tool calls and tool results, e.g. "
+                     "data.chat_template: chatml_tools (ChatML with Hermes/Qwen2.5 <tool_call> blocks), or the model "
+                     "family's own tool template")
+
+
+def _probe_call(x: str) -> dict:
+    return {"type": "function", "function": {"name": "probe_tool", "arguments": {"x": x}}}
+
+
+def tool_probe_conversation() -> list[dict]:
+    """A two-round tool conversation (several calls in one turn, text with a think block before a call, a call turn
+    without text, a final answer) that :func:`tool_render_problem` renders with :data:`PROBE_TOOL` (the think block
+    lets a caller catch templates that rewrite history, e.g. strip earlier ``<think>`` blocks)."""
+    return [
+        {"role": "user", "content": "What is 12 * 7 + 3?"},
+        {"role": "assistant", "content": "<think>\nfirst the product\n</think>\n\nLet me compute.",
+         "tool_calls": [_probe_call("12 * 7"), _probe_call("84 + 3")]},
+        {"role": "tool", "name": "probe_tool", "content": "eighty-four"},
+        {"role": "tool", "name": "probe_tool", "content": "eighty-seven"},
+        {"role": "assistant", "content": "", "tool_calls": [_probe_call("check 87")]},
+        {"role": "tool", "name": "probe_tool", "content": "checked"},
+        {"role": "assistant", "content": "The answer is 87. #### 87"},
+    ]
+
+
+def tool_render_problem(tokenizer) -> str | None:
+    """What the tokenizer's chat template fails to render of a tool conversation, or None when it renders the tool
+    schemas (passed as ``tools=``), the assistant's tool calls and the tool results (:func:`tool_probe_conversation`).
+
+    Many templates cannot: they drop ``tools`` and ``tool_calls`` silently and render a ``tool`` turn as an unknown
+    role, so the model would be trained on conversations that lack what it should learn.
+
+    Returns:
+        A sentence naming what is missing (or the template's error), for the caller's error with
+        :data:`TOOL_TEMPLATE_FIX`; None when the template is capable.
+    """
+    try:
+        text = tokenizer.apply_chat_template(tool_probe_conversation(), tools=[PROBE_TOOL], tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception() in templates
+        return f"the chat template cannot render a conversation with tools ({type(exc).__name__}: {exc})"
+    missing = [what for what, needle in (("the tool schemas", PROBE_TOOL["function"]["description"]),
+                                         ("the tool calls", "check 87"), ("the tool results", "eighty-four"))
+               if needle not in text]
+    listed = " and ".join([", ".join(missing[:-1]), missing[-1]] if len(missing) > 1 else missing)
+    return f"the chat template does not render {listed}" if missing else None
+
+
+def check_tool_rendering(tokenizer, where: str, rows: str) -> None:
+    """Refuse a chat template that cannot render tool conversations (:func:`tool_render_problem`), once, before any
+    row is tokenized.
+
+    Args:
+        where: the template's origin for the message (``data.chat_template`` or the tokenizer's own).
+        rows: which data has tool conversations (e.g. ``"12 rows of data.datasets[0] (x.jsonl)"``).
+
+    Raises:
+        DataError: naming the template, what it drops, the rows and the fix.
+    """
+    problem = tool_render_problem(tokenizer)
+    if problem:
+        raise DataError(f"{where}: {problem}, and {rows} are tool conversations (tool calls, tool results or a tools "
+                        f"column); {TOOL_TEMPLATE_FIX}.")
 
 
 def template_eos_ids(tokenizer) -> list[int]:

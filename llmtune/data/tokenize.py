@@ -11,6 +11,12 @@ split into alternating untrained/trained segments and **each segment is tokenize
 tokenizes, and span boundaries are exact even where BPE would merge across them in context (trl #598).
 Labels come from segment positions, never from comparing ids (pad == EOS keeps the EOS label, trl #976).
 
+Tool conversations (:mod:`llmtune.data.toolchat`): every render gets the row's ``tools`` (JSON schemas; the template
+puts them in the system turn), an assistant turn with ``tool_calls`` is trained as the template renders it (its text
+and its tool-call markup, e.g. ``<tool_call>{...}</tool_call>``, through its end-of-turn token), and the tool
+results, the tools block and the template's text around them are not: they are outside every assistant span. A row
+with tools longer than ``max_length`` is dropped (counted), never cut: a cut would remove the tools block.
+
 BOS: if the tokenizer adds a BOS by itself and the rendered text does not start with the BOS text, one
 BOS id is prepended (untrained); a template that renders its BOS never gets a second one (trl #1400).
 Text rows: text + exactly one EOS, all trained (trl #1623). Prompt/completion rows: the raw prompt
@@ -108,20 +114,22 @@ def render_chat(tokenizer, messages: list[dict], generation_prompt: bool = False
         raise RowError("chat template error", f"chat template error: {type(exc).__name__}: {exc}") from None
 
 
-def assistant_span(tokenizer, messages: list[dict], i: int) -> tuple[str, str]:
+def assistant_span(tokenizer, messages: list[dict], i: int, tools: list[dict] | None = None) -> tuple[str, str]:
     """Where assistant turn ``i`` sits when rendered: ``(prefix, through)``.
 
     ``prefix`` renders ``messages[:i]`` with the generation prompt (it ends where the answer starts),
     ``through`` renders ``messages[:i+1]``. The trained text of the turn is
     ``through[len(prefix):len(through.rstrip())]``: the answer plus the template's end-of-turn (ChatML
-    ``<|im_end|>``, Llama ``</s>``), without the whitespace after it.
+    ``<|im_end|>``, Llama ``</s>``), without the whitespace after it. For a turn with ``tool_calls`` that is its
+    text and its calls as the template renders them (``chatml_tools``: ``<tool_call>`` blocks); tool results are
+    never inside a span (they are turns of their own). ``tools`` (the row's JSON schemas) is passed to every render.
 
     Raises:
         RowError: ``through`` does not start with ``prefix`` (template not prefix-consistent), or the
             template fails.
     """
-    prefix = render_chat(tokenizer, messages[:i], generation_prompt=True)
-    through = render_chat(tokenizer, messages[: i + 1])
+    prefix = render_chat(tokenizer, messages[:i], generation_prompt=True, tools=tools)
+    through = render_chat(tokenizer, messages[: i + 1], tools=tools)
     if not through.startswith(prefix):
         raise not_prefix_consistent(i)
     return prefix, through
@@ -223,7 +231,8 @@ class SFTTokenizer:
     (``truncation_mode: keep_end``: the oldest tokens go first; the BOS and, with ``keep_system``, the system
     message stay in front) or its start (``keep_start``: the generation prompt stays at its end); then the response
     is cut at its end to fit L. Tokens of earlier assistant turns that stay keep their labels. Rows with nothing
-    before their trained text (``text`` rows) and ``train_on: all`` rows keep their first L tokens.
+    before their trained text (``text`` rows) and ``train_on: all`` rows keep their first L tokens. Rows with a
+    ``tools`` column are never cut (dropped when longer than L).
 
     Args:
         tokenizer: a Hugging Face (fast) tokenizer; its ``chat_template`` is used for chat rows.
@@ -261,13 +270,13 @@ class SFTTokenizer:
 
         Raises:
             RowError: the row cannot be trained (template not prefix-consistent, no trained tokens, too long
-                with ``truncation: drop``, a context that cannot be cut); ``err.bad`` tells malformed data from
-                policy drops.
+                with ``truncation: drop`` or with tools, a context that cannot be cut); ``err.bad`` tells malformed
+                data from policy drops.
             DataError: the tokenizer lacks an EOS token for text / prompt-completion rows.
         """
-        messages = row.get("messages")
+        messages, tools = row.get("messages"), row.get("tools")
         if messages is not None:
-            text = render_chat(self.tokenizer, messages)
+            text = render_chat(self.tokenizer, messages, tools=tools)
             plain = None
             eos = []
         else:
@@ -275,16 +284,18 @@ class SFTTokenizer:
             eos = [self.tokenizer.eos_token_id]
 
         def pieces():
-            return self._chat_pieces(messages, text) if plain is None else iter(plain)
+            return self._chat_pieces(messages, text, tools) if plain is None else iter(plain)
 
         bos = bos_prefix(self.tokenizer, self.add_bos, text)
         input_ids, labels, _ = self._encode(bos, pieces(), self.max_length + 1)  # enough to know it is too long
         if len(input_ids) + len(eos) <= self.max_length:
             return self._checked(input_ids + eos, labels + eos)
-        if self.truncation == "drop":
+        if self.truncation == "drop" or tools:
+            why = ("with tools, rows are never cut: a cut would remove the tools block the calls refer to"
+                   if tools else "data.truncation: drop")
             raise RowError(
                 "longer than max_length",
-                f"more than data.max_length={self.max_length} tokens (data.truncation: drop)",
+                f"more than data.max_length={self.max_length} tokens ({why})",
                 bad=False,
             )
         input_ids, labels, split = self._encode(bos, pieces(), None)  # the whole row: its end may be kept
@@ -344,8 +355,10 @@ class SFTTokenizer:
             raise RowError("no trained tokens", "the row has no trained tokens")
         return Tokenized(input_ids, labels, truncated, prompt_cut_tokens, response_cut_tokens)
 
-    def _chat_pieces(self, messages: list[dict], full: str) -> Iterator[tuple[str, bool]]:
-        """Yield the ``(text, trained)`` segments of the rendered conversation ``full`` in order (lazily)."""
+    def _chat_pieces(self, messages: list[dict], full: str, tools: list[dict] | None = None
+                     ) -> Iterator[tuple[str, bool]]:
+        """Yield the ``(text, trained)`` segments of the rendered conversation ``full`` (rendered with the row's
+        ``tools``) in order (lazily)."""
         if self.train_on == "all":
             yield full, True
             return
@@ -353,7 +366,7 @@ class SFTTokenizer:
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prefix, through = assistant_span(self.tokenizer, messages, i)
+            prefix, through = assistant_span(self.tokenizer, messages, i, tools)
             start, end = len(prefix), len(through.rstrip())
             if not full.startswith(through) or start < cursor or end < start:
                 raise not_prefix_consistent(i)

