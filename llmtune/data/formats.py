@@ -41,7 +41,8 @@ from llmtune.config.schema import DatasetConfig
 from llmtune.data.errors import DataError, RowError
 from llmtune.data.sources import RawSource
 from llmtune.data.toolchat import (CALL_ROLE, ORDER, TOOL_ROLES, calls_from_text, check_calls_known, check_tool_order,
-                                   is_tool_conversation, json_type_name, parse_tool_calls, parse_tools, tool_turn)
+                                   conversation_start, is_tool_conversation, json_type_name, parse_tool_calls,
+                                   parse_tools, tool_turn)
 
 FORMAT_FIELDS: dict[str, dict[str, str]] = {
     "alpaca": {"instruction": "instruction", "input": "input", "output": "output", "system": "system"},
@@ -287,14 +288,7 @@ def _check_order(messages: list[dict], *, last: str = "assistant", what: str = "
         check_tool_order(messages, last=last, what=what, check_empty=check_empty)
         return
     roles = [m["role"] for m in messages]
-    for t, role in enumerate(roles):
-        if role == "system" and t != 0:
-            raise RowError(ORDER, f"{ORDER}: system message at turn {t}; only turn 0 may be system")
-    start = 1 if roles[0] == "system" else 0
-    if start == len(roles):
-        raise RowError(ORDER, f"{ORDER}: only a system message, no user/assistant turns")
-    if roles[start] != "user":
-        raise RowError(ORDER, f"{ORDER}: the {what} starts with assistant (turn {start}); expected user")
+    start = conversation_start(roles, what)
     for t in range(start + 1, len(roles)):
         if roles[t] == roles[t - 1]:
             raise RowError(ORDER, f"{ORDER}: two {roles[t]} turns in a row (turns {t - 1} and {t})")

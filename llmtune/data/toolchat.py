@@ -207,6 +207,23 @@ def parse_tools(value: Any, col: str) -> list[dict] | None:
     return tools or None
 
 
+def conversation_start(roles: list[str], what: str) -> int:
+    """The index of a conversation's first user turn (after an optional system turn at 0).
+
+    Raises:
+        RowError: a system turn elsewhere than turn 0, nothing but a system turn, or a first turn that is not user.
+    """
+    for t, role in enumerate(roles):
+        if role == "system" and t != 0:
+            raise RowError(ORDER, f"{ORDER}: system message at turn {t}; only turn 0 may be system")
+    start = 1 if roles[0] == "system" else 0
+    if start == len(roles):
+        raise RowError(ORDER, f"{ORDER}: only a system message, no user/assistant turns")
+    if roles[start] != "user":
+        raise RowError(ORDER, f"{ORDER}: the {what} starts with {roles[start]} (turn {start}); expected user")
+    return start
+
+
 def check_tool_order(messages: list[dict], *, last: str = "assistant", what: str = "conversation",
                      check_empty: bool = True) -> None:
     """Turn order of a conversation with tool turns: optional system first, then a user turn; user and assistant
@@ -219,14 +236,7 @@ def check_tool_order(messages: list[dict], *, last: str = "assistant", what: str
             than calls, a ``tool_call_id`` that names no call, an empty assistant turn without calls.
     """
     roles = [m["role"] for m in messages]
-    for t, role in enumerate(roles):
-        if role == "system" and t != 0:
-            raise RowError(ORDER, f"{ORDER}: system message at turn {t}; only turn 0 may be system")
-    start = 1 if roles[0] == "system" else 0
-    if start == len(roles):
-        raise RowError(ORDER, f"{ORDER}: only a system message, no user/assistant turns")
-    if roles[start] != "user":
-        raise RowError(ORDER, f"{ORDER}: the {what} starts with {roles[start]} (turn {start}); expected user")
+    start = conversation_start(roles, what)
     caller = None  # the assistant turn whose calls are being answered
     results = 0
     for t in range(start + 1, len(roles)):

@@ -70,3 +70,24 @@ def test_bench_grpo_fails_when_the_prompts_or_tokens_differ():
                                "peak_mem_gb": 1.0, "wall_s": 9.0}, case, None)
     assert summary["s_per_iteration"] == 4.0 and summary["rest_s"] == 3.5  # steady iterations (after the first)
     assert summary["generation_tokens_per_s"] == 128 / 0.5
+
+
+@pytest.mark.slow
+def test_async_rollouts_bench_tiny_runs_both_modes_on_one_server(tmp_path):
+    from llmtune.rl.engines.vllm_client import vllm_python
+
+    if vllm_python() is None:
+        pytest.skip("vLLM is not installed (bash scripts/setup.sh)")
+    out = tmp_path / "async.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_async.py"), "--tiny", "--reps", "1",
+                           "--steps", "4", "--engine-core", "-1", "--trainer-core", "-1", "--work", str(tmp_path),
+                           "--out", str(out)], capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    sync, asynchronous = report["runs"]["sync"][0], report["runs"]["async"][0]
+    assert sync["staleness"] == 0 and asynchronous["staleness"] == 1
+    assert len(sync["iteration_s"]) == len(asynchronous["iteration_s"]) == 3  # iterations 0-2 (the 4th: the end)
+    assert sync["staleness_max"] == [] and asynchronous["staleness_max"] == [0.0, 1.0, 1.0, 1.0]
+    assert len(sync["reward_mean"]) == len(asynchronous["reward_mean"]) == 4
+    assert report["speedup"]["pairs"] == [sync["s_per_iteration"] / asynchronous["s_per_iteration"]]
+    assert "GRPO s/iteration | sync" in proc.stdout
