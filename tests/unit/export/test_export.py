@@ -324,7 +324,7 @@ def test_ppo_run_merges_only_the_policy_adapter(bases, tmp_path):
 def test_wrong_merge_fails_verification_and_the_command_exits_1(chain, tmp_path, monkeypatch):
     import llmtune.export.merge as export
 
-    monkeypatch.setattr(export, "merge_in_fp32", lambda model, adapter_dir: model.unload())  # adapter dropped
+    monkeypatch.setattr(export, "merge_in_fp32", lambda model, adapter_dir, frozen=(): model.unload())  # adapter dropped
     assert main(["export", str(chain["run"]), "--out", str(tmp_path / "bad")]) == 1
     report = json.loads((tmp_path / "bad" / "verification.json").read_text())
     assert not report["passed"] and report["max_abs_diff"] > report["tolerance"]
