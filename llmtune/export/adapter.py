@@ -16,7 +16,10 @@ link was trained starting from them). The result is exact up to fp32 rounding, a
 
 Refused (not exactly one LoRA): DoRA links in a chain (the magnitude vector is not additive), LoRA on a module an
 earlier link trained in full, ``rank_pattern``/``alpha_pattern``, LoRA biases, resized vocabularies, full
-fine-tuning links, quantized (QLoRA) runs (their ``adapter/`` is already the whole chain, for the 4-bit base).
+fine-tuning links, a QLoRA run on top of a full fine-tuning run (no hub base is its base). A QLoRA run's chain (stacked frozen on the
+4-bit base in training) folds the same way: the adapter is for the 4-bit base, and it is verified on the base loaded
+with the run's ``BitsAndBytesConfig`` by plain transformers (both models' 4-bit layers computing in fp32, so that the
+fp32 tolerance holds).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 
 from llmtune.core import rundir as rd
 from llmtune.export.merge import (
-    TOLERANCE, ExportError, auto_class, compute_dtype_4bit, load_adapter_model, load_run_recipe, sample_inputs,
+    TOLERANCE, ExportError, auto_class, fp32_compute_4bit, load_adapter_model, load_run_recipe, sample_inputs,
 )
 from llmtune.utils import get_logger, setup_logging, write_json
 
@@ -200,20 +203,18 @@ def export_adapter(run_dir: str | Path, out_dir: str | Path | None = None) -> di
 
     reference_model, tokenizer, _ = load_adapter_model(run_dir, recipe, lineage)
     inputs = sample_inputs(tokenizer)
-    with torch.no_grad():
-        reference = [reference_model(input_ids=x).logits.float() for x in inputs]
-    compute = compute_dtype_4bit(reference_model) if quantized else None
+    with torch.no_grad(), fp32_compute_4bit(reference_model):  # 4-bit layers in fp32: the function itself, no
+        reference = [reference_model(input_ids=x).logits.float() for x in inputs]  # bf16 rounding per link
     del reference_model
 
     source = resolve_model_source(recipe.model)
     extra = {"num_labels": 1} if head == "score" else {}
-    from llmtune.models.load import quantization_kwargs, quiet_load_report, resolve_compute_dtype
+    from llmtune.models.load import quantization_kwargs, quiet_load_report
 
     quantization = quantization_kwargs(recipe.model, recipe.precision)
     if quantized:  # the base as training quantized it: plain transformers + bitsandbytes, as the card shows
         extra.update(quantization_config=plain_quantization_config(quantization),
                      dtype=getattr(torch, quantization["dtype"]))
-        compute = compute or resolve_compute_dtype(recipe.model, recipe.precision)
     with quiet_load_report():  # a one-score head is always new here (the trained one is in the adapter)
         base = auto_class(head).from_pretrained(source.path, **{"dtype": torch.float32, **extra})
     if quantized:
@@ -233,14 +234,13 @@ def export_adapter(run_dir: str | Path, out_dir: str | Path | None = None) -> di
     clean_tokenizer_config(out, model_max_length(source.path))
 
     plain = PeftModel.from_pretrained(base, str(out)).eval()  # what a peft user does
-    with torch.no_grad():
+    with torch.no_grad(), fp32_compute_4bit(plain):
         got = [plain(input_ids=x).logits.float() for x in inputs]
     max_diff = max(float((a - b).abs().max()) for a, b in zip(got, reference))
     scale = max(float(r.abs().max()) for r in reference)
     atol, rtol = TOLERANCE["fp32"]
-    if compute is not None and compute != torch.float32:  # each 4-bit layer adds every LoRA output in its compute
-        catol, crtol = TOLERANCE[{torch.bfloat16: "bf16", torch.float16: "fp16"}[compute]]  # dtype: the stacked
-        atol, rtol = max(atol, catol), max(rtol, crtol)  # chain rounds per link, the one folded adapter once
+    if recipe.model.load_in_8bit:  # LLM.int8 layers return fp16, rounded per stacked link and once when folded
+        atol, rtol = max(atol, TOLERANCE["fp16"][0]), max(rtol, TOLERANCE["fp16"][1])
     tolerance = atol + rtol * scale
     report = {
         "run_dir": str(run_dir), "out_dir": str(out), "model_head": head,
@@ -253,7 +253,8 @@ def export_adapter(run_dir: str | Path, out_dir: str | Path | None = None) -> di
         "max_abs_diff": max_diff, "max_abs_logit": scale, "tolerance": tolerance, "passed": max_diff <= tolerance,
         "compared": ("plain PeftModel.from_pretrained(base, exported adapter) vs llmtune's chain model "
                      + ("(the quantized base loaded with the run's BitsAndBytesConfig, earlier adapters stacked + the "
-                        "run's adapter), " if quantized else "(earlier adapters merged in fp32 + the run's adapter), fp32, ")
+                        "run's adapter), both with the 4-bit layers computing in fp32, " if quantized else
+                        "(earlier adapters merged in fp32 + the run's adapter), fp32, ")
                      + "sample prompts with the chat template"),
         "quantization": quantization,
     }
