@@ -174,3 +174,20 @@ def test_validate_reports_the_chain_refusal_that_training_makes(ws, capsys):
     train_err = capsys.readouterr().err
     for err in (validate_err, train_err):
         assert "model.dtype: this recipe quantizes the base as 4-bit nf4" in err and "set model.dtype: fp32" in err
+
+
+def test_an_interrupted_stacked_run_resumes_to_the_same_adapter(ws, tmp_path):
+    """Resume loads the DPO adapter from the checkpoint and keeps the stacked SFT adapter (not saved in it) as is."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    copy = tmp_path / "dpo"
+    shutil.copytree(ws["root"] / "dpo", copy)
+    for name in ("adapter", "lineage.json", "checkpoints/checkpoint-2", "merged", "exported_adapter"):
+        path = copy / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    assert main(["dpo", str(ws["recipes"]["dpo"]), f"output.dir={copy}"]) == 0
+    done = load_file(ws["root"] / "dpo" / "adapter" / "adapter_model.safetensors")
+    resumed = load_file(copy / "adapter" / "adapter_model.safetensors")
+    assert done.keys() == resumed.keys() and all(torch.equal(done[k], resumed[k]) for k in done)
