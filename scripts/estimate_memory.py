@@ -48,7 +48,6 @@ def build(config: dict, layers: int, out: Path) -> Path:
 def estimate(recipe, model_dir: Path, chain_rank: int | None, work: Path):
     from llmtune.core.distributed import zero_stage
     from llmtune.core.memory import estimate_training_memory
-    from llmtune.core.runner import plan_checkpointing  # noqa: F401  (the runner's use of the estimator)
     from llmtune.models import attach_adapter, load_model
     from llmtune.stages import STAGES
 

@@ -16,10 +16,10 @@ link was trained starting from them). The result is exact up to fp32 rounding, a
 
 Refused (not exactly one LoRA): DoRA links in a chain (the magnitude vector is not additive), LoRA on a module an
 earlier link trained in full, ``rank_pattern``/``alpha_pattern``, LoRA biases, resized vocabularies, full
-fine-tuning links, a QLoRA run on top of a full fine-tuning run (no hub base is its base). A QLoRA run's chain (stacked frozen on the
-4-bit base in training) folds the same way: the adapter is for the 4-bit base, and it is verified on the base loaded
-with the run's ``BitsAndBytesConfig`` by plain transformers (both models' 4-bit layers computing in fp32, so that the
-fp32 tolerance holds).
+fine-tuning links, a QLoRA run on top of a full fine-tuning run (no hub base is its base). A QLoRA run's chain (stacked
+frozen on the 4-bit base in training) folds the same way: the adapter is for the 4-bit base, and it is verified on
+the base loaded with the run's ``BitsAndBytesConfig`` by plain transformers (both models' 4-bit layers computing in
+fp32, so that the fp32 tolerance holds).
 """
 
 from __future__ import annotations

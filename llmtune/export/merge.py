@@ -242,7 +242,8 @@ def load_adapter_model(run_dir: Path, recipe: Recipe, lineage: dict | None = Non
     run of the chain was quantized: :func:`llmtune.models.lineage.trained_base`), plus the run's adapter.
     QLoRA runs: the base loaded quantized as training loaded it (same dtype, quantization settings; non-quantized
     parameters upcast to fp32 as ``prepare_model_for_kbit_training`` did), plus the run's adapter and, for a
-    ``model.from_run`` chain, the earlier adapters stacked frozen under it: the model the adapter was trained on. Full fine-tuning (``adapter.type: none``): the saved model itself (no peft wrapper).
+    ``model.from_run`` chain, the earlier adapters stacked frozen under it: the model the adapter was trained on.
+    Full fine-tuning (``adapter.type: none``): the saved model itself (no peft wrapper).
     Only peft's ``default`` adapter in ``adapter/`` is loaded (PPO saves its value adapter under ``adapter/value/``).
 
     Args:

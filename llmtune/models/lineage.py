@@ -156,7 +156,8 @@ def full_tensors(adapter_dir: str | Path) -> list[str]:
         return sorted(k for k in f.keys() if "lora_" not in k)
 
 
-def link_problems(links: list[dict[str, Any]], mine: dict | None, where: str = "model.from_run") -> list[tuple[str, str]]:
+def link_problems(links: list[dict[str, Any]], mine: dict | None,
+                  where: str = "model.from_run") -> list[tuple[str, str]]:
     """What training refuses about a chain of earlier runs under a new stage, from what each run is.
 
     - Every quantized run of the chain (after its last full fine-tuning run), and the new stage when it quantizes,
