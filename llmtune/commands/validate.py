@@ -54,11 +54,19 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
                           source=recipe_path)
     check_precision(recipe)
     late: list[tuple[str, str]] = []  # problems that do not stop the data check; reported at the end
+    if recipe.model.load_in_4bit or recipe.model.load_in_8bit:
+        import importlib.util
+
+        if importlib.util.find_spec("bitsandbytes") is None:  # loading the base would stop here (load_model)
+            key = "model.load_in_4bit" if recipe.model.load_in_4bit else "model.load_in_8bit"
+            late.append((key, "needs bitsandbytes, which is not installed: `pip install bitsandbytes` (or turn "
+                         "quantization off)"))
     try:
         RunDir(recipe.output.dir).plan(recipe.train.resume_from, recipe.output.overwrite)
     except RecipeError as exc:
         late += exc.problems
-    recipe = _inherit(recipe, console)
+    recipe, chain_late = _inherit(recipe, console)
+    late += chain_late
     recipe_dir = Path(recipe_path).parent
     late += STAGES[stage_name](recipe, recipe_dir=recipe_dir).preflight(".")
     source = resolve_model_source(recipe.model, convert=False)
@@ -112,25 +120,34 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
     return 0
 
 
-def _inherit(recipe, console):
-    """Apply ``model.from_run`` when that run is finished (printing what is inherited); else say that it must be."""
+def _inherit(recipe, console) -> tuple[object, list[tuple[str, str]]]:
+    """Apply ``model.from_run`` when that run is finished (printing what is inherited and how the chain is used);
+    else say that it must be. Returns ``(recipe, problems)``: what training would refuse about the chain
+    (:func:`llmtune.models.lineage.chain_problems`), reported with the other problems at the end."""
     from pathlib import Path
 
+    from llmtune.config import RecipeError
     from llmtune.models import inherit_from_run
 
     run = recipe.model.from_run
     if not run:
-        return recipe
+        return recipe, []
     if not (Path(run) / "lineage.json").is_file():
         console.print(f"[yellow]model.from_run: {run} is not a finished run yet[/yellow]; it must be before training "
                       f"(checking the data with model.name_or_path {recipe.model.name_or_path})")
-        return recipe
-    inherited, chain = inherit_from_run(recipe, ".")
+        return recipe, []
+    try:
+        inherited, chain = inherit_from_run(recipe, ".")
+    except RecipeError as exc:
+        return recipe, exc.problems
     before, after = recipe.model_dump(), inherited.model_dump()
     for section in ("model", "data"):
         for key, value in after[section].items():
             if value != before[section][key]:
                 console.print(f"from_run {run}: {section}.{key} = {value!r} (inherited)")
+    stacked = inherited.model.load_in_4bit or inherited.model.load_in_8bit
     for entry in chain:
-        console.print(f"from_run {run}: merges the {entry['stage']} adapter {entry['path']} before training")
-    return inherited
+        how = "stacks (frozen, unmerged) the" if stacked else "merges the"
+        console.print(f"from_run {run}: {how} {entry['stage']} adapter {entry['path']} "
+                      f"{'on the quantized base' if stacked else 'into the base before training'}")
+    return inherited, []

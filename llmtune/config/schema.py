@@ -42,9 +42,10 @@ class ModelConfig(Section):
     )
     from_run: str | None = Field(
         None,
-        description="Start from an earlier finished run directory (e.g. runs/sft): its base model, chat template and "
-        "adapter chain (lineage.json) are inherited; the earlier adapters are merged into the base in fp32 before "
-        "this stage's new adapter is attached. An explicit name_or_path overrides the recorded base (logged).",
+        description="Start from an earlier finished run directory (e.g. runs/sft): its base model, chat template, "
+        "4-bit settings and adapter chain (lineage.json) are inherited; the earlier adapters are merged into the "
+        "base in fp32 before this stage's new adapter is attached (on a 4/8-bit base: loaded frozen, unmerged, under "
+        "it). An explicit name_or_path overrides the recorded base (logged).",
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) for hub ids.")
     dtype: Literal["auto", "fp32", "fp16", "bf16"] = Field(

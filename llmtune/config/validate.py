@@ -178,6 +178,12 @@ def cross_field_problems(doc: dict) -> list[tuple[str, str]]:
         problems += grpo_problems(doc)
     if dotted_get(doc, "stage") in ("ppo", "grpo"):
         problems += rollout_problems(doc)
+        if dotted_get(doc, "adapter.type", "lora") == "none":  # the trainer refuses it when it builds the model
+            kept = "the policy, its reference and the value model" if dotted_get(doc, "stage") == "ppo" else \
+                "the policy and its reference"
+            problems.append(("adapter.type", f"{dotted_get(doc, 'stage')} keeps {kept} on one base as LoRA adapters "
+                             "(the reference is the policy with its adapter off); full fine-tuning (adapter.type: "
+                             "none) has no adapter to switch off. Set adapter.type: lora"))
     problems += agent_problems(doc)
     problems += distributed_problems(doc)
     problems += surface_problems(doc)  # report_to, optim, schedules, extra_args, push_to_hub

@@ -80,29 +80,35 @@ def front_matter(fields: dict[str, Any]) -> str:
     return "---\n" + yaml.safe_dump(kept, sort_keys=False).strip() + "\n---\n"
 
 
-def chain_warning(chain: list[dict]) -> list[str]:
-    """Card lines saying that an adapter needs the earlier adapters merged first (empty for no chain)."""
+def chain_warning(chain: list[dict], stacked: bool = False) -> list[str]:
+    """Card lines saying that an adapter needs the earlier adapters first (empty for no chain); ``stacked``: they
+    were applied unmerged on the quantized base (a QLoRA stage on top of an earlier run)."""
     if not chain:
         return []
     links = " -> ".join(f"{e.get('stage')} (`{e.get('path')}`)" for e in chain)
+    how = ("applied first, unmerged on the quantized base (the same BitsAndBytesConfig as below)" if stacked
+           else "merged first, in order")
     return ["## This adapter needs earlier adapters", "",
-            f"It was trained on the base **with these adapters merged first, in order**: {links}. Loading it on "
+            f"It was trained on the base **with these adapters {how}**: {links}. Loading it on "
             "the base alone gives a different model. For one adapter equal to the whole chain on the base "
-            "(loads with plain `PeftModel.from_pretrained`), run `llmtune export RUN_DIR --adapter`; for a merged "
-            "model, `llmtune export RUN_DIR`.", ""]
+            "(loads with plain `PeftModel.from_pretrained`" + (", on the quantized base too" if stacked else "")
+            + "), run `llmtune export RUN_DIR --adapter`; for a merged model, `llmtune export RUN_DIR`.", ""]
 
 
-def usage_snippet(base: dict, adapter_ref: str, head: str, kind: str, local_base: str | None = None) -> list[str]:
+def usage_snippet(base: dict, adapter_ref: str, head: str, kind: str, local_base: str | None = None,
+                  quantization: dict | None = None) -> list[str]:
     """Python usage for a card. ``kind``: ``adapter`` (peft on the base) or ``merged`` (a plain model dir).
 
     ``local_base``: the directory training loaded the base from (a hub snapshot in the HF cache, or llmtune's
     float32 conversion of a GGUF / ``builtin:`` model); an adapter card then also shows how to load the adapter
     against a local copy of the base, offline (the builtin default has no hub route without network access).
+    ``quantization``: how a QLoRA / 8-bit run quantized its base (:func:`llmtune.models.load.quantization_kwargs`):
+    an adapter card then loads the base with that ``BitsAndBytesConfig``, the weights the adapter was trained on.
     """
-    lines = _snippet(base, adapter_ref, head, kind)
+    lines = _snippet(base, adapter_ref, head, kind, quantization)
     if kind == "adapter" and local_base and local_base != base.get("name_or_path"):
         local = {"load": "AutoModelForCausalLM.from_pretrained(BASE_DIR, dtype=torch.float32)"}
-        code = _snippet(local, adapter_ref, head, kind)[3:]  # the code block without "## Usage"
+        code = _snippet(local, adapter_ref, head, kind, quantization)[3:]  # the code block without "## Usage"
         lines += ["### Offline, with a local copy of the base", "",
                   "`BASE_DIR` below is the directory llmtune loaded the base from on the training machine (a hub "
                   "snapshot in the Hugging Face cache, or llmtune's float32 conversion of a GGUF / builtin model: "
@@ -114,8 +120,11 @@ def usage_snippet(base: dict, adapter_ref: str, head: str, kind: str, local_base
     return lines
 
 
-def _snippet(base: dict, adapter_ref: str, head: str, kind: str) -> list[str]:
+def _snippet(base: dict, adapter_ref: str, head: str, kind: str, quantization: dict | None = None) -> list[str]:
+    import re
+
     auto = "AutoModelForSequenceClassification" if head == "score" else "AutoModelForCausalLM"
+    quantized = kind != "merged" and quantization is not None
     if kind == "merged":
         body = [f'model = {auto}.from_pretrained("{adapter_ref}")',
                 f'tokenizer = AutoTokenizer.from_pretrained("{adapter_ref}")']
@@ -124,11 +133,23 @@ def _snippet(base: dict, adapter_ref: str, head: str, kind: str) -> list[str]:
         load = load.replace("AutoModelForCausalLM", auto)
         if head == "score":  # a keyword after the positional arguments (before them is a SyntaxError)
             load = load[:-1] + ", num_labels=1)"
-        body = [f"base = {load}", f'model = PeftModel.from_pretrained(base, "{adapter_ref}")',
-                f'tokenizer = AutoTokenizer.from_pretrained("{adapter_ref}")']
-    imports = ["import torch", f"from transformers import {auto}, AutoTokenizer"]
+        body = []
+        if quantized:  # the quantized weights the adapter was trained on: the same BitsAndBytesConfig
+            args = ", ".join(f"{k}=torch.{v}" if k.endswith("compute_dtype") else f"{k}={v!r}"
+                             for k, v in quantization["config"].items())
+            load = re.sub(r", dtype=torch\.\w+", "", load)[:-1] + \
+                f", quantization_config=bnb, dtype=torch.{quantization['dtype']})"
+            body += [f"bnb = BitsAndBytesConfig({args})  # as training quantized the base"]
+        body += [f"base = {load}"]
+        if quantized:
+            body += ["base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)  # norms in fp32, "
+                     "as trained"]
+        body += [f'model = PeftModel.from_pretrained(base, "{adapter_ref}")',
+                 f'tokenizer = AutoTokenizer.from_pretrained("{adapter_ref}")']
+    imports = ["import torch", f"from transformers import {auto}, AutoTokenizer"
+               + (", BitsAndBytesConfig" if quantized else "")]
     if kind != "merged":
-        imports.append("from peft import PeftModel")
+        imports.append("from peft import PeftModel" + (", prepare_model_for_kbit_training" if quantized else ""))
     if head == "score":
         tail = ['enc = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", '
                 '"content": "Hello!"}], return_tensors="pt", return_dict=True)',
@@ -186,15 +207,26 @@ def adapter_card(adapter_dir: Path, lineage: dict) -> str:
         "pipeline_tag": "text-classification" if head == "score" else "text-generation",
         "tags": ["llmtune", str(stage), "full-fine-tune" if full else "lora"]})
     lines = [front, f"# {Path(lineage.get('summary', {}).get('run_dir', adapter_dir.parent)).name}: llmtune {stage} "
-             "adapter", "", *chain_warning(chain), "## Base model", "",
+             "adapter", "", *chain_warning(chain, stacked=bool(base.get("quantization"))), "## Base model", "",
              f"- `base_model_name_or_path`: `{portable.get('name_or_path')}`"
              + (f" (revision `{portable['revision']}`)" if portable.get("revision") else ""),
              f"- Trained against: {portable.get('weights', base.get('name_or_path'))}",
+             *quantization_lines(base.get("quantization")),
              f"- Recipe name: `{base.get('name_or_path')}` ({base.get('kind')})", ""]
     lines += usage_snippet(portable, "path/to/this/model" if full else "path/to/this/adapter", head,
-                           "merged" if full else "adapter", local_base=base.get("path"))
+                           "merged" if full else "adapter", local_base=base.get("path"),
+                           quantization=base.get("quantization"))
     lines += lineage_lines(lineage)
     return "\n".join(lines)
+
+
+def quantization_lines(quantization: dict | None) -> list[str]:
+    """Card line: how the base was quantized for training (empty when it was not)."""
+    if not quantization:
+        return []
+    args = ", ".join(f"{k}={v}" for k, v in quantization["config"].items())
+    return [f"- Quantized for training: `BitsAndBytesConfig({args})`, loaded as {quantization['dtype']}; the adapter's "
+            "update is relative to those quantized weights, so load the base the same way (below)"]
 
 
 def lineage_lines(lineage: dict) -> list[str]:

@@ -38,6 +38,7 @@ from llmtune.models import (
     resolve_model_source,
 )
 from llmtune.models.checks import model_fit_problems, position_problems
+from llmtune.models.lineage import chain_segment, load_stacked_base
 from llmtune.utils import get_logger, is_main_process, setup_logging, write_json
 
 log = get_logger("runner")
@@ -118,8 +119,14 @@ def _run_stage(stage: Stage, base_dir: str | Path, stop: StopRequest, cleanup: c
     # Before the model: a ZeRO-3 TrainingArguments makes from_pretrained load each rank's partition only, and it
     # sets this process's device. An adapter chain is merged into whole weights; DeepSpeed partitions them later.
     args = build_training_args(recipe, run.root, has_eval, resuming=resume)
-    with no_zero3_init() if chain else contextlib.nullcontext():
-        model = load_model_with_chain(recipe.model, recipe.precision, chain, head=stage.model_head)
+    quantized = recipe.model.load_in_4bit or recipe.model.load_in_8bit
+    # A chain on a quantized base is not merged: its adapters are stacked frozen under the new one (attach_adapter)
+    frozen = chain_segment(chain)[1] if chain and quantized else []
+    if chain and quantized:
+        model = load_stacked_base(recipe.model, recipe.precision, chain, head=stage.model_head)
+    else:
+        with no_zero3_init() if chain else contextlib.nullcontext():
+            model = load_model_with_chain(recipe.model, recipe.precision, chain, head=stage.model_head)
     # again on the loaded config: the one before loading may not have been readable (a hub id not cached yet)
     late = position_problems(recipe, model.config, stage.name)
     if late:
@@ -127,10 +134,8 @@ def _run_stage(stage: Stage, base_dir: str | Path, stop: StopRequest, cleanup: c
 
         raise RecipeError(late)
     model = stage.prepare_model(model, tokenizer)
-    quantized = recipe.model.load_in_4bit or recipe.model.load_in_8bit
-    model = attach_adapter(
-        model, recipe.adapter, gradient_checkpointing=recipe.train.gradient_checkpointing is True, quantized=quantized
-    )
+    model = attach_adapter(model, recipe.adapter, gradient_checkpointing=recipe.train.gradient_checkpointing is True,
+                           quantized=quantized, frozen_chain=frozen)
     memory_plan = plan_checkpointing(model, recipe, stage, args.world_size)
     trainable, total = count_parameters(model)
     batch = batch_layout(recipe, args.world_size)
@@ -277,6 +282,7 @@ def lineage(recipe: Recipe, stage: Stage, sources: list[dict], summary: dict, ch
     """What this run was made from: base model, earlier adapters (``chain``, oldest first, merged into the base
     before this run's adapter), the model head, data with hashes, final metrics."""
     from llmtune.core.artifacts import llmtune_commit, package_versions
+    from llmtune.models.load import quantization_kwargs
     from llmtune.models.portable import model_max_length, portable_base
 
     source = resolve_model_source(recipe.model)
@@ -290,7 +296,8 @@ def lineage(recipe: Recipe, stage: Stage, sources: list[dict], summary: dict, ch
                        "revision": source.revision, "fingerprint": source.fingerprint,
                        "model_max_length": model_max_length(source.path),
                        "portable": portable_base(recipe.model.name_or_path, source.kind, str(source.path),
-                                                 source.revision)},
+                                                 source.revision),
+                       "quantization": quantization_kwargs(recipe.model, recipe.precision)},
         "from_run": recipe.model.from_run,
         "previous_adapters": list(chain),
         "model_head": stage.model_head,

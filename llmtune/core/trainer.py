@@ -57,9 +57,12 @@ def build_training_args(recipe: Recipe, run_dir: Path, has_eval: bool,
         fields = TrainingArguments.__dataclass_fields__
         sampling = ({"train_sampling_strategy": "group_by_length"} if "train_sampling_strategy" in fields
                     else {"group_by_length": True})
+    setup = process_setup_kwargs(recipe)  # multi-process CPU runs (gloo); nothing on GPUs
+    if p.bf16 and not torch.cuda.is_available():  # transformers refuses bf16 without a GPU unless told to use the CPU
+        setup.setdefault("use_cpu", True)  # (torch autocasts to bf16 on CPUs; llmtune's check_precision advises it)
     return TrainingArguments(
         **sampling,
-        **process_setup_kwargs(recipe),  # multi-process CPU runs (gloo); nothing on GPUs
+        **setup,
         output_dir=str(run_dir / "checkpoints"),
         per_device_train_batch_size=t.micro_batch_size,
         per_device_eval_batch_size=t.eval_batch_size or t.micro_batch_size,

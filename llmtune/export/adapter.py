@@ -16,7 +16,10 @@ link was trained starting from them). The result is exact up to fp32 rounding, a
 
 Refused (not exactly one LoRA): DoRA links in a chain (the magnitude vector is not additive), LoRA on a module an
 earlier link trained in full, ``rank_pattern``/``alpha_pattern``, LoRA biases, resized vocabularies, full
-fine-tuning links, quantized (QLoRA) runs (their ``adapter/`` is already the whole chain, for the 4-bit base).
+fine-tuning links, a QLoRA run on top of a full fine-tuning run (no hub base is its base). A QLoRA run's chain (stacked
+frozen on the 4-bit base in training) folds the same way: the adapter is for the 4-bit base, and it is verified on
+the base loaded with the run's ``BitsAndBytesConfig`` by plain transformers (both models' 4-bit layers computing in
+fp32, so that the fp32 tolerance holds).
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from pathlib import Path
 import torch
 
 from llmtune.core import rundir as rd
-from llmtune.export.merge import TOLERANCE, ExportError, auto_class, load_adapter_model, load_run_recipe, sample_inputs
+from llmtune.export.merge import (
+    TOLERANCE, ExportError, auto_class, fp32_compute_4bit, load_adapter_model, load_run_recipe, sample_inputs,
+)
 from llmtune.utils import get_logger, setup_logging, write_json
 
 log = get_logger("export")
@@ -183,10 +188,10 @@ def export_adapter(run_dir: str | Path, out_dir: str | Path | None = None) -> di
     if recipe.adapter.type == "none":
         raise ExportError(f"{run_dir} fine-tuned every weight (adapter.type: none): there is no adapter to export; "
                           "use llmtune export RUN for the model")
-    if recipe.model.load_in_4bit or recipe.model.load_in_8bit:
-        raise ExportError(f"{run_dir} is a QLoRA/8-bit run: it has no earlier adapters, so {run_dir / rd.ADAPTER} is "
-                          "already the whole chain (for the quantized base); use it directly, or llmtune export RUN "
-                          "for a merged model")
+    quantized = recipe.model.load_in_4bit or recipe.model.load_in_8bit
+    if quantized and any(e.get("adapter_type") == "none" for e in lineage.get("previous_adapters", [])):
+        raise ExportError(f"{run_dir} trained on a quantized full fine-tuning run of its chain: there is no base an "
+                          "adapter alone can load on; export a merged model (llmtune export RUN) instead")
     out = Path(out_dir) if out_dir else run_dir / "exported_adapter"
     if out.exists() and any(out.iterdir()):
         if not (out / "verification.json").is_file() or (out / "config.json").exists():
@@ -198,16 +203,24 @@ def export_adapter(run_dir: str | Path, out_dir: str | Path | None = None) -> di
 
     reference_model, tokenizer, _ = load_adapter_model(run_dir, recipe, lineage)
     inputs = sample_inputs(tokenizer)
-    with torch.no_grad():
-        reference = [reference_model(input_ids=x).logits.float() for x in inputs]
+    with torch.no_grad(), fp32_compute_4bit(reference_model):  # 4-bit layers in fp32: the function itself, no
+        reference = [reference_model(input_ids=x).logits.float() for x in inputs]  # bf16 rounding per link
     del reference_model
 
     source = resolve_model_source(recipe.model)
     extra = {"num_labels": 1} if head == "score" else {}
-    from llmtune.models.load import quiet_load_report
+    from llmtune.models.load import quantization_kwargs, quiet_load_report
 
+    quantization = quantization_kwargs(recipe.model, recipe.precision)
+    if quantized:  # the base as training quantized it: plain transformers + bitsandbytes, as the card shows
+        extra.update(quantization_config=plain_quantization_config(quantization),
+                     dtype=getattr(torch, quantization["dtype"]))
     with quiet_load_report():  # a one-score head is always new here (the trained one is in the adapter)
-        base = auto_class(head).from_pretrained(source.path, dtype=torch.float32, **extra)
+        base = auto_class(head).from_pretrained(source.path, **{"dtype": torch.float32, **extra})
+    if quantized:
+        from peft import prepare_model_for_kbit_training
+
+        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)  # as training did
     if head == "score" and base.config.pad_token_id is None:
         base.config.pad_token_id = tokenizer.pad_token_id
     config, tensors, notes = concatenate_chain(links, {n for n, _ in base.named_modules()})
@@ -221,11 +234,13 @@ def export_adapter(run_dir: str | Path, out_dir: str | Path | None = None) -> di
     clean_tokenizer_config(out, model_max_length(source.path))
 
     plain = PeftModel.from_pretrained(base, str(out)).eval()  # what a peft user does
-    with torch.no_grad():
+    with torch.no_grad(), fp32_compute_4bit(plain):
         got = [plain(input_ids=x).logits.float() for x in inputs]
     max_diff = max(float((a - b).abs().max()) for a, b in zip(got, reference))
     scale = max(float(r.abs().max()) for r in reference)
     atol, rtol = TOLERANCE["fp32"]
+    if recipe.model.load_in_8bit:  # LLM.int8 layers return fp16, rounded per stacked link and once when folded
+        atol, rtol = max(atol, TOLERANCE["fp16"][0]), max(rtol, TOLERANCE["fp16"][1])
     tolerance = atol + rtol * scale
     report = {
         "run_dir": str(run_dir), "out_dir": str(out), "model_head": head,
@@ -236,8 +251,12 @@ def export_adapter(run_dir: str | Path, out_dir: str | Path | None = None) -> di
         "modules_to_save": config["modules_to_save"], "notes": notes,
         "base_model_name_or_path": config["base_model_name_or_path"], "verified_on": str(source.path),
         "max_abs_diff": max_diff, "max_abs_logit": scale, "tolerance": tolerance, "passed": max_diff <= tolerance,
-        "compared": "plain PeftModel.from_pretrained(base, exported adapter) vs llmtune's chain model (earlier "
-                    "adapters merged in fp32 + the run's adapter), fp32, sample prompts with the chat template",
+        "compared": ("plain PeftModel.from_pretrained(base, exported adapter) vs llmtune's chain model "
+                     + ("(the quantized base loaded with the run's BitsAndBytesConfig, earlier adapters stacked + the "
+                        "run's adapter), both with the 4-bit layers computing in fp32, " if quantized else
+                        "(earlier adapters merged in fp32 + the run's adapter), fp32, ")
+                     + "sample prompts with the chat template"),
+        "quantization": quantization,
     }
     write_json(out / "verification.json", report)
     front = front_matter({"base_model": portable["name_or_path"], "library_name": "peft",
@@ -251,7 +270,8 @@ def export_adapter(run_dir: str | Path, out_dir: str | Path | None = None) -> di
              "on the base alone; no earlier adapter is needed.", "",
              "## Base model", "", f"- `base_model_name_or_path`: `{portable['name_or_path']}`",
              f"- Trained against: {portable['weights']}", "",
-             *usage_snippet(portable, "path/to/this/adapter", head, "adapter", local_base=str(source.path)),
+             *usage_snippet(portable, "path/to/this/adapter", head, "adapter", local_base=str(source.path),
+                            quantization=quantization),
              "## Verification", "",
              f"- {'PASSED' if report['passed'] else 'FAILED'}: max |diff| {max_diff:.3g} (tolerance {tolerance:.3g}) "
              "between plain peft with this adapter and llmtune's chain model; details in `verification.json`", ""]
@@ -262,6 +282,17 @@ def export_adapter(run_dir: str | Path, out_dir: str | Path | None = None) -> di
     level("exported adapter %s (%d link(s), rank %d): max |diff| %.3g vs the chain model (tolerance %.3g) -> %s",
           out, len(chain), config["r"], max_diff, tolerance, "PASSED" if report["passed"] else "FAILED")
     return report
+
+
+def plain_quantization_config(quantization: dict):
+    """A transformers ``BitsAndBytesConfig`` from :func:`llmtune.models.load.quantization_kwargs`' ``config`` (what
+    a user outside llmtune writes)."""
+    from transformers import BitsAndBytesConfig
+
+    kwargs = dict(quantization["config"])
+    if "bnb_4bit_compute_dtype" in kwargs:
+        kwargs["bnb_4bit_compute_dtype"] = getattr(torch, kwargs["bnb_4bit_compute_dtype"])
+    return BitsAndBytesConfig(**kwargs)
 
 
 def _link_lineages(chain: list[dict]) -> list[tuple[dict, dict]]:

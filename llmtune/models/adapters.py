@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmtune.models.load import ModelLoadError
@@ -159,7 +161,8 @@ def _linear_module_names(model: nn.Module) -> list[str]:
 
 
 def attach_adapter(
-    model: nn.Module, adapter: AdapterConfig, *, gradient_checkpointing: bool, quantized: bool
+    model: nn.Module, adapter: AdapterConfig, *, gradient_checkpointing: bool, quantized: bool,
+    frozen_chain: Sequence[dict] = (),
 ) -> nn.Module:
     """Prepare a loaded base model for training: LoRA/DoRA/rsLoRA through peft, or full fine-tuning.
 
@@ -174,16 +177,22 @@ def attach_adapter(
         gradient_checkpointing: recompute activations in backward (``train.gradient_checkpointing``).
         quantized: the base was loaded in 4/8 bit (``model.load_in_4bit``/``load_in_8bit``); also detected
             from the model itself.
+        frozen_chain: earlier adapters (chain entries, oldest first, LoRA only) to stack frozen under the new one
+            (:func:`stack_frozen_adapters`): a ``model.from_run`` chain on a quantized base, which cannot be merged.
 
     Returns:
         A ``peft.PeftModel`` for ``type: lora`` (only adapter weights and ``modules_to_save`` trainable), else
         ``model`` itself with all parameters trainable.
 
     Raises:
-        ModelLoadError: full fine-tuning of a quantized base; ``target_modules`` matching no module of the model
-            (the message lists the linear layers it has); checkpointing on an architecture without support.
+        ModelLoadError: full fine-tuning of a quantized base or under a frozen chain; ``target_modules`` matching no
+            module of the model (the message lists the linear layers it has); checkpointing on an architecture
+            without support; a frozen adapter that cannot be loaded.
     """
     quantized = quantized or is_kbit_quantized(model)
+    if frozen_chain and adapter.type == "none":
+        raise ModelLoadError("adapter.type: none (full fine-tuning) cannot train under a frozen adapter chain "
+                             "(model.from_run on a quantized base); set adapter.type: lora")
     if quantized and adapter.type == "none":
         raise ModelLoadError(
             "adapter.type: none (full fine-tuning) cannot train a 4/8-bit quantized base; set adapter.type: lora "
@@ -217,6 +226,8 @@ def attach_adapter(
                 f"{', '.join(_linear_module_names(model))} (or use all-linear)."
             ) from err
 
+        if frozen_chain:
+            stack_frozen_adapters(result, frozen_chain)
         share_lora_inputs_under_autocast(result)
 
     trainable, total = count_parameters(result)
@@ -224,6 +235,7 @@ def attach_adapter(
         ("QLoRA" if quantized else "DoRA" if adapter.use_dora else "LoRA")
         + f" r={adapter.lora_r} alpha={adapter.lora_alpha:g}" + (" rsLoRA" if adapter.use_rslora else "")
         + (" DoRA" if quantized and adapter.use_dora else "")
+        + (f" on {len(frozen_chain)} frozen earlier adapter(s)" if frozen_chain else "")
     )
     logger.info(
         "%s: %s trainable of %s parameters (%.3f%%)%s",
@@ -270,6 +282,125 @@ def share_lora_inputs_under_autocast(model: nn.Module) -> int:
     return count
 
 
+# ---- frozen earlier adapters under the trained one (a from_run chain on a quantized base) ------------------------
+# A quantized base cannot take a merge, so the earlier adapters of a model.from_run chain are loaded as peft adapters
+# named FROZEN + index, with no trainable parameter, and stay applied in every forward: they are part of the base the
+# stage trains on. adapter_scope below keeps them on (the reference is the trained adapters OFF, not the bare base).
+
+FROZEN = "llmtune_chain_"
+
+
+def frozen_adapter_names(model: nn.Module) -> list[str]:
+    """The frozen chain adapters of ``model`` (names ``llmtune_chain_<i>``, oldest first); empty for none."""
+    found = {name for layer in _tuner_layers(model) for name in getattr(layer, "lora_A", {}) if name.startswith(FROZEN)}
+    return sorted(found, key=lambda n: int(n[len(FROZEN):]))
+
+
+def _frozen_config(adapter_dir: Path, modules: set[str], task_type):
+    """The saved adapter's LoraConfig made to load frozen: its exact module names as targets (only those ``modules``
+    has), no dropout (the adapter is a constant of the base), no ``modules_to_save``; and its LoRA tensors."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+
+    config = LoraConfig.from_pretrained(str(adapter_dir))
+    weights = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    prefix = "base_model.model."
+    targets = {k.removeprefix(prefix).split(".lora_")[0] for k in weights if "lora_" in k}
+    missing = sorted(t for t in targets if t not in modules)
+    if missing:
+        logger.info("frozen adapter %s: %d module(s) not in this model are left out (e.g. %s)", adapter_dir,
+                    len(missing), missing[0])
+    kept = sorted(targets - set(missing))
+    config.target_modules, config.exclude_modules = kept, None
+    config.layers_to_transform = config.layers_pattern = None
+    config.lora_dropout, config.modules_to_save, config.task_type, config.inference_mode = 0.0, None, task_type, True
+    lora = {k: v for k, v in weights.items() if "lora_" in k and k.removeprefix(prefix).split(".lora_")[0] in kept}
+    return config, lora
+
+
+def stack_frozen_adapters(model: nn.Module, chain: Sequence[dict]) -> list[str]:
+    """Load the adapters of ``chain`` into the peft ``model`` as frozen adapters under its trained one(s).
+
+    Each saved LoRA adapter becomes adapter ``llmtune_chain_<i>`` (peft's own layers, so 4-bit ``Linear4bit`` and
+    DoRA work as when that run trained) with every parameter frozen and its dropout off; every LoRA layer applies them
+    together with the trained adapter, so the model computes ``base(x) + sum_i chain_i(x) + trained(x)``: the chain
+    model the earlier runs ended with, plus the new adapter. Which parameters train is left exactly as before.
+
+    Args:
+        model: a ``peft.PeftModel`` with its trained adapter ``default`` attached.
+        chain: chain entries (``{"stage", "path", ...}``, oldest first) of LoRA adapters holding no whole tensors
+            (:func:`llmtune.models.lineage.chain_problems` refuses the others before anything is loaded).
+
+    Returns:
+        The frozen adapter names, oldest first.
+
+    Raises:
+        ModelLoadError: an adapter cannot be read or loaded into this model.
+    """
+    from peft import PeftModel, set_peft_model_state_dict
+
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    task_type = model.peft_config[model.active_adapter].task_type
+    modules = {name.removeprefix("base_model.model.") for name, _ in model.named_modules()}
+    names = []
+    for index, entry in enumerate(chain):
+        name, path = f"{FROZEN}{index}", Path(entry["path"])
+        try:
+            config, lora = _frozen_config(path, modules, task_type)
+            PeftModel.add_adapter(model, name, config)  # the base class: no classifier modules_to_save for SEQ_CLS
+            result = set_peft_model_state_dict(model, lora, adapter_name=name)
+        except Exception as err:  # noqa: BLE001 - any peft/safetensors failure is "this adapter does not load here"
+            raise ModelLoadError(f"could not load the earlier {entry.get('stage')} adapter {path} (model.from_run "
+                                 f"chain) onto the quantized base: {type(err).__name__}: {err}") from err
+        missing = [k for k in getattr(result, "missing_keys", []) if f".{name}." in k]
+        if missing:
+            raise ModelLoadError(f"the earlier {entry.get('stage')} adapter {path} lacks {len(missing)} LoRA tensors "
+                                 f"(e.g. {missing[0]}); the file is incomplete")
+        names.append(name)
+    for param_name, param in model.named_parameters():  # peft's set_adapter calls flipped some flags: restore them
+        param.requires_grad_(param_name in trainable)
+    trained = [a for a in model.peft_config if not a.startswith(FROZEN)]
+    for layer in _tuner_layers(model):
+        layer._active_adapter = [*names, *[a for a in _as_list(layer.active_adapter) if a in trained]]
+        layer._disable_adapters = False
+    # The earlier runs saved these adapters: this stage's checkpoints and adapter/ hold its own adapters only (peft
+    # would write each frozen one into a subdirectory of every save); an explicit selected_adapters still wins.
+    model.save_pretrained = functools.partial(_save_trained_adapters, model, type(model).save_pretrained)
+    logger.info("stacked %d frozen earlier adapter(s) under the trained one: %s", len(names),
+                ", ".join(f"{e.get('stage')} ({e['path']})" for e in chain))
+    return names
+
+
+def _save_trained_adapters(model, save_pretrained, *args, selected_adapters=None, **kwargs):
+    """``PeftModel.save_pretrained`` that selects the trained adapters (those there are at save time: PPO adds its
+    value adapter later) unless told otherwise."""
+    if selected_adapters is None:
+        selected_adapters = [a for a in model.peft_config if not a.startswith(FROZEN)]
+    return save_pretrained(model, *args, selected_adapters=selected_adapters, **kwargs)
+
+
+def _as_list(value) -> list[str]:
+    return [value] if isinstance(value, str) else list(value)
+
+
+def activate_frozen_chain(model: nn.Module) -> None:
+    """Apply the frozen chain adapters (if any) together with each layer's active trained adapter, after a peft call
+    that reset the active adapters (``add_adapter`` sets every layer back to the model's one active adapter)."""
+    frozen = frozen_adapter_names(model)
+    if not frozen:
+        return
+    for layer in _tuner_layers(model):
+        layer._active_adapter = [*frozen, *[a for a in _as_list(layer.active_adapter) if not a.startswith(FROZEN)]]
+
+
+def reference_scope(model: nn.Module) -> "_ApplyScope":
+    """Run ``model`` as the reference of a preference / online-RL stage: the model the stage started from, i.e.
+    every trained adapter off (LoRA layers and ``modules_to_save`` copies) and the frozen chain, if any, on.
+    Gradient flags are left untouched (peft's ``disable_adapter()`` would make frozen chain adapters trainable on
+    exit). ``model`` may be wrapped (DDP ``.module``)."""
+    return adapter_scope(getattr(model, "module", model), None)
+
+
 # ---- several adapters on one base ----------------------------------------------------------------------------
 # peft's set_adapter()/disable_adapter() also flip requires_grad (the inactive adapter's weights are frozen, and
 # leaving disable_adapter() re-enables grads of the ACTIVE adapter only), so switching between two trained adapters
@@ -279,7 +410,7 @@ def share_lora_inputs_under_autocast(model: nn.Module) -> int:
 # recomputed activations are the ones that were used (otherwise the value adapter's gradients would silently be
 # computed with the policy adapter's activations).
 
-_SCOPES: list[tuple[list, list[str] | None]] = []  # (tuner layers, active adapter names or None = disabled)
+_SCOPES: list[tuple[list, list[str] | None, list]] = []  # (tuner layers, active adapters or None, wrappers)
 
 
 def _tuner_layers(model: nn.Module) -> list:
@@ -289,37 +420,49 @@ def _tuner_layers(model: nn.Module) -> list:
 
 
 class _ApplyScope:
-    """Context manager that sets ``(layers, adapters)`` on entry and restores each layer's previous state on exit."""
+    """Context manager that sets ``(layers, adapters)`` on entry and restores each layer's previous state on exit.
 
-    def __init__(self, layers: list, adapters: list[str] | None):
-        self.layers, self.adapters, self.saved = layers, adapters, []
+    ``adapters`` None disables every layer; a list (frozen chain adapters first) activates exactly those. Wrappers of
+    trained ``modules_to_save`` copies (``wrappers``) pass through to the original module while the scope has no
+    trained adapter (the reference), and are left as they are otherwise.
+    """
+
+    def __init__(self, layers: list, adapters: list[str] | None, wrappers: list = ()):
+        self.layers, self.adapters, self.wrappers, self.saved = layers, adapters, list(wrappers), []
 
     def __enter__(self):
         self.saved = [(layer, layer._active_adapter, layer._disable_adapters) for layer in self.layers]
+        self.saved_wrappers = [(w, w._disable_adapters) for w in self.wrappers]
         for layer in self.layers:
             if self.adapters is None:
                 layer._disable_adapters = True
             else:
                 layer._active_adapter = list(self.adapters)
                 layer._disable_adapters = False
-        _SCOPES.append((self.layers, self.adapters))
+        for wrapper in self.wrappers:
+            wrapper._disable_adapters = True
+        _SCOPES.append((self.layers, self.adapters, self.wrappers))
         return self
 
     def __exit__(self, *exc):
         _SCOPES.pop()
         for layer, active, disabled in self.saved:
             layer._active_adapter, layer._disable_adapters = active, disabled
+        for wrapper, disabled in self.saved_wrappers:
+            wrapper._disable_adapters = disabled
         return False
 
 
 def adapter_scope(model: nn.Module, adapter: str | None) -> _ApplyScope:
-    """Run ``model`` (a peft model, or a module containing one) with only ``adapter`` applied, or with every
-    adapter disabled when ``adapter`` is None (the reference model). Gradient flags are left untouched, so all
-    adapters stay trainable; nesting restores the outer scope on exit.
+    """Run ``model`` (a peft model, or a module containing one) with only the trained ``adapter`` applied, or with
+    every trained adapter off when ``adapter`` is None (the reference model: the model the stage started from).
+    Frozen chain adapters (:func:`stack_frozen_adapters`) are part of the base and stay applied in both cases. With
+    ``adapter`` None the trained ``modules_to_save`` copies are off too (the original modules run). Gradient flags
+    are left untouched, so all adapters stay trainable; nesting restores the outer scope on exit.
 
     Args:
         model: any module holding peft tuner layers.
-        adapter: adapter name (``"default"`` = the first one attached), or None for the bare base.
+        adapter: trained adapter name (``"default"`` = the first one attached), or None for the reference.
 
     Raises:
         ValueError: ``adapter`` is not an adapter of the model.
@@ -329,7 +472,17 @@ def adapter_scope(model: nn.Module, adapter: str | None) -> _ApplyScope:
         known = {name for layer in layers for name in getattr(layer, "lora_A", {}).keys()}
         if known and adapter not in known:
             raise ValueError(f"adapter {adapter!r} is not attached; the model has {sorted(known)}")
-    return _ApplyScope(layers, None if adapter is None else [adapter])
+    frozen = frozen_adapter_names(model)
+    if adapter is None:
+        return _ApplyScope(layers, frozen or None, _save_wrappers(model))
+    return _ApplyScope(layers, [*frozen, adapter])
+
+
+def _save_wrappers(model: nn.Module) -> list:
+    """peft's ``modules_to_save`` wrappers (trained full copies of a module) inside ``model``."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    return [m for m in model.modules() if isinstance(m, ModulesToSaveWrapper)]
 
 
 def adapter_recompute_context():
@@ -339,5 +492,5 @@ def adapter_recompute_context():
 
     if not _SCOPES:
         return contextlib.nullcontext(), contextlib.nullcontext()
-    layers, adapters = _SCOPES[-1]
-    return contextlib.nullcontext(), _ApplyScope(layers, adapters)
+    layers, adapters, wrappers = _SCOPES[-1]
+    return contextlib.nullcontext(), _ApplyScope(layers, adapters, wrappers)

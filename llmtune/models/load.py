@@ -589,6 +589,22 @@ def resolve_compute_dtype(cfg: ModelConfig, precision: PrecisionConfig) -> torch
     return _torch_dtype("bf16" if precision.bf16 else "fp16" if precision.fp16 else "fp32")
 
 
+def quantization_kwargs(cfg: ModelConfig, precision: PrecisionConfig) -> dict | None:
+    """How the base is quantized, as plain values a user outside llmtune passes: ``{"config": BitsAndBytesConfig
+    keyword arguments (the compute dtype as its torch name), "dtype": the load dtype's torch name}``, or ``None`` for
+    an unquantized base. Recorded in the lineage; model cards print it; ``llmtune export --adapter`` verifies with it.
+    """
+    if not (cfg.load_in_4bit or cfg.load_in_8bit):
+        return None
+    dtype = str(resolve_dtype(cfg, precision)).removeprefix("torch.")
+    if cfg.load_in_8bit:
+        return {"config": {"load_in_8bit": True}, "dtype": dtype}
+    return {"config": {"load_in_4bit": True, "bnb_4bit_quant_type": cfg.bnb_4bit_quant_type,
+                       "bnb_4bit_use_double_quant": cfg.bnb_4bit_use_double_quant,
+                       "bnb_4bit_compute_dtype": str(resolve_compute_dtype(cfg, precision)).removeprefix("torch.")},
+            "dtype": dtype}
+
+
 def build_quantization_config(cfg: ModelConfig, precision: PrecisionConfig):
     """The ``BitsAndBytesConfig`` for ``load_in_4bit``/``load_in_8bit``, or ``None`` for an unquantized base.
 

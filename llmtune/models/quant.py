@@ -112,3 +112,33 @@ def dequantize_to_fp32(model):
             setattr(model, attr, False)
     model.is_quantized = False
     return model.to(torch.float32)
+
+
+class fp32_compute_4bit:
+    """Inside, every bitsandbytes 4-bit layer of ``model`` computes in fp32 from its weights dequantized in fp32
+    (``compute_dtype`` and the quantization state's ``dtype`` set to fp32; restored on exit): the model's own function
+    without the rounding of its compute dtype. ``llmtune export`` compares a merged model (the 4-bit base dequantized
+    to fp32, adapters merged) with this, at fp32 tolerance: the same weights, so any larger difference is a wrong
+    merge, not bf16 arithmetic. Layers are kept in the standard layout first (:func:`keep_standard_4bit_layout`)."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self.saved = model, []
+
+    def __enter__(self):
+        import torch
+
+        keep_standard_4bit_layout(self.model)
+        for module in self.model.modules():
+            weight = getattr(module, "weight", None)  # peft's LoRA wrapper exposes its base layer's weight too
+            if type(weight).__name__ != "Params4bit" or weight.quant_state is None \
+                    or not type(module).__module__.startswith("bitsandbytes"):
+                continue
+            self.saved.append((module, module.compute_dtype, weight.quant_state, weight.quant_state.dtype))
+            module.compute_dtype, weight.quant_state.dtype = torch.float32, torch.float32
+        return self
+
+    def __exit__(self, *exc):
+        for module, compute, state, dtype in self.saved:
+            module.compute_dtype, state.dtype = compute, dtype
+        self.saved = []
+        return False

@@ -392,8 +392,37 @@ def _stage_step(entry, i, name, pipe, known, later, cli, problems, where, stages
         return None
     produced = {str(s.artifact) for s in pipe.steps}
     problems += _local_path_problems(recipe.data.datasets, pipe.base_dir, produced, where)
+    problems += _chain_problems(recipe, pipe, where)
     return Step(i, name, kind, step_dir, recipe=recipe, inputs=sorted(deps, key=list(known).index),
                 overwrite=bool(full["output"].get("overwrite")))
+
+
+def _chain_problems(recipe: Recipe, pipe: Pipeline, where: str) -> list[tuple[str, str]]:
+    """What training would refuse about a step's ``model.from_run`` chain of earlier steps of this pipeline
+    (:func:`llmtune.models.lineage.link_problems`: one quantization per chain, whole tensors to stack on a quantized
+    base), before any of them ran. The 4-bit settings a step leaves at their defaults are inherited from the chain,
+    as training does. A chain reaching outside the pipeline is checked there when that run is finished."""
+    from llmtune.models.lineage import INHERITED, link_problems, quantization_of
+
+    steps = {str(s.dir): s for s in pipe.steps if s.recipe is not None}
+    links, models, run = [], [], recipe.model.from_run
+    while run in steps:
+        step = steps.pop(run)
+        r = step.recipe
+        models.append(r.model.model_dump(mode="json"))  # nearest first
+        links.insert(0, {"label": f"{step.kind} step {step.name!r}", "adapter_type": r.adapter.type,
+                         "quantization": quantization_of(models[-1], r.precision.model_dump(mode="json")),
+                         "full": list(r.adapter.modules_to_save) + (["score"] if step.kind == "rm" else [])})
+        run = r.model.from_run
+    if not links:
+        return []
+    model, defaults = recipe.model.model_dump(mode="json"), Recipe().model.model_dump(mode="json")
+    for section, key in INHERITED:  # as inherit_from_run does at each step: the nearest value that is not a default
+        if section == "model" and model[key] == defaults[key]:
+            model[key] = next((m[key] for m in models if m[key] != defaults[key]), model[key])
+    mine = quantization_of(model, recipe.precision.model_dump(mode="json"))
+    return [(f"{where}{key}", message) for key, message in
+            link_problems(links, mine, f"model.from_run ({links[-1]['label']})")]
 
 
 def _pairs_step(entry, i, name, pipe, known, later, problems, where) -> Step | None:

@@ -2,14 +2,15 @@
 
 Sequence log-probs are summed over the completion tokens only (labels != -100) and computed in fp32 even when the
 model runs in fp16/bf16 (:func:`llmtune.core.ops.token_logps`; trl #878 had NaN rewards in fp16). The reference
-needs no second model: it is the same model under ``disable_adapter()``, so after ``model.from_run`` it is the
-SFT-merged model. With ``dpo.precompute_ref_logps`` the reference log-probs are computed once before training and
+needs no second model: it is the same model with its trained adapter off
+(:func:`llmtune.models.adapters.reference_scope`), so after ``model.from_run`` it is the SFT model: the SFT adapter
+merged into the base, or on a 4-bit base the SFT adapter stacked frozen under the trained one (never the bare
+base). With ``dpo.precompute_ref_logps`` the reference log-probs are computed once before training and
 stored with the rows. Loss of an optimizer step = sum of the per-pair losses / pairs in the whole step.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import numpy as np
@@ -20,6 +21,7 @@ from llmtune.config import Recipe, RecipeError
 from llmtune.core.fused import fuse_swiglu, recompute_norm_outputs
 from llmtune.core.lm_head import pair_logps
 from llmtune.core.ops import IGNORE_INDEX
+from llmtune.models.adapters import reference_scope
 from llmtune.core.stage import HIGHER, LOWER, HeldOutMetric, PairwiseStage, StageData
 from llmtune.utils import get_logger
 
@@ -116,8 +118,7 @@ class DPOStage(PairwiseStage):
         if "ref_chosen_logps" in batch:
             return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
         inner = getattr(model, "module", model)  # DDP keeps the peft model in .module
-        disabled = inner.disable_adapter() if hasattr(inner, "disable_adapter") else contextlib.nullcontext()
-        with torch.no_grad(), disabled:
+        with torch.no_grad(), reference_scope(inner):  # trained adapter off; a frozen from_run chain stays on
             return self.logps(inner, batch)
 
     def _losses(self, chosen, rejected, ref_chosen, ref_rejected):

@@ -19,7 +19,6 @@ weighted per-row losses / trained rows in the whole step.
 
 from __future__ import annotations
 
-import contextlib
 
 import numpy as np
 import torch
@@ -27,6 +26,7 @@ import torch
 from llmtune.config import Recipe, RecipeError
 from llmtune.core.lm_head import sequence_logps
 from llmtune.core.ops import IGNORE_INDEX
+from llmtune.models.adapters import reference_scope
 from llmtune.core.stage import HIGHER, LOWER, HeldOutMetric, StageData
 from llmtune.stages.dpo import DPOStage
 
@@ -154,8 +154,7 @@ class KTOStage(DPOStage):
     def sequence_ref_logps(self, model, batch) -> torch.Tensor:
         """(N,) reference log-probs (adapter disabled, no grad) of an (N, T) batch."""
         inner = getattr(model, "module", model)  # DDP keeps the peft model in .module
-        disabled = inner.disable_adapter() if hasattr(inner, "disable_adapter") else contextlib.nullcontext()
-        with torch.no_grad(), disabled:
+        with torch.no_grad(), reference_scope(inner):  # trained adapter off; a frozen from_run chain stays on
             return self.sequence_logps(inner, batch)
 
     def kl_logratios(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,8 @@ step ``train.global_batch_size`` rollouts split into micro-batches of ``train.mi
 of a micro-batch is its token sum divided by the response tokens of the whole minibatch over all ranks.
 
 Models (one base in memory): the policy is the ``default`` LoRA adapter, the reference is the same base with every
-adapter disabled, the value model is a second LoRA adapter ``value`` plus a linear value head on the last hidden
+trained adapter disabled (a frozen ``model.from_run`` chain on a 4-bit base stays on: it is part of the base), the
+value model is a second LoRA adapter ``value`` plus a linear value head on the last hidden
 state, switched with :func:`llmtune.models.adapters.adapter_scope` (which keeps both adapters trainable and is
 gradient-checkpointing safe). The reward model of ``reward.from_run`` is a separate frozen copy (its own chain
 merged); ``reward.function`` scores decoded texts instead.
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from llmtune.core.guard import ROW_KEY
-from llmtune.models.adapters import adapter_scope
+from llmtune.models.adapters import activate_frozen_chain, adapter_scope
 from llmtune.rl.model import PolicyModel, PolicyOutput
 from llmtune.rl.ops import masked_sum, pack_left, unpack_left
 from llmtune.rl.trainer import OnlineRLTrainer
@@ -277,6 +278,7 @@ def add_value_model(policy: nn.Module, recipe, reward_run: Path | None) -> nn.Li
     for name, param in policy.named_parameters():
         if "lora_" in name and (f".{POLICY}." in name or f".{VALUE}." in name):
             param.requires_grad_(True)
+    activate_frozen_chain(policy)  # add_adapter set every layer back to the policy adapter alone
     return head
 
 

@@ -349,3 +349,15 @@ def test_a_deepspeed_config_with_a_duplicate_key_is_an_error(tmp_path):
     recipe = load_recipe(raw={"distributed": {"deepspeed": str(path)}})
     with pytest.raises(RecipeError, match="distributed.deepspeed.*duplicate key 'stage'"):
         deepspeed_config(recipe)
+
+
+def test_a_quantized_base_without_bitsandbytes_is_reported_by_validate(ws, capsys, monkeypatch):
+    """Training stops when it loads the base (load_model: 'need bitsandbytes'); validate says so before (old code:
+    'valid')."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes"
+                        else find_spec(name, *a))
+    code, err = validate(ws, capsys, with_changes(ws, ("model.load_in_4bit", True)))
+    assert code == 1 and "model.load_in_4bit: needs bitsandbytes" in err, err

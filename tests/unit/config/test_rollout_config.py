@@ -102,7 +102,8 @@ def test_auto_selection(monkeypatch):
     server = load_recipe(raw=GRPO, overrides=["rollout.vllm.mode=server", "rollout.vllm.url=http://h:1"])
     assert select_engine(server)[0] == "vllm"  # a server elsewhere needs no vLLM here
     monkeypatch.setattr(generation, "vllm_installed", lambda: True)
-    full = load_recipe(raw=GRPO, overrides=["adapter.type=none"])
+    full = load_recipe(raw=GRPO)  # GRPO refuses full fine-tuning at load; auto must not pick vLLM for it either
+    full.adapter.type = "none"
     engine, reason = select_engine(full)
     assert engine == "hf" and "full fine-tuning" in reason  # auto never picks an engine that would refuse
     for explicit in ("hf", "vllm"):
@@ -157,3 +158,11 @@ def test_server_settings_memory_secret_and_tensor_parallelism(tmp_path, monkeypa
     tp = settings_from_recipe(load_recipe(raw=GRPO, overrides=[*server, "rollout.vllm.tensor_parallel_size=4"]))
     cmd = server_command("python", "base", tp)
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "4" and "from-env" not in " ".join(cmd)
+
+
+@pytest.mark.parametrize("raw", [PPO, GRPO], ids=["ppo", "grpo"])
+def test_online_rl_full_fine_tuning_is_refused_with_the_recipe(raw):
+    """The trainer refuses adapter.type: none when it builds the policy (reference = adapter off); the recipe check
+    says so first, so `llmtune validate` reports it too (old code: valid, then refused after loading the model)."""
+    [(key, message)] = _problems(raw, ["adapter.type=none"])
+    assert key == "adapter.type" and "no adapter to switch off" in message and "adapter.type: lora" in message

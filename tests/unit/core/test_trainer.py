@@ -61,3 +61,22 @@ def test_fp16_on_cpu_is_refused_with_an_explanation():
         pytest.skip("this machine has CUDA: fp16 is allowed")
     with pytest.raises(RecipeError, match="precision.fp16.*needs a CUDA GPU"):
         check_precision(recipe)
+
+
+def test_bf16_on_cpu_trains_as_check_precision_advises(tmp_path):
+    """check_precision tells CPU users to use precision.bf16; transformers refused it ('Your setup doesn't support
+    bf16/gpu', a traceback after the model was loaded) until build_training_args asked for the CPU explicitly."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    tokenizer = make_tiny_tokenizer()
+    recipe = load_recipe(raw={"train": {"micro_batch_size": 2, "global_batch_size": 2, "max_steps": 1},
+                              "precision": {"bf16": True}, "adapter": {"type": "none"},
+                              "output": {"dir": str(tmp_path)}}, stage="sft")
+    check_precision(recipe)
+    args = build_training_args(recipe, tmp_path, has_eval=False)
+    assert args.bf16 and args.use_cpu
+    rows = [{"input_ids": list(range(10, 22)), "labels": [-100] * 4 + list(range(14, 22))}] * 4
+    trainer = CoreTrainer(model=make_tiny_llama(tokenizer), args=args, train_dataset=Dataset.from_list(rows),
+                          data_collator=SFTCollator(tokenizer), stage=SFTStage(recipe))
+    trainer.train()
+    assert trainer.state.global_step == 1 and torch.isfinite(torch.tensor(trainer.state.log_history[0]["loss"]))

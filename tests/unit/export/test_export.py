@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from llmtune.commands.cli import main
 from llmtune.config import dump_recipe, load_recipe
 from llmtune.export.merge import (
+    TOLERANCE,
     ExportError,
     compare_generations,
     dequantize_to_fp32,
@@ -207,6 +208,23 @@ def test_qlora_export_merges_into_the_dequantized_base_and_matches_the_quantized
     assert torch.equal(load_file(str(tmp_path / "bf16" / "model.safetensors"))[q], expected.to(torch.bfloat16))
 
 
+def test_a_bf16_compute_qlora_export_is_checked_at_fp32_tolerance_against_the_model_in_fp32(bases, tmp_path):
+    """The trained model's 4-bit layers compute in bf16; the merged fp32 model holds the same weights dequantized in
+    fp32. Compared with the trained model's own function computed in fp32 (fp32_compute_4bit) the merge is held to
+    the fp32 tolerance (old code compared with the bf16 computation at bf16's tolerance, 5e-2 + 4e-2 x max |logit|,
+    which a wrong merge can pass); the bf16 difference is reported as trained_compute."""
+    base_dir, tok = bases["h64"], AutoTokenizer.from_pretrained(bases["h64"])
+    bf16 = {**QLORA, "bnb_4bit_compute_dtype": "bf16"}
+    recipe = load_recipe(raw={"model": {"name_or_path": str(base_dir), **bf16}}, stage="sft")
+    run = write_run(tmp_path / "run", base_dir, lora(load_model(recipe.model, recipe.precision), ["q_proj", "v_proj"],
+                                                     seed=5), tok, model_extra=bf16)
+    report = export_run(run, dtype="fp32", out_dir=tmp_path / "fp32", max_new_tokens=2)
+    fp32_atol, fp32_rtol = TOLERANCE["fp32"]
+    assert report["passed"] and report["base"]["compute_dtype"] == "bf16"
+    assert report["tolerance"] == pytest.approx(fp32_atol + fp32_rtol * report["max_abs_logit"])
+    assert report["max_abs_diff"] < 1e-4 < report["trained_compute"]["max_abs_diff"]
+
+
 def test_a_chain_starting_with_a_qlora_run_merges_it_into_its_dequantized_base_like_export(qlora, tmp_path):
     """model.from_run of a QLoRA run (a DPO/RM/PPO stage after QLoRA SFT, the PPO reward model of a QLoRA RM run)
     continues the model that run trained and export wrote, not the adapter added to the original weights."""
@@ -324,7 +342,7 @@ def test_ppo_run_merges_only_the_policy_adapter(bases, tmp_path):
 def test_wrong_merge_fails_verification_and_the_command_exits_1(chain, tmp_path, monkeypatch):
     import llmtune.export.merge as export
 
-    monkeypatch.setattr(export, "merge_in_fp32", lambda model, adapter_dir: model.unload())  # adapter dropped
+    monkeypatch.setattr(export, "merge_in_fp32", lambda model, adapter_dir, frozen=(): model.unload())  # adapter dropped
     assert main(["export", str(chain["run"]), "--out", str(tmp_path / "bad")]) == 1
     report = json.loads((tmp_path / "bad" / "verification.json").read_text())
     assert not report["passed"] and report["max_abs_diff"] > report["tolerance"]

@@ -290,3 +290,24 @@ def assert_same_nonzero_lora_grads(fixed, reference, batch):
     for name, g in g_fixed.items():
         assert g is not None and g.abs().sum() > 0, name
         torch.testing.assert_close(g, g_ref[name], atol=1e-6, rtol=0)
+
+
+def test_the_reference_scope_turns_off_trained_modules_to_save_copies_too(tiny_dir, batch):
+    """The reference (adapter_scope None: DPO, KTO, PPO, GRPO) is the model before training: a trained full copy of
+    lm_head must be off there as the LoRA layers are (old code left the trained copy on in PPO/GRPO's reference)."""
+    from llmtune.models.adapters import adapter_scope, reference_scope
+
+    model = attach_adapter(base(tiny_dir), lora(modules_to_save=["lm_head"]), gradient_checkpointing=False,
+                           quantized=False).eval()
+    with torch.no_grad():
+        before = model(input_ids=batch["input_ids"]).logits
+        randomize_lora_b(model)
+        for name, p in model.named_parameters():
+            if "modules_to_save" in name:
+                p.add_(0.1)
+        trained = model(input_ids=batch["input_ids"]).logits
+        for scope in (adapter_scope(model, None), reference_scope(model)):
+            with scope:
+                torch.testing.assert_close(model(input_ids=batch["input_ids"]).logits, before, atol=0, rtol=0)
+        torch.testing.assert_close(model(input_ids=batch["input_ids"]).logits, trained, atol=0, rtol=0)
+    assert (trained - before).abs().max() > 1e-2

@@ -317,3 +317,25 @@ def test_plan_resumes_from_the_newest_complete_checkpoint_not_a_partial_one(one_
     assert action == "resume" and "checkpoint-3" in why
     shutil.rmtree(sft.dir / "checkpoints" / "checkpoint-3")
     assert plan_stage(sft, pipe)[0] == "restart"  # only the partial one is left: nothing to resume
+
+
+def test_dry_run_reports_what_a_qlora_chain_step_would_refuse(tmp_path):
+    """A QLoRA DPO step after a QLoRA SFT step stacks the SFT adapter on the 4-bit base: the two must quantize it
+    alike, and the SFT adapter must be LoRA only. The dry run (nothing trained yet) reports both, as training
+    would; 4-bit settings a step leaves at their defaults are inherited and are no problem (old code: valid, then
+    training refused any quantized from_run)."""
+    q4 = {"load_in_4bit": True, "bnb_4bit_quant_type": "fp4"}
+    fine = tiny_pipeline(tmp_path, [
+        {"name": "sft", "stage": "sft", "recipe": {"model": q4}},
+        {"name": "dpo", "stage": "dpo", "recipe": {"model": {"load_in_4bit": True}}},  # fp4 inherited
+    ])
+    assert load_pipeline(fine, base_dir=tmp_path).steps[1].recipe.model.load_in_4bit
+    bad = tiny_pipeline(tmp_path, [
+        {"name": "sft", "stage": "sft", "recipe": {"model": q4, "adapter": {"modules_to_save": ["lm_head"]}}},
+        {"name": "dpo", "stage": "dpo", "recipe": {"model": {"load_in_4bit": True, "dtype": "bf16"}}},
+    ])
+    with pytest.raises(RecipeError) as err:
+        load_pipeline(bad, base_dir=tmp_path)
+    problems = dict(err.value.problems)
+    assert "model.dtype: fp32" in problems["stage 2 'dpo': model.dtype"]
+    assert "holds whole tensors (lm_head" in problems["stage 2 'dpo': model.from_run"]

@@ -208,18 +208,21 @@ def train_one_step(tmp_path, stage_name, micro, tokenizer, rows, collate, extra=
     model = build_model("dpo", tokenizer, recipe.adapter)
     counts = {"forwards": 0, "reference": 0}
     model.base_model.model.register_forward_pre_hook(lambda *_: counts.__setitem__("forwards", counts["forwards"] + 1))
-    disable = model.disable_adapter
+    import llmtune.stages.dpo as dpo_module
 
-    def counted_disable():
+    scope = dpo_module.reference_scope
+
+    def counted_scope(m):
         counts["reference"] += 1
-        return disable()
+        return scope(m)
 
-    model.disable_adapter = counted_disable
     capture = GradCapture()
     trainer = CoreTrainer(model=model, args=build_training_args(recipe, out, has_eval=False),
                           train_dataset=with_pair_length(Dataset.from_list(rows)), data_collator=PairCollator(collate),
                           callbacks=[capture], stage=STAGES[stage_name](recipe))
-    trainer.train()
+    with pytest.MonkeyPatch.context() as mp:  # the reference forwards (DPO's reference_scope) are counted
+        mp.setattr(dpo_module, "reference_scope", counted_scope)
+        trainer.train()
     return capture.grads, [h for h in trainer.state.log_history if "loss" in h][0], counts
 
 
