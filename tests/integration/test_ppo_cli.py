@@ -191,7 +191,7 @@ class ReportingEngine:
         self.policy, self.pad_id, self.temperature = policy, pad_id, recipe.rollout.temperature
         self.shift, self.calls = shift, calls
 
-    def generate(self, prompts, sampling):
+    def generate(self, prompts, sampling, budgets=None, keys=None, version=None):
         from llmtune.rl.forward import rollout_forward
         from llmtune.rl.model import PolicyModel
         from llmtune.rl.types import RolloutBatch, Trajectory

@@ -29,7 +29,7 @@ import yaml
 
 from llmtune.commands.cli import main
 from llmtune.models.tiny import save_tiny_model
-from llmtune.rl.vllm_engine import vllm_python
+from llmtune.rl.engines.vllm_client import vllm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(vllm_python() is None, reason="vLLM is not installed (bash "
                                                     "scripts/setup.sh sets up .venv-vllm; LLMTUNE_VLLM_PYTHON names its python)")]
