@@ -9,6 +9,7 @@ wrong); raise :class:`llmtune.rl.toolbox.InfrastructureError` for a failure that
 from __future__ import annotations
 
 import ast
+import math
 import operator
 from decimal import Decimal
 
@@ -16,6 +17,7 @@ _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_EXPONENT = 64  # 10 ** 64 is plenty for arithmetic; 9 ** 9 ** 9 would take the machine down
+MAX_BITS = 4096  # any intermediate result: about 1,233 digits (big-int arithmetic holds the GIL: no timeout stops it)
 MAX_CHARS = 200
 
 
@@ -40,17 +42,64 @@ def calculator(expression: str) -> str:
 
 
 def _evaluate(node: ast.AST):
-    """The value of an expression node of numbers and arithmetic operators only (nothing is executed)."""
+    """The value of an expression node of numbers and arithmetic operators only (nothing is executed).
+
+    Every operation whose result could exceed :data:`MAX_BITS` is refused BEFORE it is computed (``a ** b``: about
+    ``b * log2|a|`` bits; ``a * b``: the bit lengths add), so no expression can stall the process: Python's big-int
+    arithmetic holds the interpreter lock, and a tool timeout cannot interrupt it."""
     if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
-        return node.value
+        return _bounded(node.value)
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = _evaluate(node.left), _evaluate(node.right)
         if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
             raise ValueError(f"the exponent {right} is too large (at most {MAX_EXPONENT})")
+        _check_size(node.op, left, right)
         try:
-            return _BINARY[type(node.op)](left, right)
+            return _bounded(_BINARY[type(node.op)](left, right))
         except ZeroDivisionError:
             raise ValueError("division by zero") from None
+        except OverflowError:
+            raise _too_large() from None
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_evaluate(node.operand))
     raise ValueError(f"only numbers and + - * / // % ** ( ) are allowed, not {ast.unparse(node)!r}")
+
+
+def _bits(x) -> float:
+    """An upper bound of log2|x| (0 for |x| <= 1): a number's size in bits."""
+    if isinstance(x, int):
+        return float(abs(x).bit_length())
+    return math.log2(abs(x)) if isinstance(x, float) and abs(x) > 1 and math.isfinite(x) else 0.0
+
+
+def _check_size(op: ast.operator, left, right) -> None:
+    """Refuse ``left op right`` before computing it when its result could exceed :data:`MAX_BITS`."""
+    if isinstance(op, ast.Pow) and right > 0:
+        bits = right * _bits(left)
+    elif isinstance(op, ast.Mult):
+        bits = _bits(left) + _bits(right)
+    else:  # + - / // %: at most one bit more than the larger operand, which is bounded already
+        return
+    if bits > MAX_BITS:
+        raise _too_large(bits)
+
+
+def _bounded(value):
+    """``value`` when it is a finite real number of at most :data:`MAX_BITS` bits, else a ValueError."""
+    if isinstance(value, complex):
+        raise ValueError("a fractional power of a negative number has no real value")
+    if isinstance(value, int) and value.bit_length() > MAX_BITS:
+        raise _too_large(value.bit_length())
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _too_large()
+    return value
+
+
+def _too_large(bits: float | None = None) -> ValueError:
+    """The error for a result over :data:`MAX_BITS` bits (``bits``: its estimated size), or (None) over the range of
+    a floating-point number."""
+    if bits is None:
+        return ValueError("the result is too large for a floating-point number (at most about 1.8e308); use smaller "
+                          "numbers")
+    return ValueError(f"the result is too large (about {int(bits * math.log10(2)) + 1:,} digits; at most "
+                      f"{int(MAX_BITS * math.log10(2)):,}): split the calculation or use smaller numbers")

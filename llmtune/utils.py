@@ -100,6 +100,38 @@ def content_sha256(path: str | Path) -> str | None:
     return _CONTENT_HASHES[key]
 
 
+class AwaitTimeout(Exception):
+    """:func:`awaited` gave up on an awaitable after its timeout (and cancelled it)."""
+
+
+def awaited(value: Any, timeout_s: float | None = None) -> Any:
+    """``value`` itself, or, when it is awaitable (what user code written as ``async def`` returns), what it resolves
+    to: run to completion on a new event loop in the calling thread (which must not be running one).
+
+    Args:
+        timeout_s: cancel it after this many seconds and raise :class:`AwaitTimeout` (None: no limit). A coroutine
+            that ignores its cancellation is waited for until it returns.
+    """
+    import inspect
+
+    if not inspect.isawaitable(value):
+        return value
+    import asyncio
+    import contextlib
+
+    async def run() -> Any:
+        task = asyncio.ensure_future(value)
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        if not done:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            raise AwaitTimeout(f"not done within {timeout_s:g} s")
+        return task.result()
+
+    return asyncio.run(run())
+
+
 def dotted_get(doc: dict, dotted: str, default: Any = None) -> Any:
     """``doc["a"]["b"]`` for ``dotted = "a.b"`` in a raw (unvalidated) nested mapping; ``default`` where a key is
     missing or a level is not a mapping. Never raises."""

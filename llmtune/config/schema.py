@@ -601,8 +601,8 @@ class AgentConfig(Section):
                              "needs type hints and a Google docstring with an Args: section (its JSON schema, as "
                              "transformers' chat templates take it).")
     environment: str | None = Field(None, description="module:Class (or file.py:Class): one fresh instance per "
-                                    "rollout; reset(**row) receives the prompt row's columns and may return text for "
-                                    "the first user turn; its public methods are tools; an optional reward(messages) "
+                                    "rollout; reset(**row) receives the dataset row's columns (and prompt, messages, "
+                                    "reference, index) and may return text for the first user turn; its public methods are tools; an optional reward(messages) "
                                     "method is a reward source (reward name `environment`).")
     max_turns: int = Field(4, ge=1, description="Assistant turns per trajectory at most; a turn that calls a tool "
                            "at the cap ends the trajectory (finish reason `turns`).")

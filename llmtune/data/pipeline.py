@@ -65,7 +65,8 @@ def record_bad(cfg: DataConfig, report: DataReport, dropped: list[tuple[str, int
     report.dropped += [{"source": p, "row": r, "kind": e.kind, "reason": e.reason} for p, r, e in dropped]
 
 
-def read_sources(cfg: DataConfig, base_dir: str | Path, report: DataReport, kind: str = "sft") -> list[RowPool]:
+def read_sources(cfg: DataConfig, base_dir: str | Path, report: DataReport, kind: str = "sft",
+                 keep_columns: bool = False) -> list[RowPool]:
     """Canonical rows per source, as :class:`~llmtune.data.spill.RowPool` s (``pool[j] = (row_id, row)``, the rows
     on disk), read batch by batch (:func:`~llmtune.data.sources.iter_source`); bad rows raise or are recorded in
     ``report``. Memory: a batch of rows, the row ids, and the bad rows.
@@ -73,6 +74,7 @@ def read_sources(cfg: DataConfig, base_dir: str | Path, report: DataReport, kind
     Args:
         kind: ``sft``, ``preference``, ``prompt`` or ``unpaired``: which formats the sources may have (see
             :func:`~llmtune.data.formats.to_canonical`, whose checks and messages this applies batch by batch).
+        keep_columns: each canonical row also carries the row as read (every column), as ``columns``.
 
     Raises:
         DataError: as :func:`~llmtune.data.sources.read_source` and :func:`~llmtune.data.formats.to_canonical`;
@@ -82,7 +84,7 @@ def read_sources(cfg: DataConfig, base_dir: str | Path, report: DataReport, kind
     bad: list[tuple[str, int, RowError]] = []
     store = SpillList(current_spill_dir(), "canonical")  # every source's rows, one after the other
     for i, ds in enumerate(cfg.datasets):
-        pool, source_report, source_bad = _read_source(ds, i, base_dir, kind, store)
+        pool, source_report, source_bad = _read_source(ds, i, base_dir, kind, store, keep_columns)
         report.sources.append(source_report)
         pools.append(pool)
         bad += [(ds.path, row, err) for row, err in source_bad]
@@ -90,7 +92,7 @@ def read_sources(cfg: DataConfig, base_dir: str | Path, report: DataReport, kind
     return pools
 
 
-def _read_source(ds, index: int, base_dir, kind: str, store: SpillList
+def _read_source(ds, index: int, base_dir, kind: str, store: SpillList, keep_columns: bool = False
                  ) -> tuple[RowPool, SourceReport, list[tuple[int, RowError]]]:
     key = f"data.datasets[{index}]"
     batches = _batches(ds, index, base_dir)
@@ -121,6 +123,9 @@ def _read_source(ds, index: int, base_dir, kind: str, store: SpillList
     last = head
     for raw in itertools.chain(pending, batches):
         valid, batch_bad = convert_rows(raw, ds, cols, adapter)
+        if keep_columns:
+            read = dict(zip(raw.row_ids, raw.rows))
+            valid = [(row_id, {**row, "columns": read[row_id]}) for row_id, row in valid]
         for row_id, row in valid:
             pool.append(row_id, row)
             tool_rows += is_tool_row(row)

@@ -27,6 +27,7 @@ Under ``data.truncation: drop`` such prompts are dropped instead. Both are count
 from __future__ import annotations
 
 import json
+import pickle
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,8 @@ if TYPE_CHECKING:
     import datasets
 
 PROMPT_COLUMNS = ["input_ids", "length", "index", "prompt", "messages", "reference"]
+RAW_COLUMNS = "columns"  # the dataset row's own columns, pickled (build_prompt_data(keep_columns=True))
+PROMPT_ROW_FIELDS = ("prompt", "messages", "reference", "index")  # what a prompt row says about its prompt
 PROBE = [{"role": "user", "content": "Hi"}]
 
 
@@ -69,6 +72,7 @@ class TokenizedPrompt:
         messages: JSON of the prompt conversation (``[{role, content}]``, system included).
         reference: the data's answer (dropped assistant turn, alpaca output, chosen response), or None.
         truncated: the ids were cut to ``max_prompt_length``. prompt_tokens_cut: how many tokens that cut removed.
+        columns: the dataset row's own columns as read (``keep_columns``), else None.
     """
 
     input_ids: list[int]
@@ -77,6 +81,7 @@ class TokenizedPrompt:
     reference: str | None
     truncated: bool = False
     prompt_tokens_cut: int = 0
+    columns: dict | None = None
 
 
 @dataclass
@@ -87,7 +92,8 @@ class PromptData:
         train: ``datasets.Dataset`` with ``input_ids`` (list of ints, the rendered prompt ending with the
             generation prompt), ``length`` (= len(input_ids)), ``index`` (the row's position in this split),
             ``prompt`` (last user message), ``messages`` (JSON of the prompt conversation) and ``reference``
-            (str, or None when the data has no answer).
+            (str, or None when the data has no answer); with ``keep_columns``, also ``columns`` (the dataset row's
+            own columns, read with :func:`raw_columns`).
         eval: the same for the held-out prompts, or None when ``val_size == 0``.
         report: what was read, kept, dropped and truncated (``kind="prompt"``; ``tokens`` = prompt tokens,
             ``trained_tokens`` = 0: prompts carry no labels; ``max_length`` = the prompt limit used).
@@ -182,7 +188,7 @@ class PromptTokenizer:
                 )
             ids = self._cut(ids, messages, P)
         return TokenizedPrompt(ids, messages[-1]["content"], json.dumps(messages, ensure_ascii=False),
-                               row.get("reference"), truncated, full - len(ids))
+                               row.get("reference"), truncated, full - len(ids), row.get(RAW_COLUMNS))
 
     def _bos_kept(self, ids: list[int]) -> int:
         bos = self.tokenizer.bos_token_id
@@ -203,8 +209,8 @@ class PromptTokenizer:
         return apply_cut(ids, a, b)
 
 
-def build_prompt_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".", tools: list[dict] | None = None
-                      ) -> PromptData:
+def build_prompt_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".", tools: list[dict] | None = None,
+                      keep_columns: bool = False) -> PromptData:
     """Read, validate, mix, tokenize and split the prompts of a recipe (PPO).
 
     Mixing (``weight``), ``max_samples`` (per source and total), ``val_size``, ``seed``, ``bad_rows`` and
@@ -219,6 +225,9 @@ def build_prompt_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".",
         tools: the JSON schemas of a multi-turn agent run's tools: the prompts are rendered with them (the template
             puts them in the system turn), and a prompt longer than ``max_prompt_length`` is dropped (counted), never
             cut (a cut could remove the tools).
+        keep_columns: also keep each row's own columns as read from its source (every column, before any
+            ``columns`` mapping), as the prompt rows' ``columns`` field (:func:`raw_columns`): what a multi-turn
+            environment's ``reset`` receives. Tokenization and collation do not read them.
 
     Returns:
         :class:`PromptData` with train/eval ``datasets.Dataset`` and the :class:`DataReport`.
@@ -230,40 +239,74 @@ def build_prompt_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".",
             ``max_prompt_length`` too small for the generation prompt; ``val_size`` too large; no prompts left.
     """
     extra = {"tools": tools} if tools else {}  # part of the cache key
+    if keep_columns:
+        extra["keep_columns"] = True
     return cached_build("prompt", cfg, tokenizer, base_dir,
-                        lambda: _build_prompt_data(cfg, tokenizer, base_dir=base_dir, tools=tools), **extra)
+                        lambda: _build_prompt_data(cfg, tokenizer, base_dir=base_dir, tools=tools,
+                                                   keep_columns=keep_columns), **extra)
 
 
-def _build_prompt_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".", tools: list[dict] | None = None
-                       ) -> PromptData:
+def _build_prompt_data(cfg: DataConfig, tokenizer, *, base_dir: str | Path = ".", tools: list[dict] | None = None,
+                       keep_columns: bool = False) -> PromptData:
     reject_sft_options(cfg, "prompts", "each prompt is generated from on its own", "they carry no labels")
     apply_chat_template_config(cfg, tokenizer)
     limit = cfg.max_prompt_length or cfg.max_length
     fn = PromptTokenizer(tokenizer, limit, cfg.truncation_mode, cfg.truncation, cfg.truncation_keep_system, tools)
     report = DataReport(max_length=limit, seed=cfg.seed, kind="prompt")
-    pools = read_sources(cfg, base_dir, report, kind="prompt")
+    pools = read_sources(cfg, base_dir, report, kind="prompt", keep_columns=keep_columns)
     train, evals = tokenize_and_split(cfg, pools, fn, report)
     report.train_sequences, report.eval_sequences = len(train), len(evals)
     report.tokens = sum(len(p.input_ids) for p in train)
     report.eval_tokens = sum(len(p.input_ids) for p in evals)
-    return PromptData(train=_to_dataset(train), eval=_to_dataset(evals) if len(evals) else None, report=report)
+    return PromptData(train=_to_dataset(train, keep_columns),
+                      eval=_to_dataset(evals, keep_columns) if len(evals) else None, report=report)
 
 
-PROMPT_COLUMNS = ["input_ids", "length", "index", "prompt", "messages", "reference"]
-
-
-def _to_dataset(prompts: Iterable[TokenizedPrompt]):
-    """The prompt dataset: ``index`` = the prompt's position in its split."""
+def _to_dataset(prompts: Iterable[TokenizedPrompt], keep_columns: bool = False):
+    """The prompt dataset: ``index`` = the prompt's position in its split; with ``keep_columns``, ``columns`` = the
+    row's own columns, pickled (their values keep their types: nothing is converted to fit an Arrow schema)."""
     import datasets
 
-    features = datasets.Features({
+    features = {
         "input_ids": datasets.Sequence(datasets.Value("int64")), "length": datasets.Value("int64"),
         "index": datasets.Value("int64"), "prompt": datasets.Value("string"), "messages": datasets.Value("string"),
         "reference": datasets.Value("string"),
-    })
-    rows = ({"input_ids": p.input_ids, "length": len(p.input_ids), "index": i, "prompt": p.prompt,
-             "messages": p.messages, "reference": p.reference} for i, p in enumerate(prompts))
-    return write_dataset(batched(rows, PROMPT_COLUMNS), features)
+    }
+    columns = PROMPT_COLUMNS
+    if keep_columns:
+        features[RAW_COLUMNS], columns = datasets.Value("binary"), [*PROMPT_COLUMNS, RAW_COLUMNS]
+    def row(i: int, p: TokenizedPrompt) -> dict:
+        out = {"input_ids": p.input_ids, "length": len(p.input_ids), "index": i, "prompt": p.prompt,
+               "messages": p.messages, "reference": p.reference}
+        if keep_columns:
+            out[RAW_COLUMNS] = pickle.dumps(p.columns or {}, protocol=pickle.HIGHEST_PROTOCOL)
+        return out
+
+    rows = (row(i, p) for i, p in enumerate(prompts))
+    return write_dataset(batched(rows, columns), datasets.Features(features))
+
+
+def raw_columns(row: dict) -> dict:
+    """The dataset row's own columns carried by a prompt row (``build_prompt_data(keep_columns=True)``), or ``{}``
+    when the prompt data did not keep them."""
+    data = row.get(RAW_COLUMNS)
+    return pickle.loads(data) if data else {}  # written by _to_dataset into this run's own (private) data files
+
+
+def shared_raw_columns(*splits) -> tuple[list[str], list[str]]:
+    """``(every, some)``: the dataset columns every prompt row of these splits (None: skipped) carries, and those only
+    some rows carry (:func:`raw_columns`; both empty when the data did not keep them), in first-seen order."""
+    every: dict[str, None] | None = None
+    seen: dict[str, None] = {}
+    for split in splits:
+        if split is None or RAW_COLUMNS not in split.column_names:
+            continue
+        for data in split[RAW_COLUMNS]:
+            keys = list(pickle.loads(data)) if data else []
+            seen.update(dict.fromkeys(keys))
+            every = dict.fromkeys(keys) if every is None else {k: None for k in every if k in keys}
+    every = every or {}
+    return list(every), [k for k in seen if k not in every]
 
 
 class PromptCollator:

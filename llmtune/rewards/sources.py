@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from llmtune.rl.types import RolloutBatch
-from llmtune.utils import get_logger
+from llmtune.utils import awaited, get_logger
 
 log = get_logger("rl")
 
@@ -43,9 +43,13 @@ class Scored:
     environments: list | None = None
 
     def extra(self) -> dict[str, list]:
-        """The per-completion keyword arguments a reward function may take: ``rows`` always; ``messages`` and
-        ``environments`` for multi-turn rollouts."""
-        out: dict[str, list] = {"rows": self.rows}
+        """The per-completion keyword arguments a reward function may take: ``rows`` always (a row's ``columns``, the
+        dataset row's own columns where the prompt data kept them, as a dict); ``messages`` and ``environments`` for
+        multi-turn rollouts."""
+        from llmtune.data.prompts import RAW_COLUMNS, raw_columns
+
+        rows = [{**r, RAW_COLUMNS: raw_columns(r)} if RAW_COLUMNS in r else r for r in self.rows]
+        out: dict[str, list] = {"rows": rows}
         if self.messages is not None:
             out["messages"] = self.messages
         if self.environments is not None:
@@ -124,7 +128,8 @@ class RewardModelScorer:
 
 class EnvironmentScorer:
     """The reward of a multi-turn rollout's environment: ``environment.reward(messages)`` of each rollout's own
-    instance (None abstains; a rollout without an environment instance, whose environment failed, abstains).
+    instance (None abstains; a rollout without an environment instance, whose environment failed, abstains; an
+    ``async def reward`` is run to completion).
 
     Raises (when called):
         RewardFunctionError: ``reward`` raised, or returned something other than a finite number or None.
@@ -140,7 +145,7 @@ class EnvironmentScorer:
                 values.append(math.nan)
                 continue
             try:
-                value = env.reward(messages)
+                value = awaited(env.reward(messages))  # an async def reward is run to completion
             except Exception as exc:
                 raise RewardFunctionError(f"the environment's reward(messages) raised {type(exc).__name__}: {exc} "
                                           f"(rollout {b})") from exc

@@ -14,9 +14,11 @@ the next assistant header are context (``loss_mask`` 0, no engine log-prob). The
 (the vLLM engine's ``max_model_len``).
 
 A rollout ends: ``stop`` (a turn ended on its stop token without a tool call: the final answer), ``length`` (the
-budget ran out, in a turn or in a tool result), ``turns`` (it called a tool at ``agent.max_turns``) or ``error`` (its
-environment or tool infrastructure failed: :class:`llmtune.rl.toolbox.InfrastructureError`, ``reset`` raising; the
-rollout then abstains from the reward: its group's statistics never see it, and it is counted). A malformed call, an
+budget ran out, in a turn or in a tool result; a turn cut by the budget is still part of the conversation, as an
+assistant message of its text as decoded, with no tool call run: it is what the model last wrote), ``turns`` (it
+called a tool at ``agent.max_turns``) or ``error`` (its environment or tool infrastructure failed:
+:class:`llmtune.rl.toolbox.InfrastructureError`, ``reset`` raising; the rollout then abstains from the reward: its
+group's statistics never see it, and it is counted). A malformed call, an
 unknown tool, bad arguments, a tool that raises or times out are the model's doing: the error goes back to it as the
 tool result, and is counted.
 """
@@ -40,7 +42,8 @@ class AgentSettings:
     max_turns: int
     max_tool_result_tokens: int
     tool_timeout_s: float
-    parser: str
+    parser: str | None  # the family parser (:func:`llmtune.rl.tool_calls.resolve_tool_parser`)
+    response_template: bool = False  # parse with the tokenizer's response template (agent.tool_parser: auto)
 
 
 @dataclass
@@ -102,7 +105,8 @@ class AgentLoop:
 
         Returns:
             B :class:`~llmtune.rl.types.Trajectory` with ``turns``, ``finish_reason`` and ``info``: ``messages`` (the
-            whole conversation: prompt, assistant turns with their tool calls, tool results), ``environment`` (the
+            whole conversation: prompt, assistant turns with their tool calls, tool results; a turn cut by the
+            budget is its last message), ``environment`` (the
             instance or None), ``tool_calls``, ``tool_errors`` ({kind: count}), ``truncated_results``,
             ``infrastructure_error`` (str or None).
         """
@@ -150,11 +154,15 @@ class AgentLoop:
         r.add(list(completion.token_ids), sampled=True, logps=completion.logprobs)
         r.turns += 1
         r.version = completion.version if r.version is None else r.version
-        if completion.finish_reason != STOP:
+        if completion.finish_reason != STOP:  # cut by the budget: what the model last wrote, no call run
+            text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=False)
+            r.messages.append({"role": "assistant", "content": text})
             r.finish = LENGTH
             return
         text = self.tokenizer.decode(completion.token_ids[:-1], skip_special_tokens=False)
-        content, calls = parse_tool_calls(text, self.settings.parser, self.tokenizer)
+        template = self.tokenizer if self.settings.response_template else None
+        content, calls = parse_tool_calls(text, self.settings.parser, template,
+                                          tools=r.toolbox.schemas if template is not None else None)
         r.messages.append(_assistant_message(content, calls))
         if not calls:
             r.finish = STOP
@@ -201,9 +209,11 @@ class AgentLoop:
 
 
 def _assistant_message(content: str, calls: list) -> dict:
-    """The assistant turn as a message (for reward functions and samples): its text and its well-formed tool calls
-    (a malformed call stays in the text it was in)."""
-    message = {"role": "assistant", "content": content}
+    """The assistant turn as a message (for reward functions and samples): its text without the markup of its
+    well-formed tool calls, then the text of each malformed call as the model wrote it (``ToolCall.raw``, one per
+    line), and its well-formed calls as ``tool_calls``."""
+    text = "\n".join(part for part in [content, *(c.raw for c in calls if c.error is not None)] if part)
+    message = {"role": "assistant", "content": text}
     good = [c for c in calls if c.error is None]
     if good:
         message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -223,19 +233,22 @@ def _with_first_turn(messages: list[dict], text: str) -> list[dict]:
 
 
 def _row_columns(row: dict) -> dict:
-    """What an environment's ``reset(**row)`` receives: the prompt row's columns (``prompt``, ``messages`` as a list,
-    ``reference``, ``index``; not the token ids)."""
-    out = {k: v for k, v in row.items() if k not in ("input_ids", "length")}
+    """What an environment's ``reset(**row)`` receives: the dataset row's own columns as read (``columns``, when the
+    prompt data kept them: :func:`llmtune.data.prompts.raw_columns`), then the prompt row's ``prompt``, ``messages``
+    (as a list), ``reference`` and ``index``, which win over a dataset column of the same name (not the token ids)."""
+    from llmtune.data.prompts import raw_columns
+
+    out = {**raw_columns(row), **{k: v for k, v in row.items() if k not in ("input_ids", "length", "columns")}}
     if isinstance(out.get("messages"), str):
         out["messages"] = json.loads(out["messages"])
     return out
 
 
 def agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
-    """Per-rollout means of a batch of agent trajectories (this rank): ``agent/turns``, ``agent/tool_calls``,
-    ``agent/tool_error_rate`` (errored calls / calls), ``agent/finish_<reason>`` (share of rollouts ended by each
-    reason: stop, length, turns, error), ``agent/truncated_tool_results`` and ``agent/infrastructure_failures``
-    (share of rollouts)."""
+    """Per-rollout means of a batch of agent trajectories (this rank): ``agent/turns``, ``agent/tool_calls`` and
+    ``agent/truncated_tool_results`` (tool results cut to ``max_tool_result_tokens``), each a mean count per rollout;
+    ``agent/tool_error_rate`` (errored calls / calls); ``agent/finish_<reason>`` (share of rollouts ended by each
+    reason: stop, length, turns, error) and ``agent/infrastructure_failures`` (share of rollouts)."""
     n = max(len(trajectories), 1)
     calls = sum(t.info.get("tool_calls", 0) for t in trajectories)
     errors = sum(sum(t.info.get("tool_errors", {}).values()) for t in trajectories)

@@ -25,32 +25,10 @@ and the ids of a probe conversation built turn by turn (prompt, each assistant t
 from __future__ import annotations
 
 from llmtune.config import RecipeError
-
-PROBE_TOOL = {"type": "function", "function": {
-    "name": "probe_tool", "description": "A probe tool.",
-    "parameters": {"type": "object", "properties": {"x": {"type": "string", "description": "A value."}},
-                   "required": ["x"]}}}
-FIX = ("set data.chat_template to a template that renders tools, tool calls and tool results, e.g. data.chat_template: "
-       "chatml_tools (ChatML with Hermes/Qwen2.5 <tool_call> blocks), or the model family's own tool template")
-
+from llmtune.data.templates import PROBE_TOOL, TOOL_TEMPLATE_FIX, tool_probe_conversation, tool_render_problem
 
 def _call(name: str, arguments: dict) -> dict:
     return {"type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def probe_conversation() -> list[dict]:
-    """A two-round tool conversation (several calls in one turn, text before a call, a final answer with a think
-    block) used to check a template."""
-    return [
-        {"role": "user", "content": "What is 12 * 7 + 3?"},
-        {"role": "assistant", "content": "<think>\nfirst the product\n</think>\n\nLet me compute.",
-         "tool_calls": [_call("probe_tool", {"x": "12 * 7"}), _call("probe_tool", {"x": "84 + 3"})]},
-        {"role": "tool", "name": "probe_tool", "content": "eighty-four"},
-        {"role": "tool", "name": "probe_tool", "content": "eighty-seven"},
-        {"role": "assistant", "content": "", "tool_calls": [_call("probe_tool", {"x": "check 87"})]},
-        {"role": "tool", "name": "probe_tool", "content": "checked"},
-        {"role": "assistant", "content": "The answer is 87. #### 87"},
-    ]
 
 
 class ToolTurns:
@@ -86,7 +64,7 @@ class ToolTurns:
                                                       add_generation_prompt=generation_prompt)
         except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception() in templates
             raise RecipeError([("data.chat_template", f"the chat template cannot render a conversation with tools "
-                                f"({type(exc).__name__}: {exc}); {FIX}")]) from None
+                                f"({type(exc).__name__}: {exc}); {TOOL_TEMPLATE_FIX}")]) from None
 
     def turn_end(self, text: str, start: int = 0) -> int:
         """Index just past the first stop token's text at or after ``start`` in ``text`` (the end of an assistant
@@ -100,7 +78,7 @@ class ToolTurns:
         if start < 0 or not hits:
             raise RecipeError([("data.chat_template", f"the chat template does not end an assistant turn with one of "
                                 f"the stop tokens {self.stop_texts}: a sampled turn could never end where the template "
-                                f"ends it; {FIX}")])
+                                f"ends it; {TOOL_TEMPLATE_FIX}")])
         at, length = min(hits)
         return at + length
 
@@ -119,7 +97,7 @@ class ToolTurns:
         full = self.render(self._anchor + tool_messages, generation_prompt=True)
         if not full.startswith(self._anchor_text):
             raise RecipeError([("data.chat_template", "the chat template renders an assistant turn differently once "
-                                f"tool results follow it (it rewrites history); {FIX}")])
+                                f"tool results follow it (it rewrites history); {TOOL_TEMPLATE_FIX}")])
         return self.encode(self.tail + full[len(self._anchor_text):])
 
 
@@ -138,15 +116,12 @@ def check_tool_template(tokenizer, tools: list[dict], stop_token_ids, render_ids
             results; rewrites earlier turns; does not end turns with a stop token; or its turn-by-turn ids differ
             from its full render (the first differing token and its neighbourhood are shown).
     """
+    problem = tool_render_problem(tokenizer)
+    if problem:
+        raise RecipeError([("data.chat_template", f"{problem} (multi-turn rollouts with tools need the tool schemas, "
+                            f"the tool calls and the tool results); {TOOL_TEMPLATE_FIX}")])
     turns = ToolTurns(tokenizer, tools, stop_token_ids)
-    conversation = probe_conversation()
-    full_text = turns.render(conversation)
-    missing = [what for what, needle in (("the tool schemas", PROBE_TOOL["function"]["description"]),
-                                         ("the tool calls", "check 87"), ("the tool results", "eighty-four"))
-               if needle not in full_text]
-    if missing:
-        raise RecipeError([("data.chat_template", f"the chat template does not render {', '.join(missing)} (multi-turn "
-                            f"rollouts with tools need all three); {FIX}")])
+    conversation = tool_probe_conversation()
     ids: list[int] = list(render_ids(conversation[:1], turns.tools, True))
     i = 1
     while i < len(conversation):
@@ -156,7 +131,8 @@ def check_tool_template(tokenizer, tools: list[dict], stop_token_ids, render_ids
             if not through.startswith(before):
                 raise RecipeError([("data.chat_template", "the chat template renders an earlier turn differently once "
                                     "later turns follow (it rewrites history, e.g. strips earlier <think> blocks): the "
-                                    f"ids the policy saw would differ from any render of the conversation; {FIX}")])
+                                    "ids the policy saw would differ from any render of the conversation; "
+                                    f"{TOOL_TEMPLATE_FIX}")])
             turn = through[len(before):]
             ids += turns.encode(turn[:turns.turn_end(turn)])  # the turn as a policy would sample it, stop included
             i += 1
@@ -175,5 +151,5 @@ def check_tool_template(tokenizer, tools: list[dict], stop_token_ids, render_ids
                             f"token {at} (near {shown!r}): the template either renders the junction between an "
                             "assistant turn and the tool results differently, or rewrites history (e.g. strips earlier "
                             "<think> blocks once later turns follow), so the ids the policy saw would not be what the "
-                            f"model sees at inference; {FIX}")])
+                            f"model sees at inference; {TOOL_TEMPLATE_FIX}")])
     return turns

@@ -49,30 +49,38 @@ class OnlineRLStage(Stage):
 
     def build_data(self, tokenizer, base_dir: str) -> StageData:
         """The prompts (rendered with the tools' schemas for a multi-turn run, whose chat template is checked here:
-        :func:`llmtune.rl.chat.check_tool_template`, before any weights load).
+        :func:`llmtune.rl.chat.check_tool_template`, before any weights load; with an environment that has a ``reset``
+        the prompt rows keep the dataset's own columns, which ``reset`` receives, and its parameters are checked
+        against them).
 
         Raises:
             DataError: bad prompt data. RecipeError: the template cannot render tool conversations
-                (``data.chat_template``). ToolSetupError: see :meth:`agent_tools`.
+                (``data.chat_template``); ``agent.tool_parser: auto`` finds no tool-call format.
+            ToolSetupError: see :meth:`agent_tools`; ``reset`` requires a column not every prompt row has.
         """
         from llmtune.data.prompts import PromptCollator, build_prompt_data
 
         agent = self.agent_tools()
+        resets = agent is not None and agent.environment is not None and hasattr(agent.environment, "reset")
         data = build_prompt_data(self.recipe.data, tokenizer, base_dir=base_dir,
-                                 tools=agent.schemas if agent else None)
+                                 tools=agent.schemas if agent else None, keep_columns=resets)
         if agent is not None:
             from llmtune.data.prompts import prompt_ids
             from llmtune.data.templates import stop_token_ids
             from llmtune.rl.chat import check_tool_template
+            from llmtune.rl.tool_calls import resolve_tool_parser
 
             agent.turns = check_tool_template(
                 tokenizer, agent.schemas, stop_token_ids(tokenizer),
                 lambda messages, tools, generation: prompt_ids(tokenizer, messages, tools=tools,
                                                                generation_prompt=generation))
-            if agent.environment is not None:
+            resolve_tool_parser(self.recipe.agent.tool_parser, tokenizer)  # auto must find a format
+            if resets:
+                from llmtune.data.prompts import PROMPT_ROW_FIELDS, shared_raw_columns
                 from llmtune.rl.toolbox import check_reset_columns
 
-                check_reset_columns(agent.environment, ("prompt", "messages", "reference", "index"))
+                every, some = shared_raw_columns(data.train, data.eval)
+                check_reset_columns(agent.environment, [*every, *PROMPT_ROW_FIELDS], some_rows=some)
         return StageData(data.train, data.eval, data.report, PromptCollator(tokenizer), data.report.sources_lineage())
 
     def preflight(self, base_dir: str) -> list[tuple[str, str]]:

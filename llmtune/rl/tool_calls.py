@@ -94,15 +94,47 @@ def detect_parser(tokenizer: Any) -> str | None:
     return None
 
 
+def resolve_tool_parser(setting: str, tokenizer: Any) -> tuple[str | None, bool]:
+    """What reads the tool calls of a run (``agent.tool_parser``): ``(family, response_template)``.
+
+    ``auto``: the tokenizer's own response template when it has one (``response_template``; the family the template
+    shows, if any, then only finds which call was malformed), else the family :func:`detect_parser` finds. An explicit
+    family (``hermes``, ``llama3``, ``mistral``) is used as it is, response template or not.
+
+    Args:
+        setting: ``auto`` or one of :data:`PARSERS`. tokenizer: the policy's tokenizer (its chat template applied).
+
+    Returns:
+        ``(family or None, whether to parse with the tokenizer's response template)``; pass the tokenizer to
+        :func:`parse_tool_calls` only when the second is True.
+
+    Raises:
+        RecipeError: ``auto`` finds neither a response template nor a family in the chat template
+            (``agent.tool_parser``).
+    """
+    if setting != "auto":
+        return setting, False
+    response_template = getattr(tokenizer, "response_template", None) is not None
+    family = detect_parser(tokenizer)
+    if family is None and not response_template:
+        from llmtune.config import RecipeError
+
+        raise RecipeError([("agent.tool_parser", "auto cannot tell the tool-call format of this chat template (no "
+                            "<tool_call>, <|python_tag|> or [TOOL_CALLS] in it, no response template in the "
+                            "tokenizer): set agent.tool_parser to hermes, llama3 or mistral")])
+    return family, response_template
+
+
 def parse_tool_calls(
     text: str, parser: str | None, tokenizer: Any = None, *, prefix: str = "", tools: list[dict] | None = None
 ) -> tuple[str, list[ToolCall]]:
     """Split one sampled assistant turn into its text and its tool calls (never raises on the model's text).
 
     With a ``tokenizer`` that has a ``response_template`` (transformers >= 5.24; none of the embedded tokenizers has
-    one), transformers' own parser is used (``tokenizer.get_response_parser``, the streaming form of
-    ``tokenizer.parse_response``); when it cannot parse the turn (it raises on the first invalid JSON block), the
-    family parser finds which call is malformed, or, without a family, the whole turn is one malformed call.
+    one; pass it only when the run asks for it: :func:`resolve_tool_parser`), transformers' own parser is used
+    (``tokenizer.get_response_parser``, the streaming form of ``tokenizer.parse_response``); when it cannot parse the
+    turn (it raises on the first invalid JSON block), the family parser finds which call is malformed, or, without a
+    family, the whole turn is one malformed call.
     Otherwise the family parser:
 
     - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any whitespace around the JSON, several
@@ -120,7 +152,8 @@ def parse_tool_calls(
         text: one assistant turn as sampled: decoded with special tokens kept, the end-of-turn token stripped.
         parser: one of :data:`PARSERS` (:func:`detect_parser`), or None when the tokenizer's response template is
             the only parser.
-        tokenizer: a tokenizer whose ``response_template`` is used when it has one.
+        tokenizer: a tokenizer whose ``response_template`` is used when it has one, or None: the family parser only
+            (an explicit ``agent.tool_parser``).
         prefix: response-template path only: the rendered prompt before the turn (it may pre-write part of the
             turn, e.g. ``<think>``); ``""`` = the turn starts clean.
         tools: response-template path only: the tools' schemas, with which transformers casts string argument

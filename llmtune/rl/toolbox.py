@@ -3,15 +3,17 @@ model writes can crash the run or be executed as code (reading the calls of a sa
 
 What a user writes:
 
-- **a tool**: a plain function, named ``module:function`` or ``file.py:function``, with a type hint on every parameter
-  and a Google-style docstring whose ``Args:`` section describes every parameter. Its JSON schema (what
-  ``tokenizer.apply_chat_template(tools=...)`` shows the model) is :func:`transformers.utils.get_json_schema` of it.
-  Plain functions are shared by every rollout (and may be called from several threads).
+- **a tool**: a plain function (``def`` or ``async def``), named ``module:function`` or ``file.py:function``, with a
+  type hint on every parameter and a Google-style docstring whose ``Args:`` section describes every parameter. Its JSON
+  schema (what ``tokenizer.apply_chat_template(tools=...)`` shows the model) is
+  :func:`transformers.utils.get_json_schema` of it. Plain functions are shared by every rollout (and may be called
+  from several threads).
 - **an environment**: a class ``module:Class`` that can be constructed without arguments. Each rollout gets a fresh
-  instance; its optional ``reset(self, **row)`` receives the dataset row's columns (those it names, or all of them
-  with ``**kwargs``) and may return the text of the first user turn; its public methods are the rollout's tools
-  (same schema rule; ``reset``, ``reward`` and names starting with ``_`` are not tools); an optional
-  ``reward(self, messages) -> float | None`` scores the conversation.
+  instance; its optional ``reset(self, **row)`` receives the prompt row's columns (those it names, or all of them
+  with ``**kwargs``: the dataset row's own columns and ``prompt``, ``messages``, ``reference``, ``index``) and may
+  return the text of the first user turn; its public methods are the rollout's tools (same schema rule; ``reset``,
+  ``reward`` and names starting with ``_`` are not tools); an optional ``reward(self, messages) -> float | None``
+  scores the conversation. ``reset``, ``reward`` and the methods may be ``async def``.
 - :class:`InfrastructureError` (or a subclass), raised by a tool, ``reset`` or the constructor when a failure is not
   the model's fault (a crashed sandbox, a server down): the rollout then abstains instead of being scored.
 
@@ -23,9 +25,9 @@ One rollout (the agent loop lives elsewhere)::
     results = [toolbox.call(c, timeout_s) for c in calls]                          # never raises on model text
 
 Safety: tool arguments are JSON values decoded with :mod:`json` (never ``eval``) and passed as keyword arguments
-after a check against the tool's schema; a tool runs in a worker thread bounded by ``timeout_s``. A Python thread
-cannot be killed: a tool that never returns keeps its (daemon) thread until the process ends, which
-:func:`abandoned_tool_threads` counts.
+after a check against the tool's schema; a tool runs in a worker thread bounded by ``timeout_s`` (an ``async def``
+tool on its own event loop in that thread, cancelled at the timeout). A Python thread cannot be killed: a tool that
+never returns keeps its (daemon) thread until the process ends, which :func:`abandoned_tool_threads` counts.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from typing import Any
 
 from llmtune.errors import LlmtuneError
 from llmtune.rl.tool_calls import ToolCall, _cut, _exception_text, _json_type
+from llmtune.utils import AwaitTimeout, awaited
 
 ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout")
 NOT_TOOLS = frozenset({"reset", "reward"})  # environment methods that are never tools (besides names starting with _)
@@ -244,14 +247,27 @@ def tool_schemas(functions: Iterable[Callable], environment_cls: type | None = N
     return copy.deepcopy(schemas)
 
 
-def check_reset_columns(environment_cls: type, columns: Iterable[str], key: str = "agent.environment") -> None:
+def check_reset_columns(environment_cls: type, columns: Iterable[str], key: str = "agent.environment",
+                        some_rows: Iterable[str] = ()) -> None:
     """Check that every row with these columns can be passed to the environment's ``reset`` (a recipe check: without
     it a missing column would fail every rollout).
 
+    Args:
+        columns: the columns every prompt row has (what ``reset`` receives).
+        key: the recipe key, for messages. some_rows: columns only some rows have (named in the message).
+
     Raises:
-        ToolSetupError: ``reset`` has a required parameter that is not a column.
+        ToolSetupError: ``reset`` has a required parameter that is not a column (also when it takes ``**kwargs``),
+            or takes one positionally only.
     """
-    _reset_arguments(environment_cls, dict.fromkeys(columns), key)
+    columns = list(columns)
+    try:
+        _reset_arguments(environment_cls, dict.fromkeys(columns), key)
+    except ToolSetupError as exc:
+        partial = [c for c in some_rows if c not in columns]
+        if not partial:
+            raise
+        raise ToolSetupError(f"{exc.problems[0]} (only some rows have {', '.join(partial)})") from None
 
 
 def _resolve(spec: str, recipe_dir: Any, where: str) -> Any:
@@ -341,7 +357,8 @@ def make_toolbox(
     Args:
         functions: the plain tool functions (:func:`load_tools`), shared by every rollout.
         environment_cls: the environment class (:func:`load_environment`) or None.
-        row: the dataset row's columns; ``reset`` receives those it names (all of them when it takes ``**kwargs``).
+        row: the prompt row's columns; ``reset`` receives those it names (all of them when it takes ``**kwargs``). An
+            ``async def reset`` is run to completion.
 
     Returns:
         ``(toolbox, first_user_text)``: the text ``reset`` returned for the first user turn, or None.
@@ -362,7 +379,7 @@ def make_toolbox(
         try:
             environment = environment_cls()
             if hasattr(environment, "reset"):
-                first_user_text = environment.reset(**kwargs)
+                first_user_text = awaited(environment.reset(**kwargs))
         except InfrastructureError:
             raise
         except Exception as exc:
@@ -376,19 +393,31 @@ def make_toolbox(
 
 
 def _reset_arguments(environment_cls: type, row: Mapping[str, Any], key: str) -> dict:
-    """The keyword arguments ``reset`` gets from a row: every column with ``**kwargs``, else the columns it names."""
+    """The keyword arguments ``reset`` gets from a row: every column with ``**kwargs``, else the columns it names.
+
+    Raises:
+        ToolSetupError: a required parameter of ``reset`` is not a column of the row (with or without ``**kwargs``:
+            the row's columns reach ``reset`` by name), or ``reset`` takes a required parameter positionally only.
+    """
     reset = inspect.getattr_static(environment_cls, "reset", None)
     if not inspect.isfunction(reset):
         return {}
     params = list(inspect.signature(reset).parameters.values())[1:]  # without self
+    name = environment_cls.__name__
+    positional = [p.name for p in params if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
+    if positional:
+        raise ToolSetupError(f"{key}: {name}.reset takes {', '.join(positional)} positionally only (before '/'); "
+                             "llmtune passes the row's columns by keyword: remove the '/'")
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    missing = [p.name for p in named if p.default is p.empty and p.name not in row]
+    if missing:
+        raise ToolSetupError(f"{key}: {name}.reset needs {', '.join(missing)}, which the prompt rows do not have; "
+                             f"reset receives the columns {', '.join(row) or '(none)'}. Give "
+                             f"{'that parameter' if len(missing) == 1 else 'those parameters'} a default, or add "
+                             f"{'a column' if len(missing) == 1 else 'columns'} of that name to every row of the data")
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return dict(row)
-    missing = [p.name for p in params if p.default is p.empty and p.kind is not p.VAR_POSITIONAL and p.name not in row]
-    if missing:
-        raise ToolSetupError(f"{key}: {environment_cls.__name__}.reset needs {', '.join(missing)}, which the rows do "
-                             f"not have (columns: {', '.join(row) or 'none'}); give those parameters defaults or add "
-                             "the columns to the data")
-    return {p.name: row[p.name] for p in params if p.name in row and p.kind is not p.VAR_POSITIONAL}
+    return {p.name: row[p.name] for p in named if p.name in row}
 
 
 class Toolbox:
@@ -426,7 +455,9 @@ class Toolbox:
             call: the call (:func:`llmtune.rl.tool_calls.parse_tool_calls`).
             timeout_s: seconds to wait for the tool (> 0). The tool runs in a daemon worker thread; past the
                 timeout the call stops waiting, but the thread cannot be killed and keeps running until the tool
-                returns (counted by :attr:`abandoned` and :func:`abandoned_tool_threads`). A tool that needs a
+                returns (counted by :attr:`abandoned` and :func:`abandoned_tool_threads`). An ``async def`` tool runs
+                on an event loop of its own in that thread and is cancelled at the timeout (its thread then ends,
+                unless the coroutine ignores the cancellation, and is not counted). A tool that needs a
                 hard limit (a subprocess, a sandbox) should enforce it itself. Tools run outside the main thread,
                 so ``signal``-based timeouts inside a tool do not work.
 
@@ -454,9 +485,9 @@ class Toolbox:
         if problems:
             return result(f"Error: bad arguments for {call.name}: {'; '.join(problems)}. Call it as "
                           f"{_signature(schema)}", "bad_arguments")
-        done, value, exc = _run(fn, arguments, timeout_s, call.name)
-        if not done:
-            self.abandoned += 1
+        state, value, exc = _run(fn, arguments, timeout_s, call.name)
+        if state != "returned":
+            self.abandoned += state == "abandoned"
             return result(f"Error: {call.name} did not return within {timeout_s:g} s", "timeout")
         if exc is not None:
             message = _cut(_exception_text(exc))
@@ -503,24 +534,39 @@ _ABANDONED: list[threading.Thread] = []
 _ABANDONED_LOCK = threading.Lock()
 
 
-def _run(fn: Callable, arguments: dict, timeout_s: float, name: str) -> tuple[bool, str | None, BaseException | None]:
-    """``fn(**arguments)`` in a daemon thread, waiting at most ``timeout_s``: (finished, content, exception)."""
+ASYNC_CANCEL_GRACE_S = 1.0  # after the timeout, how long a cancelled async tool may take to unwind
+
+
+def _run(fn: Callable, arguments: dict, timeout_s: float, name: str) -> tuple[str, str | None, BaseException | None]:
+    """``fn(**arguments)`` in a daemon thread, waiting at most ``timeout_s``: ``(state, content, exception)`` with
+    state ``"returned"`` (or raised), ``"cancelled"`` (an ``async def`` tool, which runs on its own event loop in that
+    thread, cancelled at the timeout: its thread ends) or ``"abandoned"`` (past the timeout, still running)."""
     box: dict[str, Any] = {}
 
     def target() -> None:
         try:
-            box["value"] = _to_text(fn(**arguments))
+            value = fn(**arguments)
+            if inspect.isawaitable(value):
+                box["async"] = True
+                value = awaited(value, timeout_s)
+            box["value"] = _to_text(value)
+        except AwaitTimeout:
+            box["expired"] = True
         except BaseException as exc:  # noqa: BLE001 - SystemExit in a tool must not vanish with its thread
             box["error"] = exc
 
     thread = threading.Thread(target=target, name=f"llmtune-tool-{name}", daemon=True)
     thread.start()
     thread.join(timeout_s)
+    if thread.is_alive() and box.get("async"):  # cancelled at the timeout: let it unwind
+        thread.join(ASYNC_CANCEL_GRACE_S)
     if thread.is_alive():
         with _ABANDONED_LOCK:
             _ABANDONED.append(thread)
-        return False, None, None
-    return True, box.get("value"), box.get("error")
+        return "abandoned", None, None
+    if box.get("expired"):
+        return "cancelled", None, None
+    return "returned", box.get("value"), box.get("error")
 
 
 def _to_text(value: Any) -> str:

@@ -171,17 +171,12 @@ class OnlineRLTrainer(CoreTrainer):
         from llmtune.data.prompts import prompt_ids
         from llmtune.rl.agent import AgentLoop, AgentSettings
         from llmtune.rl.chat import ToolTurns
-        from llmtune.rl.tool_calls import detect_parser
+        from llmtune.rl.tool_calls import resolve_tool_parser
 
         cfg, tools, tok = recipe.agent, self.agent_tools, self.tokenizer
-        parser = detect_parser(tok) if cfg.tool_parser == "auto" else cfg.tool_parser
-        if parser is None and getattr(tok, "response_template", None) is None:
-            from llmtune.config import RecipeError
-
-            raise RecipeError([("agent.tool_parser", "auto cannot tell the tool-call format of this chat template (no "
-                                "<tool_call>, <|python_tag|> or [TOOL_CALLS] in it, no response template in the "
-                                "tokenizer): set agent.tool_parser to hermes, llama3 or mistral")])
-        settings = AgentSettings(cfg.max_turns, cfg.max_tool_result_tokens, cfg.tool_timeout_s, parser)
+        parser, response_template = resolve_tool_parser(cfg.tool_parser, tok)
+        settings = AgentSettings(cfg.max_turns, cfg.max_tool_result_tokens, cfg.tool_timeout_s, parser,
+                                 response_template)
         turns = ToolTurns(tok, tools.schemas, self.stop_ids)
         return AgentLoop(self.engine, tok, turns, tools.functions, tools.environment, settings,
                          lambda messages: prompt_ids(tok, messages, tools=tools.schemas),
@@ -427,17 +422,22 @@ class OnlineRLTrainer(CoreTrainer):
                    else {})}
 
     def _agent_metrics(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        """:func:`llmtune.rl.agent.agent_metrics` over all ranks' rollouts of this batch."""
+        """:func:`llmtune.rl.agent.agent_metrics` over all ranks' rollouts of this batch, and
+        ``agent/abandoned_tool_threads``: tool threads that timed out and are still running, summed over the ranks'
+        processes (:func:`llmtune.rl.toolbox.abandoned_tool_threads`; a number that grows means a tool hangs)."""
         from llmtune.rl.agent import agent_metrics
+        from llmtune.rl.toolbox import abandoned_tool_threads
 
         metrics = agent_metrics(trajectories)
+        abandoned = float(abandoned_tool_threads())
         if self.args.world_size > 1:
             keys = sorted(metrics)
-            values = torch.tensor([metrics[k] * len(trajectories) for k in keys] + [len(trajectories)],
+            values = torch.tensor([metrics[k] * len(trajectories) for k in keys] + [abandoned, len(trajectories)],
                                   device=self.args.device, dtype=torch.float64)
             values = self.accelerator.reduce(values, reduction="sum")
-            metrics = {k: float(v) / max(float(values[-1]), 1.0) for k, v in zip(keys, values[:-1])}
-        return metrics
+            metrics = {k: float(v) / max(float(values[-1]), 1.0) for k, v in zip(keys, values[:-2])}
+            abandoned = float(values[-2])
+        return {**metrics, "agent/abandoned_tool_threads": abandoned}
 
     def forward(self, batch: RolloutBatch, *, policy: bool = True, reference: bool = False, values: bool = False,
                 exact_kl: bool = False, temperature: float | None = None) -> RolloutForward:

@@ -89,7 +89,7 @@ def test_validate_checks_the_template_before_any_weights(workspace, capsys):
     assert main(["validate", str(recipe(workspace, "v_ok"))]) == 0, capsys.readouterr().err
     assert main(["validate", str(recipe(workspace, "v_chatml", data={"chat_template": "chatml"}))]) == 1
     err = capsys.readouterr().err
-    assert "data.chat_template: the chat template does not render the tool schemas, the tool calls" in err
+    assert "data.chat_template: the chat template does not render the tool schemas and the tool calls" in err
     assert main(["validate", str(recipe(workspace, "v_badtool", agent={"tools": ["llmtune.tools:nope"]}))]) == 1
     assert "agent.tools.0" in capsys.readouterr().err
 

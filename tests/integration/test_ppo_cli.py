@@ -191,12 +191,12 @@ class ReportingEngine:
         self.policy, self.pad_id, self.temperature = policy, pad_id, recipe.rollout.temperature
         self.shift, self.calls = shift, calls
 
-    def generate(self, prompts, sampling, budgets=None, keys=None, version=None):
+    def generate(self, prompts, sampling, budgets=None, keys=None, version=None):  # the engine interface
         from llmtune.rl.forward import rollout_forward
         from llmtune.rl.model import PolicyModel
         from llmtune.rl.types import RolloutBatch, Trajectory
 
-        completions = self.hf.generate(prompts, sampling)
+        completions = self.hf.generate(prompts, sampling, budgets, keys, version)
         if sampling.greedy:
             return completions
         batch = RolloutBatch.from_trajectories([Trajectory.single_turn({}, p, c) for p, c in zip(prompts, completions)],

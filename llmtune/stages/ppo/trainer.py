@@ -123,30 +123,30 @@ class PPOTrainer(OnlineRLTrainer):
 
     def make_experience(self, iteration: int) -> list[list[dict[str, torch.Tensor]]]:
         """Sample and score one rollout batch, compute advantages/returns, log its metrics and return the PPO
-        minibatches (``ppo_epochs`` shuffled passes), each a list of micro-batch dicts."""
+        minibatches (``ppo_epochs`` shuffled passes), each a list of micro-batch dicts.
+
+        A rollout that cannot train (a multi-turn rollout whose environment or tool infrastructure failed, or one
+        sampled more than ``rollout.max_staleness`` steps ago) has its loss mask zeroed and enters no statistic: not
+        the score statistics (``score_mean``/``score_std``, ``ppo.normalize_scores``' running moments), not ``kl``
+        (nor the adaptive KL controller), not ``response_length``, ``entropy`` or ``truncated_fraction``;
+        ``trained_response_fraction`` counts the rollouts that train.
+        """
         self._seed(iteration)
         batch = self.rollout_batch(iteration)
-        # a multi-turn rollout whose environment or tool infrastructure failed trains nothing (and is counted); nor
-        # does one beyond rollout.max_staleness
+        rows = batch.rows
+        device = batch.loss_mask.device
         failed = torch.tensor([bool(t.info.get("infrastructure_error")) for t in batch.trajectories],
-                              device=batch.loss_mask.device) | self.too_stale(batch).to(batch.loss_mask.device)
+                              dtype=torch.bool, device=device) | self.too_stale(batch).to(device)
+        trained = ~failed  # (B,) the rollouts that train
         if failed.any():
-            batch.loss_mask = batch.loss_mask * (~failed)[:, None].long()
+            batch.loss_mask = batch.loss_mask * trained[:, None].long()
         fwd = self.forward(batch, reference=True, values=True)
         maskf = batch.loss_mask.float()  # the tokens the policy sampled: values, GAE, KL and whitening over these
         logps, ref_logps, values = fwd.logps * maskf, fwd.ref_logps * maskf, fwd.values * maskf
         scored = self.scored(batch)
         texts = scored.completions
         raw_scores = self.rewards.score_all(scored, self.args.device, skip=failed).to(maskf.device)
-        scores = raw_scores.clone()
-        if self.ppo.missing_eos_penalty is not None:
-            scores = scores + self.ppo.missing_eos_penalty * (~batch.ended).float()
-        if self.ppo.normalize_scores:
-            all_scores = self.accelerator.gather(scores)
-            self.score_stats.update(all_scores)
-            scores = (scores - self.score_stats.mean) / max(self.score_stats.std, 1e-8)
-        if self.ppo.score_clip is not None:
-            scores = scores.clamp(-self.ppo.score_clip, self.ppo.score_clip)
+        scores = self.shaped_scores(raw_scores, batch.ended.to(maskf.device), trained)
         # per-token rewards and GAE walk the policy's actions in order: on the sampled tokens packed to the left
         # (multi-turn: the tool results between turns are not actions; single-turn: the identity)
         index, packed = pack_left(maskf)
@@ -161,20 +161,25 @@ class PPOTrainer(OnlineRLTrainer):
             stats = self.accelerator.reduce(stats, reduction="sum") if self.args.world_size > 1 else stats
             advantages = ops.masked_whiten(advantages, maskf, stats=tuple(float(x) for x in stats))
 
-        metrics = self._rollout_metrics(raw_scores, kl, rewards, fwd.entropy, values, returns, maskf, batch.ended)
-        self.kl_ctl.update(metrics["kl"], self.ppo.rollout_batch_size)
+        metrics, n_trained = self._rollout_metrics(raw_scores, kl, rewards, fwd.entropy, values, returns, maskf,
+                                                   batch.ended, trained)
+        if n_trained:  # the controller follows the KL of the rollouts that train, counted as such
+            self.kl_ctl.update(metrics["kl"], n_trained)
         self.add_metrics(metrics)
         if iteration % self.ppo.sample_every == 0:
-            self.write_samples(iteration, [{"prompt": row["prompt"], "response": text, "score": score, "kl": k,
-                                            **self.conversation(batch, b)}
-                                           for b, (row, text, score, k) in enumerate(zip(
-                                               rows, texts, raw_scores.tolist(), kl.sum(1).tolist()))][:4])
+            self.write_samples(iteration, [
+                {"prompt": row["prompt"], "response": text, "score": score if ok else None,
+                 "kl": k if ok else None, **self.conversation(batch, b)}
+                for b, (row, text, score, k, ok) in enumerate(zip(
+                    rows, texts, raw_scores.tolist(), kl.sum(1).tolist(), trained.tolist()))][:4])
 
         experience = Experience.from_batch(batch)
         for name, value in (("old_logps", logps), ("old_values", values), ("advantages", advantages),
                             ("returns", returns)):
             experience.add(name, value, Layout.TOKEN)
-        experience.add(ROW_KEY, torch.tensor(indices, dtype=torch.long, device=maskf.device), Layout.SEQUENCE)
+        if all("index" in row for row in rows):  # (B,) prompt rows, named by the non-finite guard
+            experience.add(ROW_KEY, torch.tensor([int(row["index"]) for row in rows], dtype=torch.long,
+                                                 device=maskf.device), Layout.SEQUENCE)
         self.engine_correction(experience, batch, fwd)  # vLLM: is_weights
         minibatches = []
         gen = torch.Generator().manual_seed(self.args.seed + 1_000_003 * iteration + self.args.process_index)
@@ -187,22 +192,50 @@ class PPOTrainer(OnlineRLTrainer):
                                     for m in range(0, len(idx), micro)])
         return minibatches
 
-    def _rollout_metrics(self, scores, kl, rewards, entropy, values, returns, mask, ended) -> dict[str, float]:
-        """Means over all ranks' rollouts of this iteration (sequence sums for kl/non_score_reward)."""
+    def shaped_scores(self, raw_scores: torch.Tensor, ended: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
+        """(B,) the scores PPO trains on: ``raw_scores`` plus ``missing_eos_penalty`` where a response did not end,
+        normalised with the running moments of every rank's trained scores (``normalize_scores``; the moments are
+        updated with those first), clipped to ``score_clip``; 0 on the rows that do not train (``trained`` False:
+        they enter neither the penalty nor the moments)."""
+        scores = raw_scores.clone()
+        if self.ppo.missing_eos_penalty is not None:
+            scores = scores + self.ppo.missing_eos_penalty * ((~ended) & trained).float()
+        if self.ppo.normalize_scores:
+            gathered = torch.stack([scores, trained.float()], 1)  # (B, 2)
+            gathered = self.accelerator.gather(gathered) if self.args.world_size > 1 else gathered
+            self.score_stats.update(gathered[gathered[:, 1] > 0, 0])
+            scores = (scores - self.score_stats.mean) / max(self.score_stats.std, 1e-8)
+        if self.ppo.score_clip is not None:
+            scores = scores.clamp(-self.ppo.score_clip, self.ppo.score_clip)
+        return scores.masked_fill(~trained, 0.0)
+
+    def _rollout_metrics(self, scores, kl, rewards, entropy, values, returns, mask, ended, trained
+                         ) -> tuple[dict[str, float], int]:
+        """Means over all ranks' rollouts of this iteration that train (sequence sums for kl/non_score_reward), and
+        how many of them there are; ``trained_response_fraction`` = that count / all rollouts. Without any, only
+        ``kl_coef`` and the fraction are logged (a mean over no rollout is never logged)."""
         lengths = mask.sum(1)
         per_row = torch.stack([
             scores.float(), kl.sum(1), (rewards * mask).sum(1), lengths,
-            (~ended).float(), masked_sum(entropy, mask, dim=1) / lengths.clamp(min=1),
-        ], dim=1)  # (B, 6)
+            (~ended).float(), masked_sum(entropy, mask, dim=1) / lengths.clamp(min=1), trained.float(),
+        ], dim=1)  # (B, 7)
         per_row = self.accelerator.gather(per_row) if self.args.world_size > 1 else per_row
-        score, kl_seq, reward_seq, length, truncated, ent = per_row.T
-        return {
-            "score_mean": float(score.mean()), "score_std": float(score.std()) if len(score) > 1 else 0.0,
+        good = per_row[:, 6] > 0
+        metrics = {"kl_coef": self.kl_ctl.value, "trained_response_fraction": float(good.float().mean())}
+        n = int(good.sum())
+        if not n:
+            log.warning("no rollout of this iteration trains (step %d): every one failed (environment / tool "
+                        "infrastructure) or is beyond rollout.max_staleness", self.state.global_step)
+            return metrics, 0
+        score, kl_seq, reward_seq, length, truncated, ent, _ = per_row[good].T
+        metrics.update({
+            "score_mean": float(score.mean()), "score_std": float(score.std()) if n > 1 else 0.0,
             "kl": float(kl_seq.mean()), "non_score_reward": -self.kl_ctl.value * float(kl_seq.mean()),
             "reward_mean": float(reward_seq.mean()), "response_length": float(length.mean()),
             "truncated_fraction": float(truncated.mean()), "entropy": float(ent.mean()),
-            "kl_coef": self.kl_ctl.value, "explained_variance": ops.explained_variance(values, returns, mask),
-        }
+            "explained_variance": ops.explained_variance(values, returns, mask),
+        })
+        return metrics, n
 
     # ---- checkpoints: both adapters and the value head ----------------------------------------------
     def save_extra(self, out: Path, model, state_dict: dict | None) -> None:

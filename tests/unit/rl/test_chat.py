@@ -10,7 +10,8 @@ from llmtune.config import RecipeError
 from llmtune.data.prompts import prompt_ids
 from llmtune.data.templates import BUILTIN_TEMPLATES, CHATML, stop_token_ids
 from llmtune.models.tiny import make_tiny_tokenizer
-from llmtune.rl.chat import ToolTurns, check_tool_template, probe_conversation
+from llmtune.data.templates import tool_probe_conversation
+from llmtune.rl.chat import ToolTurns, check_tool_template
 
 TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression.",
@@ -65,7 +66,7 @@ def conversation_ids(tok, turns: ToolTurns, conversation: list[dict], naive: boo
 def test_turn_by_turn_ids_equal_the_full_render_at_every_junction(make):
     tok = make()
     turns = check_tool_template(tok, TOOLS, stop_token_ids(tok), render_ids(tok))
-    conversation = probe_conversation()
+    conversation = tool_probe_conversation()
     full = prompt_ids(tok, conversation, tools=turns.tools, generation_prompt=False)
     ours = conversation_ids(tok, turns, conversation) + turns.encode(turns.tail)
     assert ours == full
@@ -82,8 +83,8 @@ def test_turn_by_turn_ids_equal_the_full_render_at_every_junction(make):
 def test_a_template_without_tools_is_refused_naming_the_fix():
     tok = make_tiny_tokenizer()
     tok.chat_template = CHATML  # renders role + content only: the tool schemas and the calls vanish
-    with pytest.raises(RecipeError, match=r"data.chat_template: the chat template does not render the tool schemas, "
-                       r"the tool calls .*data.chat_template: chatml_tools"):
+    with pytest.raises(RecipeError, match=r"data.chat_template: the chat template does not render the tool schemas "
+                       r"and the tool calls .*data.chat_template: chatml_tools"):
         check_tool_template(tok, TOOLS, stop_token_ids(tok), render_ids(tok))
 
 

@@ -25,6 +25,7 @@ from llmtune.rl.toolbox import (
 )
 
 TOOLS_PY = '''
+import asyncio
 import threading
 from typing import Literal
 from llmtune.rl.toolbox import InfrastructureError
@@ -79,6 +80,34 @@ def hang(seconds: float) -> str:
         seconds: how long to wait
     """
     released.wait(seconds)
+    return "late"
+
+
+async def slow_add(a: int, b: int) -> int:
+    """Add two integers, asynchronously.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    await asyncio.sleep(0.01)
+    return a + b
+
+
+cancelled = threading.Event()
+
+
+async def stall(seconds: float) -> str:
+    """Wait asynchronously, then answer.
+
+    Args:
+        seconds: how long to wait
+    """
+    try:
+        await asyncio.sleep(seconds)
+    except asyncio.CancelledError:
+        cancelled.set()
+        raise
     return "late"
 
 
@@ -160,6 +189,36 @@ class TakesAll:
         return "a room"
 
 
+class NeedsAnswer:
+    """reset takes every column, and needs one by name."""
+
+    def reset(self, answer, **row):
+        self.answer, self.row = answer, row
+
+    def look(self) -> str:
+        """Look around."""
+        return "a room"
+
+
+class AsyncRoom:
+    async def reset(self, question: str) -> str:
+        self.doors = 1
+        return f"You are in a room. {question}"
+
+    async def look(self) -> str:
+        """Look around."""
+        return f"a room with {self.doors} door"
+
+
+class PositionalReset:
+    def reset(self, answer, /, **row):
+        self.answer = answer
+
+    def look(self) -> str:
+        """Look around."""
+        return "a room"
+
+
 class NeedsArgs:
     def __init__(self, url):
         self.url = url
@@ -207,7 +266,7 @@ def recipe_dir(tmp_path, monkeypatch):
 
 @pytest.fixture
 def tools(recipe_dir):
-    names = ["add", "pack", "echo", "divide", "hang", "sandbox", "exits"]
+    names = ["add", "pack", "echo", "divide", "hang", "slow_add", "stall", "sandbox", "exits"]
     fns = load_tools([f"tools.py:{n}" for n in names], recipe_dir)
     yield {fn.__name__: fn for fn in fns}
     fns[0].__globals__["released"].set()  # let an abandoned `hang` thread finish
@@ -301,8 +360,30 @@ def test_reset_with_kwargs_gets_every_column_and_may_return_none(recipe_dir):
 def test_reset_needing_a_missing_column_is_a_setup_error(recipe_dir):
     cls = load_environment("envs.py:Counter", recipe_dir)
     check_reset_columns(cls, ["question", "answer"])
-    with pytest.raises(ToolSetupError, match=r"Counter.reset needs question, which the rows do not have"):
+    with pytest.raises(ToolSetupError, match=r"agent.environment: Counter.reset needs question, which the prompt rows "
+                       r"do not have; reset receives the columns prompt\. Give that parameter a default, or add a "
+                       r"column of that name to every row of the data"):
         check_reset_columns(cls, ["prompt"])
+    with pytest.raises(ToolSetupError, match=r"receives the columns prompt, answer\. .* \(only some rows have "
+                                             r"question\)$"):
+        check_reset_columns(cls, ["prompt", "answer"], some_rows=["answer", "question"])
+
+
+def test_reset_with_kwargs_still_needs_its_named_parameters(recipe_dir):
+    """reset(self, answer, **row): **kwargs does not make `answer` optional; without the column every rollout would
+    fail in reset (as an infrastructure failure), so the recipe check refuses it, naming what reset receives."""
+    cls = load_environment("envs.py:NeedsAnswer", recipe_dir)
+    columns = ["prompt", "messages", "reference", "index"]
+    with pytest.raises(ToolSetupError, match=r"NeedsAnswer.reset needs answer, which the prompt rows do not have; "
+                                             r"reset receives the columns prompt, messages, reference, index\."):
+        check_reset_columns(cls, columns)
+    with pytest.raises(ToolSetupError, match="NeedsAnswer.reset needs answer"):  # a recipe error, not a rollout's
+        make_toolbox([], cls, dict.fromkeys(columns))
+    check_reset_columns(cls, [*columns, "answer"])
+    toolbox, _ = make_toolbox([], cls, {"prompt": "p", "answer": 5})
+    assert toolbox.environment.answer == 5 and toolbox.environment.row == {"prompt": "p"}
+    with pytest.raises(ToolSetupError, match=r"PositionalReset.reset takes answer positionally only"):
+        check_reset_columns(load_environment("envs.py:PositionalReset", recipe_dir), [*columns, "answer"])
 
 
 def test_a_failing_reset_is_an_infrastructure_error_with_its_cause(recipe_dir):
@@ -567,6 +648,30 @@ def test_a_tool_past_its_timeout_is_abandoned(tools):
     assert box.call(ToolCall("add", {"a": 1}, ""), timeout_s=5).content == "2.0"  # the toolbox still works
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         box.call(ToolCall("add", {"a": 1}, ""), timeout_s=0)
+
+
+def test_an_async_tool_is_awaited_and_cancelled_at_its_timeout(tools):
+    """An async def tool runs on its own event loop in its worker thread: its result goes back (not the text of a
+    coroutine object); past the timeout it is cancelled, so its thread ends and nothing is abandoned."""
+    box, _ = make_toolbox(list(tools.values()), None, {})
+    res = box.call(ToolCall("slow_add", {"a": 2, "b": 3}, ""), timeout_s=5)
+    assert (res.content, res.error) == ("5", None)
+    assert box.call(ToolCall("slow_add", {"a": 2}, ""), timeout_s=5).error == "bad_arguments"  # same schema checks
+    before = abandoned_tool_threads()
+    start = time.monotonic()
+    res = box.call(ToolCall("stall", {"seconds": 30}, ""), timeout_s=0.2)
+    assert time.monotonic() - start < 2
+    assert (res.error, res.content) == ("timeout", "Error: stall did not return within 0.2 s")
+    assert tools["stall"].__globals__["cancelled"].wait(2)  # the coroutine was cancelled, not left running
+    assert box.abandoned == 0 and abandoned_tool_threads() == before
+    assert not any(t.name == "llmtune-tool-stall" and t.is_alive() for t in threading.enumerate())
+
+
+def test_async_environment_reset_and_methods_are_awaited(recipe_dir):
+    cls = load_environment("envs.py:AsyncRoom", recipe_dir)
+    toolbox, text = make_toolbox([], cls, {"question": "where?"})
+    assert text == "You are in a room. where?"
+    assert toolbox.call(ToolCall("look", {}, ""), timeout_s=5).content == "a room with 1 door"
 
 
 def test_an_infrastructure_error_marks_the_result(tools):
