@@ -8,6 +8,7 @@ import gc
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -399,11 +400,23 @@ def pipeline_command(recipe_path: str, overrides: list[str], dry_run: bool = Fal
 
     Raises:
         RecipeError: the pipeline recipe has problems (printed by the CLI).
+        LaunchError: started as one of several processes (a task of a multi-task ``srun`` step, or by torchrun):
+            every process would run every step and the export.
     """
     import sys
 
+    from llmtune.core import launch as launcher
     from llmtune.utils import make_console
 
+    step = launcher.slurm_step()
+    if step is not None or launcher.under_launcher():
+        how = (f"a task of an srun step of {step.ntasks} tasks" if step is not None
+               else f"rank {os.environ.get('RANK')} of {os.environ.get('WORLD_SIZE')} processes of a launcher")
+        raise launcher.LaunchError(
+            f"llmtune pipeline was started as {how}: each process would run every step and the export. Start it as "
+            "ONE process on one node (srun --ntasks 1, or no launcher): it starts torchrun itself for a step with "
+            "distributed.nproc_per_node > 1 or DeepSpeed. A stage across several nodes: its own command under srun "
+            "(srun --ntasks-per-node 1 llmtune sft RECIPE, as scripts/slurm_zero3.sbatch does)")
     console = make_console(stderr=True)
     pipe = load_pipeline(recipe_path, overrides, base_dir=Path("."))
     if dry_run:

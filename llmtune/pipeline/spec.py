@@ -393,6 +393,12 @@ def _stage_step(entry, i, name, pipe, known, later, cli, problems, where, stages
     produced = {str(s.artifact) for s in pipe.steps}
     problems += _local_path_problems(recipe.data.datasets, pipe.base_dir, produced, where)
     problems += _chain_problems(recipe, pipe, where)
+    if recipe.distributed.nnodes > 1:  # torchrun would start this node's ranks and wait for nodes never started
+        problems.append((f"{where}distributed.nnodes", f"{recipe.distributed.nnodes} nodes: a pipeline runs on one "
+                         "node (it starts torchrun there for a step with distributed.nproc_per_node > 1 or DeepSpeed). "
+                         "Train a multi-node stage with its own command under srun (srun --ntasks-per-node 1 llmtune "
+                         f"{kind} RECIPE, as scripts/slurm_zero3.sbatch does), then name its run directory in the "
+                         "next step's model.from_run"))
     return Step(i, name, kind, step_dir, recipe=recipe, inputs=sorted(deps, key=list(known).index),
                 overwrite=bool(full["output"].get("overwrite")))
 

@@ -47,6 +47,9 @@ def test_validate_command_with_model_overridden(path, tiny_dir, capsys, tmp_path
     reward_run = doc.get("reward", {}).get("from_run")
     if reward_run and not (Path(reward_run) / "lineage.json").is_file():  # PPO: the RM run is trained by its recipe
         overrides += ["reward.from_run=null", "reward.function=llmtune.rewards:gsm8k_reward"]
+    if doc.get("data", {}).get("chat_template") == "chatml_tools":
+        # the tools block: ~220 SmolLM2 tokens, several times that in the tiny test tokenizer
+        overrides += ["data.max_length=4096"] + (["data.max_prompt_length=3072"] if doc.get("agent") else [])
     val = doc.get("data", {}).get("val_size", 0)
     if val >= 1:
         overrides.append("data.val_size=2")

@@ -339,3 +339,36 @@ def test_dry_run_reports_what_a_qlora_chain_step_would_refuse(tmp_path):
     problems = dict(err.value.problems)
     assert "model.dtype: fp32" in problems["stage 2 'dpo': model.dtype"]
     assert "holds whole tensors (lm_head" in problems["stage 2 'dpo': model.from_run"]
+
+
+def test_pipeline_under_a_multi_task_srun_or_a_launcher_is_refused(tmp_path, capsys, monkeypatch):
+    """`srun --ntasks-per-node 8 llmtune pipeline ...` (issue 32): every task ran every step, each relaunching its own
+    torchrun, and wrote the export 8 times. Refused with the way that works; a one-task srun step is fine."""
+    from llmtune.commands.cli import main
+
+    path = tiny_pipeline(tmp_path, [{"name": "sft", "stage": "sft"}])
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    srun = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "16",
+            "SLURM_NTASKS": "16", "SLURM_STEP_NUM_NODES": "2", "SLURM_NNODES": "2",
+            "SLURM_STEP_TASKS_PER_NODE": "8(x2)", "SLURM_LOCALID": "3", "SLURM_NODEID": "0",
+            "SLURM_STEP_NODELIST": "gpu[01-02]"}  # task 3 of `srun --nodes 2 --ntasks-per-node 8`
+    for key, value in srun.items():
+        monkeypatch.setenv(key, value)
+    assert main(["pipeline", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "a task of an srun step of 16 tasks" in err and "srun --ntasks 1" in err and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # started by torchrun
+        monkeypatch.setenv(key, {"RANK": "1", "WORLD_SIZE": "2"}.get(key, "0"))
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")
+    assert main(["pipeline", str(path)]) == 1
+    assert "rank 1 of 2 processes of a launcher" in capsys.readouterr().err
+
+
+def test_a_multi_node_step_is_refused_at_load(tmp_path):
+    """torchrun on this node would wait for the other nodes' ranks, which nothing starts."""
+    path = tiny_pipeline(tmp_path, [{"name": "sft", "stage": "sft", "overrides": {"distributed.nnodes": 2}}])
+    with pytest.raises(RecipeError) as err:
+        load_pipeline(path, base_dir=tmp_path)
+    assert any(p.endswith("distributed.nnodes") and "a pipeline runs on one node" in m for p, m in err.value.problems)
