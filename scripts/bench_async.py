@@ -3,7 +3,7 @@
 trains) beside ``0`` (sample, then train), with the SAME rollout engine for both: one ``llmtune rollout-server`` on
 its own CPU core, the trainer on another (``taskset``; OMP_NUM_THREADS=1 on both sides).
 
-    python scripts/bench_async.py --cpu              # SmolLM2-135M (builtin), GSM8K, 16 completions x 64 tokens
+    python scripts/bench_async.py --cpu              # SmolLM2-135M (builtin), GSM8K, 16 completions x 48 tokens
     python scripts/bench_async.py --tiny             # tiny random model: the same path in a few minutes
     python scripts/bench.py --async-rollouts [--cpu|--tiny]   # the same, from the side-by-side benchmark
 
@@ -41,7 +41,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def recipe(work: Path, tiny: bool, steps: int, eval_every: int, url: str, max_new_tokens: int) -> Path:
+def recipe(work: Path, tiny: bool, steps: int, eval_every: int, url: str, max_new_tokens: int, dtype: str) -> Path:
     if tiny:
         from llmtune.models.tiny import save_tiny_model
 
@@ -58,7 +58,7 @@ def recipe(work: Path, tiny: bool, steps: int, eval_every: int, url: str, max_ne
         "grpo": {"num_generations": 4, "rollout_batch_size": 16, "epsilon_high": 0.28},
         "rollout": {"engine": "vllm", "max_new_tokens": max_new_tokens, "eval_max_new_tokens": max_new_tokens,
                     "temperature": 0.8,
-                    "vllm": {"mode": "server", "url": url, "secret_file": str(work / "secret"), "dtype": "float32",
+                    "vllm": {"mode": "server", "url": url, "secret_file": str(work / "secret"), "dtype": dtype,
                              "request_timeout_s": 1800}},
         "train": {"micro_batch_size": 4, "global_batch_size": 16, "max_steps": steps, "learning_rate": 2e-4,
                   "lr_scheduler": "constant", "eval_batch_size": 16, "eval_steps": eval_every,
@@ -139,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=2, help="alternated (sync, async) pairs (default 2)")
     ap.add_argument("--steps", type=int, default=None, help="iterations per run (default 10; tiny 6)")
     ap.add_argument("--eval-every", type=int, default=5, help="held-out eval every N steps")
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="completion tokens (default 64; tiny 16)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="completion tokens (default 48; tiny 16)")
+    ap.add_argument("--engine-dtype", default=None, help="the engine's dtype (default bfloat16; tiny float32); the "
+                    "trainer is fp32, the importance correction covers the difference in both modes alike")
     ap.add_argument("--engine-core", type=int, default=1, help="CPU core of the rollout server (-1: no pinning)")
     ap.add_argument("--trainer-core", type=int, default=0, help="CPU core of the trainer (-1: no pinning)")
     ap.add_argument("--work", default=None, help="directory for runs (default a temporary one)")
@@ -151,14 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     (work / "secret").write_text(secrets.token_urlsafe(32))
     steps = args.steps or (6 if args.tiny else 10)
-    tokens = args.max_new_tokens or (16 if args.tiny else 64)
+    tokens = args.max_new_tokens or (16 if args.tiny else 48)
     engine_core = None if args.engine_core < 0 else args.engine_core
     trainer_core = None if args.trainer_core < 0 else args.trainer_core
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    path = recipe(work, args.tiny, steps, args.eval_every, url, tokens)
+    dtype = args.engine_dtype or ("float32" if args.tiny else "bfloat16")
+    path = recipe(work, args.tiny, steps, args.eval_every, url, tokens, dtype)
     env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
            "engine_core": engine_core, "trainer_core": trainer_core, "steps": steps, "max_new_tokens": tokens,
+           "engine_dtype": dtype,
            "command": " ".join(["python", "scripts/bench_async.py", *(argv if argv is not None else sys.argv[1:])])}
     print(f"bench async rollouts: {args.reps} alternated pair(s); {env}", flush=True)
     server = start_server(work, path, port, engine_core)

@@ -236,9 +236,15 @@ def test_rollout_server_beyond_loopback_needs_a_secret_and_prints_a_reachable_ur
     assert "--gpu-memory-utilization" not in err or "--gpu-memory-utilization 0.9" in err
 
 
-def test_server_killed_mid_run_then_the_same_command_resumes(workspace, server, capfd):
-    url, process, _ = server
-    recipe = rl_recipe(workspace, "killed", "grpo", url, max_steps=6)
+@pytest.mark.parametrize("max_staleness", [0, 2])
+def test_server_killed_mid_run_then_the_same_command_resumes(workspace, server, capfd, max_staleness):
+    """Synchronous, and asynchronous (issue 33: the server dies while the next batch is sampled ahead in the
+    background): exit 69, one error line, a checkpoint that resumes. A server of its own (killed here)."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    process, _ = start_server(workspace, workspace / "server.yaml", port)
+    name = f"killed{max_staleness}"
+    recipe = rl_recipe(workspace, name, "grpo", url, max_steps=6)
     # the reward function kills the server at its second call (the first: the evaluation before training), while
     # scoring iteration 1: iteration 1 trains and is checkpointed, iteration 2 cannot sample
     marker = workspace / "kill_at_call_2"
@@ -255,6 +261,7 @@ def reward(prompts, completions):
 """)
     doc = yaml.safe_load(recipe.read_text())
     doc["reward"] = {"functions": [{"function": str(workspace / "killer.py") + ":reward"}]}
+    doc["rollout"]["max_staleness"] = max_staleness  # 2 = the optimizer steps of one rollout batch (8 / 4)
     recipe.write_text(yaml.safe_dump(doc))
     code = main(["grpo", str(recipe)])
     err = capfd.readouterr().err
@@ -262,11 +269,10 @@ def reward(prompts, completions):
     lines = re.findall(r"error: [^\r\n]*", err)  # (progress bars share stderr: not always at a line start)
     assert len(lines) == 1 and f"the rollout server {url} is unreachable or died" in lines[0], err[-3000:]
     assert "llmtune rollout-server" in lines[0] and "rerun the same command" in lines[0]
-    run = workspace / "killed"
+    run = workspace / name
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["checkpoint-2"]
     # the server comes back (same port) and the same command resumes from step 2
     process.wait()
-    port = int(url.rsplit(":", 1)[1])
     new, _ = start_server(workspace, workspace / "server.yaml", port)
     try:
         assert main(["grpo", str(recipe)]) == 0
