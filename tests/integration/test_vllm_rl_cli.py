@@ -237,12 +237,14 @@ def test_rollout_server_beyond_loopback_needs_a_secret_and_prints_a_reachable_ur
 
 
 @pytest.mark.parametrize("max_staleness", [0, 2])
-def test_server_killed_mid_run_then_the_same_command_resumes(workspace, server, capfd, max_staleness):
+def test_server_killed_mid_run_then_the_same_command_resumes(workspace, server, capfd, request, max_staleness):
     """Synchronous, and asynchronous (issue 33: the server dies while the next batch is sampled ahead in the
-    background): exit 69, one error line, a checkpoint that resumes. A server of its own (killed here)."""
+    background): exit 69, one error line, a checkpoint that resumes. A server of its own (killed here), started
+    from the ``server`` fixture's recipe (``server.yaml``)."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     process, _ = start_server(workspace, workspace / "server.yaml", port)
+    request.addfinalizer(lambda: process.poll() is None and stop(process))  # a failure before the kill
     name = f"killed{max_staleness}"
     recipe = rl_recipe(workspace, name, "grpo", url, max_steps=6)
     # the reward function kills the server at its second call (the first: the evaluation before training), while
