@@ -49,6 +49,21 @@ def setup_logging(level: int = logging.INFO) -> None:
     root.propagate = False
 
 
+def project_root() -> Path | None:
+    """The llmtune checkout this package runs from (the folder holding ``pyproject.toml`` and ``scripts/setup.sh``
+    above the package), found by walking up from the package folder, or ``None`` for an installed wheel.
+
+    Paths that ``scripts/setup.sh`` creates (``.venv``, ``.venv-vllm``) are found from here, never from a module's
+    depth inside the package (which changes when modules move).
+    """
+    for folder in Path(__file__).resolve().parents:
+        if (folder / "pyproject.toml").is_file() and (folder / "scripts" / "setup.sh").is_file():
+            return folder
+        if folder.name == "site-packages":
+            return None
+    return None
+
+
 def is_main_process() -> bool:
     """True on global rank 0 (or when not distributed), from the launcher's environment."""
     return int(os.environ.get("RANK", "0")) == 0

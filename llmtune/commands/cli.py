@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--stage", default=None, choices=sorted(stages), help="stage to validate for (default: the "
                    "recipe's stage:, else sft)")
     v.add_argument("--example", type=int, default=0, help="index of the training row to render (default 0)")
+    from llmtune.core.launch import add_launch_args
+
+    add_launch_args(v)  # the training command's launch flags, so that a command line validates as it will train
     e = sub.add_parser(
         "export",
         help="merge a run's adapter chain into its base model (or write it as one adapter), save, verify",
@@ -191,7 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "validate":
             from llmtune.commands.validate import validate_command
 
-            return validate_command(args.recipe, args.overrides, stage=args.stage, example=args.example)
+            from llmtune.core.launch import launch_overrides
+
+            return validate_command(args.recipe, [*args.overrides, *launch_overrides(args)], stage=args.stage,
+                                    example=args.example)
         if args.command == "export" and args.adapter:
             from llmtune.export.adapter import export_adapter
 

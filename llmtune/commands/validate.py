@@ -78,7 +78,15 @@ def validate_command(recipe_path: str, overrides: list[str], *, stage: str | Non
         console.print(f"rollout engine: {engine} ({reason})")
     from llmtune.models.weight_files import check_weight_files
 
-    check_weight_files(source.path, source.original, model_dir=True)  # no weights; truncated / corrupt safetensors
+    from llmtune.models.weight_files import has_model_weights
+
+    # a hub model's weights come with training's download: a cached snapshot of its config and tokenizer is enough
+    tokenizer_only = source.kind == "hub" and Path(source.path).is_dir() and not has_model_weights(source.path)
+    check_weight_files(source.path, source.original, model_dir=not tokenizer_only)  # truncated / corrupt safetensors
+    if tokenizer_only:
+        console.print(f"[yellow]note[/yellow]: the cached {source.original} has its config and tokenizer but no "
+                      "weights yet: enough for validate; training downloads them (network, and a token for a "
+                      "gated model)")
     tokenizer = prepare_tokenizer(recipe, convert=False)  # a GGUF model: its tokenizer, no conversion
     stage_obj = STAGES[stage_name](recipe, recipe_dir=recipe_dir)
     from llmtune.models.checks import model_fit_problems
@@ -133,6 +141,11 @@ def _inherit(recipe, console) -> tuple[object, list[tuple[str, str]]]:
     if not run:
         return recipe, []
     if not (Path(run) / "lineage.json").is_file():
+        if recipe.model.name_or_path is None:
+            raise RecipeError([("model.name_or_path", f"null (the base that model.from_run records), but {run} is not "
+                                "a finished run yet, so there is no base to check the tokenizer and data with: add "
+                                "model.name_or_path=<that run's base> to this command (the base of the recipe that "
+                                "will write it), or validate after that run has finished")])
         console.print(f"[yellow]model.from_run: {run} is not a finished run yet[/yellow]; it must be before training "
                       f"(checking the data with model.name_or_path {recipe.model.name_or_path})")
         return recipe, []

@@ -35,17 +35,19 @@ class Section(BaseModel):
 class ModelConfig(Section):
     """Which base model to load and how."""
 
-    name_or_path: str = Field(
+    name_or_path: str | None = Field(
         "builtin:smollm2-135m-instruct",
         description="Base model: a local HF directory, a hub id (needs network), a .gguf file, "
-        "or builtin:smollm2-135m-instruct (the embedded default).",
+        "or builtin:smollm2-135m-instruct (the embedded default). null: the base that model.from_run recorded "
+        "(needs from_run; the default is inherited the same way).",
     )
     from_run: str | None = Field(
         None,
         description="Start from an earlier finished run directory (e.g. runs/sft): its base model, chat template, "
         "4-bit settings and adapter chain (lineage.json) are inherited; the earlier adapters are merged into the "
         "base in fp32 before this stage's new adapter is attached (on a 4/8-bit base: loaded frozen, unmerged, under "
-        "it). An explicit name_or_path overrides the recorded base (logged).",
+        "it). A name_or_path other than the default or null overrides the recorded base (logged), e.g. the same "
+        "base downloaded to another directory on another machine.",
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) for hub ids.")
     dtype: Literal["auto", "fp32", "fp16", "bf16"] = Field(

@@ -139,6 +139,11 @@ def cross_field_problems(doc: dict) -> list[tuple[str, str]]:
     problems: list[tuple[str, str]] = []
     if dotted_get(doc, "precision.fp16") is True and dotted_get(doc, "precision.bf16") is True:
         problems.append(("precision.fp16", "fp16 and bf16 are both on; choose one (precision.bf16 is preferred on Ampere+)"))
+    if "name_or_path" in (doc.get("model") or {}) and dotted_get(doc, "model.name_or_path") is None \
+            and not dotted_get(doc, "model.from_run"):
+        problems.append(("model.name_or_path", "null means 'the base that model.from_run recorded', but "
+                         "model.from_run is not set: name a base model (a local directory, a hub id, a .gguf file "
+                         "or builtin:smollm2-135m-instruct) or set model.from_run"))
     four, eight = dotted_get(doc, "model.load_in_4bit") is True, dotted_get(doc, "model.load_in_8bit") is True
     if four and eight:
         problems.append(("model.load_in_8bit", "load_in_4bit and load_in_8bit are both on; choose one"))

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from llmtune.errors import LlmtuneError
-from llmtune.utils import get_logger
+from llmtune.utils import get_logger, project_root
 
 log = get_logger("artifacts")
 
@@ -47,8 +47,8 @@ def package_versions() -> dict[str, str | None]:
 def llmtune_commit() -> str | None:
     """git commit of the llmtune checkout that runs (``+dirty`` with uncommitted changes), or ``None`` when llmtune
     is not run from a git checkout (an installed wheel)."""
-    root = Path(__file__).resolve().parents[2]
-    if not (root / ".git").exists():
+    root = project_root()
+    if root is None or not (root / ".git").exists():
         return None
     try:
         sha = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,

@@ -288,7 +288,7 @@ def inherit_from_run(recipe: Recipe, base_dir: str | Path = ".") -> tuple[Recipe
         current, default = doc[section][key], defaults[section][key]
         if value is None:
             continue
-        if current not in (value, default):
+        if current not in (value, default, None):
             logger.warning("from_run %s: %s.%s = %r (set by this recipe; the earlier run used %r)",
                            run, section, key, current, value)
             continue

@@ -237,25 +237,33 @@ def _hub_source(repo_id: str, cfg: ModelConfig, *, download: bool = True) -> Mod
             raise ModelLoadError(
                 f"model.name_or_path: hub model {where} is not in the local Hugging Face cache and hub access is "
                 "disabled (HF_HUB_OFFLINE=1). Download it once with network access, unset HF_HUB_OFFLINE, or set "
-                "model.name_or_path to a local model directory (or builtin:smollm2-135m-instruct)." + not_local
+                "model.name_or_path to a local model directory (or builtin:smollm2-135m-instruct). "
+                + tokenizer_only_hint(repo_id) + not_local
             ) from err
-        raise ModelLoadError(
-            f"model.name_or_path: could not download hub model {where} (no connection to the hub?): {err}. "
-            "Set model.name_or_path to a local model directory, or retry with network access."
-        ) from err
+        folder = _cached_snapshot(repo_id, revision, patterns)
+        if folder is None:
+            raise ModelLoadError(
+                f"model.name_or_path: could not download hub model {where} (no connection to the hub?): {err}. "
+                "Set model.name_or_path to a local model directory, or retry with network access. "
+                + tokenizer_only_hint(repo_id)
+            ) from err
     except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError, HFValidationError) as err:
         raise ModelLoadError(
             f"model.name_or_path: hub model {where} cannot be used: {type(err).__name__}: {str(err).splitlines()[0]}. "
-            "Check the spelling, the revision and your access (hf auth login for gated models), or give a "
-            "local model directory." + not_local
+            "Check the spelling, the revision and your access (a gated model such as meta-llama/*: accept its "
+            "license on its hub page, then `hf auth login` or HF_TOKEN), or give a local model directory."
+            + not_local
         ) from err
     except OSError as err:
         raise ModelLoadError(f"model.name_or_path: downloading hub model {where} failed: {err}") from err
     except Exception as err:  # noqa: BLE001 - connection errors of the HTTP client are not OSErrors
-        raise ModelLoadError(
-            f"model.name_or_path: could not reach the hub for {where}: {type(err).__name__}: {err}. Set "
-            "HF_HUB_OFFLINE=1 to use the local Hugging Face cache, or give a local model directory." + not_local
-        ) from err
+        folder = _cached_snapshot(repo_id, revision, patterns)
+        if folder is None:
+            raise ModelLoadError(
+                f"model.name_or_path: could not reach the hub for {where} ({type(err).__name__}: {err}), and it is "
+                "not in the local Hugging Face cache. Give a local model directory, or download it where there is "
+                "network. " + tokenizer_only_hint(repo_id) + not_local
+            ) from err
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise ModelLoadError(
@@ -263,6 +271,27 @@ def _hub_source(repo_id: str, cfg: ModelConfig, *, download: bool = True) -> Mod
             "(an incomplete download?). Download it again with network access or give a local model directory."
         )
     return ModelSource("hub", folder, repo_id, revision=folder.name, fingerprint=folder.name)
+
+
+def tokenizer_only_hint(repo_id: str) -> str:
+    """How to get what ``llmtune validate`` needs of a hub model (its config and tokenizer files, a few MB; no
+    weights) onto a machine, for the error messages and the docs."""
+    return (f"llmtune validate needs only the config and tokenizer files, not the weights: `hf download {repo_id} "
+            "--exclude '*.safetensors' --exclude '*.bin' --exclude '*.pth' --exclude 'original/*'` (a gated model "
+            "needs `hf auth login` first) puts them in the Hugging Face cache, which llmtune reads when the hub is "
+            "unreachable or HF_HUB_OFFLINE=1; or add --local-dir DIR and set model.name_or_path=DIR.")
+
+
+def _cached_snapshot(repo_id: str, revision: str | None, patterns: list[str]) -> str | None:
+    """The cached snapshot of a hub model when the hub cannot be reached (as transformers falls back), else None."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = snapshot_download(repo_id, revision=revision, local_files_only=True, allow_patterns=patterns)
+    except Exception:  # noqa: BLE001 - not cached (LocalEntryNotFoundError) or an unusable cache entry
+        return None
+    logger.warning("model.name_or_path: the hub is unreachable; using the cached snapshot of %s at %s", repo_id, folder)
+    return folder
 
 
 def builtin_gguf_path(name: str) -> Path:

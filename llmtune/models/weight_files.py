@@ -65,11 +65,10 @@ def check_weight_files(path: str | Path, original: str | None = None, *, model_d
             ) from None
 
 
-def _require_model_weights(path: Path, original: str | None) -> None:
-    """A base model directory with a config but no weight file transformers would load: a ModelLoadError that
-    lists what the directory holds and what it needs."""
+def _weight_names(path: Path) -> list[str]:
+    """The weight files transformers would load from a model directory: :data:`MODEL_WEIGHT_NAMES` and the file
+    its config names in ``transformers_weights``."""
     import json
-
 
     names = list(MODEL_WEIGHT_NAMES)
     try:  # a config may name its own weight file (transformers' ``transformers_weights``)
@@ -78,7 +77,20 @@ def _require_model_weights(path: Path, original: str | None) -> None:
         explicit = None
     if isinstance(explicit, str):
         names.append(explicit)
-    if any((path / name).is_file() for name in names):
+    return names
+
+
+def has_model_weights(path: str | Path) -> bool:
+    """Whether a model directory holds a weight file transformers would load (not whether it is readable)."""
+    path = Path(path)
+    return any((path / name).is_file() for name in _weight_names(path))
+
+
+def _require_model_weights(path: Path, original: str | None) -> None:
+    """A base model directory with a config but no weight file transformers would load: a ModelLoadError that
+    lists what the directory holds and what it needs."""
+    names = _weight_names(path)
+    if has_model_weights(path):
         return
     held = sorted(p.name for p in path.iterdir())
     shown = ", ".join(held[:16]) + (", ..." if len(held) > 16 else "")

@@ -168,7 +168,10 @@ def test_vllm_serves_the_exported_chain_adapter_on_the_base(exported):
     config = json.loads((exported["adapter"] / "adapter_config.json").read_text())
     assert config["r"] == 24  # the chain's ranks summed: --max-lora-rank must be >= 24 (vLLM takes 32)
     expected = transformers_greedy(exported["merged"], QUESTIONS)
-    process, url = serve(["--model", str(exported["base"]), "--enable-lora", "--max-lora-rank", "32",
+    # where docs/serving.md takes a local or builtin base from: the directory the export verified the adapter on
+    base = json.loads((exported["adapter"] / "verification.json").read_text())["verified_on"]
+    assert Path(base).resolve() == Path(exported["base"]).resolve()
+    process, url = serve(["--model", base, "--enable-lora", "--max-lora-rank", "32",
                           "--lora-modules", f"chain={exported['adapter']}"], exported["root"] / "vllm_lora.log")
     try:
         answers = ask(url, "chain", QUESTIONS)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from llmtune.errors import EXIT_ENGINE, EXIT_ERROR, LlmtuneError
+from llmtune.utils import project_root
 from llmtune.rl.engines.vllm_server import SECRET_ENV, engine_lora_rank
 
 SERVER_SCRIPT = Path(__file__).with_name("vllm_server.py")
@@ -35,16 +36,40 @@ class RolloutEngineError(LlmtuneError, RuntimeError):
     exit_code = EXIT_ENGINE
 
 
+def vllm_venv_candidates() -> list[Path]:
+    """Where ``scripts/setup.sh`` puts the vLLM venv, in the order :func:`vllm_python` looks: ``$LLMTUNE_VLLM_VENV``
+    when set; else ``.venv-vllm`` beside the venv that runs llmtune (setup.sh's rule: beside ``$LLMTUNE_VENV``,
+    the checkout's ``.venv`` by default), then in the llmtune checkout itself (:func:`llmtune.utils.project_root`)."""
+    explicit = os.environ.get("LLMTUNE_VLLM_VENV")
+    if explicit:
+        return [Path(explicit)]
+    found = [Path(sys.prefix).parent / ".venv-vllm"]
+    root = project_root()
+    if root is not None and root / ".venv-vllm" not in found:
+        found.append(root / ".venv-vllm")
+    return found
+
+
 def vllm_python() -> str | None:
-    """The python that runs the rollout server (see the module docstring), or None when vLLM is not installed."""
+    """The python that runs the rollout server, or None when vLLM is not installed: ``$LLMTUNE_VLLM_PYTHON``, else
+    ``bin/python`` of the first of :func:`vllm_venv_candidates` that has one, else llmtune's own python when it can
+    import vllm."""
     explicit = os.environ.get("LLMTUNE_VLLM_PYTHON")
     if explicit:
         return explicit if Path(explicit).is_file() else None
-    venv = os.environ.get("LLMTUNE_VLLM_VENV") or str(Path(__file__).resolve().parents[2] / ".venv-vllm")
-    candidate = Path(venv) / "bin" / "python"
-    if candidate.is_file():
-        return str(candidate)
+    for venv in vllm_venv_candidates():
+        candidate = venv / "bin" / "python"
+        if candidate.is_file():
+            return str(candidate)
     return sys.executable if importlib.util.find_spec("vllm") is not None else None
+
+
+class RolloutAuthError(RolloutEngineError):
+    """The rollout server refused this trainer's secret (HTTP 401): a configuration problem, never retried as a
+    server that is still starting. Exit code 1 like every configuration problem (69 tells a scheduler that a
+    retry may help; it cannot here)."""
+
+    exit_code = EXIT_ERROR
 
 
 class EngineNotInstalledError(RolloutEngineError):
@@ -56,8 +81,10 @@ class EngineNotInstalledError(RolloutEngineError):
 
 def not_installed_error() -> RolloutEngineError:
     return EngineNotInstalledError(
-        "rollout.engine: vllm, but vLLM is not installed: `bash scripts/setup.sh` sets it up in .venv-vllm (or set "
-        "LLMTUNE_VLLM_PYTHON to a python with vllm, LLMTUNE_VLLM_VENV to its venv), or use rollout.engine: hf")
+        "rollout.engine: vllm, but vLLM is not installed: looked for "
+        + " and ".join(str(v / "bin" / "python") for v in vllm_venv_candidates())
+        + ". `bash scripts/setup.sh` sets it up in .venv-vllm beside .venv (or set LLMTUNE_VLLM_PYTHON to a python "
+        "with vllm, LLMTUNE_VLLM_VENV to its venv), or use rollout.engine: hf")
 
 
 class VLLMClient:
@@ -95,7 +122,7 @@ class VLLMClient:
             except (ValueError, OSError):
                 message = ""
             if err.code == 401:
-                raise RolloutEngineError(
+                raise RolloutAuthError(
                     f"the rollout server {self.url} refused this trainer's secret (HTTP 401): give the trainer the "
                     f"server's secret (${SECRET_ENV}, or rollout.vllm.secret_file: a file holding it), then rerun the "
                     "same command") from None
@@ -122,7 +149,8 @@ class VLLMClient:
         return self._request("GET", "/health", timeout=timeout)
 
     def wait_healthy(self, timeout_s: float) -> dict:
-        """Poll ``/health`` until the engine answers ok; raise when the process exits or the time is up."""
+        """Poll ``/health`` until the engine answers ok; raise when the process exits or the time is up, and at once
+        when the server refuses the secret (:class:`RolloutAuthError`: waiting cannot fix that)."""
         deadline = time.monotonic() + timeout_s
         last = "no answer"
         while time.monotonic() < deadline:
@@ -134,6 +162,8 @@ class VLLMClient:
                 return self.health()
             except _HTTPStatus as err:
                 last = f"HTTP {err.code} {err.message}"
+            except RolloutAuthError:
+                raise
             except RolloutEngineError as err:
                 last = getattr(err, "cause", str(err))
             time.sleep(0.5)

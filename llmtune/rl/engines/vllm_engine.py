@@ -17,8 +17,9 @@ Design (issue 22):
   remote server, and an engine crash or its KV cache never takes the trainer down (the trainer stops it, the
   memory is freed). The engine core runs inside that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one python
   importing vLLM instead of three, about twice as fast to start on CPU). The vLLM python is found as
-  ``LLMTUNE_VLLM_PYTHON``, else ``$LLMTUNE_VLLM_VENV/bin/python``, else ``.venv-vllm/bin/python`` beside the
-  package's repository, else the trainer's own python when it can import vllm.
+  ``LLMTUNE_VLLM_PYTHON``, else ``$LLMTUNE_VLLM_VENV/bin/python``, else ``.venv-vllm/bin/python`` beside the venv
+  that runs llmtune, then in the llmtune checkout (:func:`llmtune.rl.engines.vllm_client.vllm_venv_candidates`),
+  else the trainer's own python when it can import vllm.
 - **Rollout base.** The engine's base weights are the frozen model below the trained adapter: for a run from a plain
   base, the base's own safetensors directory (the builtin GGUF model: its converted cache directory); for a run
   from ``model.from_run`` the earlier chain merged once in fp32 (:func:`llmtune.models.load_model_with_chain`, the

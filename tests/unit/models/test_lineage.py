@@ -66,6 +66,20 @@ def test_explicit_values_override_and_are_logged(tmp_path, tiny_dir, caplog):
     assert "set by this recipe; the earlier run used" in caplog.text
 
 
+def test_name_or_path_null_takes_the_base_the_run_recorded(tmp_path, tiny_dir, caplog):
+    """A recipe written before the SFT run existed must not send the run to another base (issue 38): null = the
+    recorded base, without a warning; a recipe without from_run cannot leave the base null."""
+    run, _ = finished_run(tmp_path / "sft", tiny_dir)
+    recipe = load_recipe(raw={"model": {"from_run": str(run), "name_or_path": None}}, stage="dpo")
+    assert recipe.model.name_or_path is None
+    with caplog.at_level("INFO", logger="llmtune"):
+        inherited, _ = inherit_from_run(recipe)
+    assert inherited.model.name_or_path == str(tiny_dir)
+    assert "set by this recipe" not in caplog.text
+    with pytest.raises(RecipeError, match="model.name_or_path.*null.*model.from_run is not set"):
+        load_recipe(raw={"model": {"name_or_path": None}}, stage="sft")
+
+
 def test_unfinished_run_is_an_error(tmp_path):
     (tmp_path / "half").mkdir()
     with pytest.raises(ModelLoadError, match="not a finished run"):

@@ -44,7 +44,7 @@ def test_shipped_comparison_pipeline(tmp_path):
     pipe = load_pipeline(ROOT / "recipes" / "quickstart_prefs_pipeline.yaml", base_dir=tmp_path)
     assert [(s.name, s.kind) for s in pipe.steps] == [("orpo", "orpo"), ("simpo", "simpo"), ("kto", "kto")]
     assert {(s.recipe.data.datasets[0].path, s.recipe.data.datasets[0].format) for s in pipe.steps} == {
-        ("builtin:hh-rlhf-harmless", "hh")}  # the pairs shipped with llmtune, from any directory
+        ("builtin:hh-rlhf-harmless", "auto")}  # the pairs shipped with llmtune (their format: the builtin's own, hh)
     assert {s.recipe.model.from_run for s in pipe.steps} == {"runs/quickstart_sft"}
     assert {s.recipe.data.val_size for s in pipe.steps} == {16} and {s.recipe.train.max_steps for s in pipe.steps} == {8}
     assert pipe.export.step is None

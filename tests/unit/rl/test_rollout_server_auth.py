@@ -69,6 +69,18 @@ def test_without_or_with_a_wrong_secret_every_endpoint_is_401(server):
     assert core.loaded == [(1, "run-v1", len(lora_weights()))]
 
 
+def test_waiting_for_a_server_stops_at_the_first_401(server):
+    """A wrong secret is not a server that is still starting: the wait ends at once, not at startup_timeout_s."""
+    import time
+
+    port, _ = server
+    start = time.monotonic()
+    with pytest.raises(RolloutEngineError, match=r"refused this trainer's secret \(HTTP 401\)"):
+        VLLMClient(f"http://127.0.0.1:{port}", 10, secret="wrong").wait_healthy(timeout_s=60)
+    assert time.monotonic() - start < 5
+    assert VLLMClient(f"http://127.0.0.1:{port}", 10, secret=SECRET).wait_healthy(timeout_s=60)["status"] == "ok"
+
+
 def test_the_client_sends_its_secret_and_names_the_fix_on_401(server):
     port, _ = server
     assert VLLMClient(f"http://127.0.0.1:{port}", 10, secret=SECRET).health()["status"] == "ok"
@@ -76,7 +88,7 @@ def test_the_client_sends_its_secret_and_names_the_fix_on_401(server):
         with pytest.raises(RolloutEngineError, match=r"refused this trainer's secret \(HTTP 401\)") as err:
             VLLMClient(f"http://127.0.0.1:{port}", 10, secret=secret).health()
         assert SECRET_ENV in str(err.value) and "rollout.vllm.secret_file" in str(err.value)
-        assert err.value.exit_code == 69
+        assert err.value.exit_code == 1  # a configuration problem: a retry cannot help (69 would invite one)
     assert SECRET not in repr(VLLMClient(f"http://127.0.0.1:{port}", 10, secret=SECRET))
 
 
