@@ -185,6 +185,9 @@ def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from llmtune.utils import limit_heap_retention
+
+    limit_heap_retention()  # freed CPU tensors go back to the system (glibc would keep them: docs/performance.md)
     # transformers 5 renamed gradient checkpointing; peft still calls the old names on every step.
     warnings.filterwarnings("ignore", message=".*is deprecated and will be removed in v6.*", category=FutureWarning)
     args = parse_command_line(argv)
