@@ -118,30 +118,92 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
         model.enable_input_require_grads()
 
 
-def build_lora_config(adapter: AdapterConfig, task_type: str = "CAUSAL_LM") -> LoraConfig:
+def build_lora_config(adapter: AdapterConfig, task_type: str = "CAUSAL_LM", model: nn.Module | None = None
+                      ) -> LoraConfig:
     """The peft ``LoraConfig`` for a recipe's ``adapter:`` section (no bias training).
 
-    ``target_modules: all-linear`` adapts every linear layer except the output head (peft excludes ``lm_head``
-    and, for ``SEQ_CLS``, the ``score`` head, which peft trains in full as a module to save).
+    ``target_modules: all-linear`` adapts every linear map of the model except the output head
+    (:func:`all_linear_targets`, given ``model``): the ``nn.Linear`` layers as peft's ``all-linear`` finds them (peft
+    excludes ``lm_head`` and, for ``SEQ_CLS``, the ``score`` head, which peft trains in full as a module to save),
+    and the weights that are not ``nn.Linear`` layers (MoE experts stored as 3-D parameters, MoE routers) through
+    peft's ``target_parameters``. ``adapter.exclude_modules`` leaves modules out (e.g. the router). peft cannot put
+    dropout in front of a parameter (its ``ParamWrapper``): with parameter targets the config has
+    ``lora_dropout=0`` and :func:`attach_adapter` gives the linear layers ``adapter.lora_dropout`` itself.
     LoRA scaling is ``lora_alpha / lora_r``, or ``lora_alpha / sqrt(lora_r)`` with ``use_rslora``.
 
     Args:
         adapter: the recipe's ``adapter:`` section.
         task_type: ``CAUSAL_LM`` or ``SEQ_CLS`` (a base with a score head, see :func:`task_type_of`).
+        model: the base model (plain or already peft-wrapped) ``all-linear`` is resolved on; None passes
+            ``all-linear`` to peft as it is (its ``nn.Linear`` layers only).
     """
     from peft import LoraConfig, TaskType
 
+    targets, parameters, exclude = adapter.target_modules, None, list(adapter.exclude_modules) or None
+    if targets == "all-linear" and model is not None:
+        targets, parameters = all_linear_targets(model, task_type, adapter.exclude_modules)
+        exclude = None  # applied above, to the parameters too (peft's exclude_modules does not see those)
     return LoraConfig(
         task_type=TaskType(task_type),
         r=adapter.lora_r,
         lora_alpha=adapter.lora_alpha,
-        lora_dropout=adapter.lora_dropout,
-        target_modules=adapter.target_modules,
+        lora_dropout=0.0 if parameters else adapter.lora_dropout,
+        target_modules=targets,
+        target_parameters=parameters or None,
+        exclude_modules=exclude,
         modules_to_save=list(adapter.modules_to_save) or None,
         use_dora=adapter.use_dora,
         use_rslora=adapter.use_rslora,
         bias="none",
     )
+
+
+def _excluded(name: str, exclude: Sequence[str]) -> bool:
+    """peft's ``exclude_modules`` rule for a list: the module name or its dotted suffix."""
+    return any(name == e or name.endswith("." + e) for e in exclude)
+
+
+def all_linear_targets(model: nn.Module, task_type: str = "CAUSAL_LM", exclude: Sequence[str] = ()
+                       ) -> tuple[list[str], list[str]]:
+    """What ``target_modules: all-linear`` adapts on ``model``: ``(module names, parameter names)``.
+
+    Modules: peft's own ``all-linear`` resolution (every ``nn.Linear``/``Conv1D`` except the output head, and for
+    ``SEQ_CLS`` the classifier head), as full names. Parameters (for peft's ``target_parameters``): every 2-D or 3-D
+    weight that is not inside a linear, embedding or norm layer: MoE experts stored as stacked 3-D parameters
+    (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) and router weights (``mlp.router.weight``,
+    ``mlp.gate.weight``); biases and 1-D parameters (gpt-oss's attention sinks) are not linear maps. Parameter
+    names are given relative to their decoder layer (``mlp.experts.down_proj``: the same in every layer, peft matches
+    name suffixes). Names matching ``exclude`` (module name or dotted suffix) are left out of both.
+
+    Args:
+        model: the base model (plain, or peft-wrapped: ``base_layer`` wrappers are looked through).
+        task_type: ``CAUSAL_LM`` or ``SEQ_CLS``.
+        exclude: ``adapter.exclude_modules``.
+    """
+    import copy
+
+    import torch
+    from peft import LoraConfig, TaskType
+    from peft.tuners.tuners_utils import BaseTunerLayer, _maybe_include_all_linear_layers
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    probe = _maybe_include_all_linear_layers(copy.copy(LoraConfig(target_modules="all-linear",
+                                                                   task_type=TaskType(task_type))), base)
+    modules = sorted(n for n in probe.target_modules if not _excluded(n, exclude))
+    skip = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.LayerNorm, BaseTunerLayer)
+    parameters = set()
+    for name, owner in base.named_modules():
+        if isinstance(owner, skip) or "norm" in type(owner).__name__.lower() or "lora_" in name:
+            continue
+        plain = name.replace(".base_layer", "")  # a ParamWrapper's wrapped module
+        if _excluded(plain, exclude):
+            continue
+        for param_name, param in owner.named_parameters(recurse=False):
+            if param.dim() in (2, 3) and not param_name.endswith("bias"):
+                parts = f"{plain}.{param_name}".split(".")
+                layer = next((i for i, p in enumerate(parts) if p.isdigit()), None)  # model.layers.<i>.<rest>
+                parameters.add(".".join(parts[layer + 1:] if layer is not None else parts))
+    return modules, sorted(parameters)
 
 
 def task_type_of(model: nn.Module) -> str:
@@ -217,8 +279,14 @@ def attach_adapter(
     else:
         from peft import get_peft_model
 
+        config = build_lora_config(adapter, task_type_of(model), model)
+        if config.target_parameters and adapter.use_dora:
+            raise ModelLoadError(
+                f"adapter.use_dora: DoRA cannot adapt weights stored as parameters (peft's ParamWrapper), and "
+                f"target_modules: all-linear adapts {', '.join(config.target_parameters)} of this model (MoE experts "
+                "and router). Set adapter.use_dora: false, or list the linear layers in adapter.target_modules")
         try:
-            result = get_peft_model(model, build_lora_config(adapter, task_type_of(model)))
+            result = get_peft_model(model, config)
         except ValueError as err:
             raise ModelLoadError(
                 f"adapter.target_modules={adapter.target_modules!r} / adapter.modules_to_save="
@@ -226,6 +294,8 @@ def attach_adapter(
                 f"{', '.join(_linear_module_names(model))} (or use all-linear)."
             ) from err
 
+        if config.target_parameters and adapter.lora_dropout:
+            set_linear_dropout(result, adapter.lora_dropout)
         if frozen_chain:
             stack_frozen_adapters(result, frozen_chain)
         share_lora_inputs_under_autocast(result)
@@ -243,6 +313,23 @@ def attach_adapter(
         ", gradient checkpointing (non-reentrant)" if checkpointing_enabled(result) else "",
     )
     return result
+
+
+def set_linear_dropout(model: nn.Module, p: float) -> int:
+    """Give every LoRA linear layer of ``model`` dropout ``p`` on its input (peft's config holds 0 when the adapter
+    also targets parameters, see :func:`build_lora_config`); parameter wrappers keep none. Returns the layers set."""
+    import torch
+    from peft.tuners.lora.layer import ParamWrapper
+
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "lora_dropout") and hasattr(module, "lora_A") and not isinstance(module, ParamWrapper):
+            for name in list(module.lora_dropout.keys()):
+                module.lora_dropout[name] = torch.nn.Dropout(p)
+                count += 1
+    logger.info("lora_dropout %g on the %d LoRA linear layers (none on the adapted parameters: peft cannot drop out "
+                "their input)", p, count)
+    return count
 
 
 # ---- one saved input per LoRA layer under autocast ---------------------------------------------------------------

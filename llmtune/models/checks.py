@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from llmtune.config.schema import ModelConfig, Recipe
+from llmtune.models.attention import attention_problem
 from llmtune.models.load import resolve_model_source
 from llmtune.utils import get_logger
 
@@ -93,7 +94,8 @@ def model_fit_problems(recipe: Recipe, tokenizer, head: str = "causal_lm", stage
                        config: Any | None = None, check_vocab: bool = True) -> list[tuple[str, str]]:
     """Recipe values that cannot work with this model, as ``(dotted key, message)``.
 
-    Checks the longest sequence against the model's position limit (:func:`position_problems`), the
+    Checks the longest sequence against the model's position limit (:func:`position_problems`), the attention kernel
+    against those the model class can run (:func:`llmtune.models.attention.attention_problem`), the
     tokenizer's size against the embedding rows (``vocab_size``: a larger id is an IndexError at the first
     forward; ``check_vocab=False`` for a ``from_run`` chain, whose adapters may resize the embeddings), and the
     adapter module names (:func:`adapter_name_problems`). Reads the config only.
@@ -103,6 +105,9 @@ def model_fit_problems(recipe: Recipe, tokenizer, head: str = "causal_lm", stage
         return []
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     problems = position_problems(recipe, config, stage)
+    attention = attention_problem(recipe.model.attn_implementation, config, head)
+    if attention:
+        problems.append(("model.attn_implementation", attention))
     rows = getattr(text, "vocab_size", None)
     if check_vocab and tokenizer is not None and isinstance(rows, int) and len(tokenizer) > rows:
         problems.append(("model.name_or_path", f"the tokenizer has {len(tokenizer)} tokens but the model's embedding "
