@@ -158,9 +158,10 @@ def build_lora_config(adapter: AdapterConfig, task_type: str = "CAUSAL_LM", mode
     )
 
 
-def _excluded(name: str, exclude: Sequence[str]) -> bool:
-    """peft's ``exclude_modules`` rule for a list: the module name or its dotted suffix."""
-    return any(name == e or name.endswith("." + e) for e in exclude)
+def matches_module(name: str, entries: Sequence[str]) -> bool:
+    """Whether module ``name`` is one of ``entries`` or ends with ``.<entry>`` (peft's rule for a list of names, as
+    in ``exclude_modules``)."""
+    return any(name == e or name.endswith("." + e) for e in entries)
 
 
 def all_linear_targets(model: nn.Module, task_type: str = "CAUSAL_LM", exclude: Sequence[str] = ()
@@ -168,12 +169,8 @@ def all_linear_targets(model: nn.Module, task_type: str = "CAUSAL_LM", exclude: 
     """What ``target_modules: all-linear`` adapts on ``model``: ``(module names, parameter names)``.
 
     Modules: peft's own ``all-linear`` resolution (every ``nn.Linear``/``Conv1D`` except the output head, and for
-    ``SEQ_CLS`` the classifier head), as full names. Parameters (for peft's ``target_parameters``): every 2-D or 3-D
-    weight that is not inside a linear, embedding or norm layer: MoE experts stored as stacked 3-D parameters
-    (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) and router weights (``mlp.router.weight``,
-    ``mlp.gate.weight``); biases and 1-D parameters (gpt-oss's attention sinks) are not linear maps. Parameter
-    names are given relative to their decoder layer (``mlp.experts.down_proj``: the same in every layer, peft matches
-    name suffixes). Names matching ``exclude`` (module name or dotted suffix) are left out of both.
+    ``SEQ_CLS`` the classifier head), as full names. Parameters: :func:`parameter_targets`. Names matching
+    ``exclude`` (module name or dotted suffix) are left out of both.
 
     Args:
         model: the base model (plain, or peft-wrapped: ``base_layer`` wrappers are looked through).
@@ -182,28 +179,45 @@ def all_linear_targets(model: nn.Module, task_type: str = "CAUSAL_LM", exclude: 
     """
     import copy
 
-    import torch
     from peft import LoraConfig, TaskType
-    from peft.tuners.tuners_utils import BaseTunerLayer, _maybe_include_all_linear_layers
+    from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     probe = _maybe_include_all_linear_layers(copy.copy(LoraConfig(target_modules="all-linear",
                                                                    task_type=TaskType(task_type))), base)
-    modules = sorted(n for n in probe.target_modules if not _excluded(n, exclude))
-    skip = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.LayerNorm, BaseTunerLayer)
-    parameters = set()
-    for name, owner in base.named_modules():
-        if isinstance(owner, skip) or "norm" in type(owner).__name__.lower() or "lora_" in name:
+    modules = sorted(n for n in probe.target_modules if not matches_module(n, exclude))
+    return modules, parameter_targets(base, exclude)
+
+
+def parameter_targets(model: nn.Module, exclude: Sequence[str] = ()) -> list[str]:
+    """The weights of ``model`` that are linear maps but not ``nn.Linear`` layers, for peft's ``target_parameters``:
+    every 2-D or 3-D parameter outside linear, embedding and norm layers: MoE experts stored as stacked 3-D
+    parameters (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) and router weights (``mlp.router.weight``,
+    ``mlp.gate.weight``); biases and 1-D parameters (gpt-oss's attention sinks) are not. Names are relative to their
+    decoder layer (the same in every layer; peft matches name suffixes). Works on a model built on the ``meta``
+    device (no peft import: ``llmtune validate`` calls it).
+
+    Args:
+        model: a transformers model (plain, or with peft layers: their ``base_layer`` wrappers are looked through).
+        exclude: module names or dotted suffixes to leave out (``adapter.exclude_modules``).
+    """
+    import torch
+
+    skip = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.LayerNorm)
+    found = set()
+    for name, owner in model.named_modules():
+        if isinstance(owner, skip) or hasattr(owner, "base_layer") or "norm" in type(owner).__name__.lower() \
+                or "lora_" in name or type(owner).__name__ == "Conv1D":
             continue
-        plain = name.replace(".base_layer", "")  # a ParamWrapper's wrapped module
-        if _excluded(plain, exclude):
+        plain = name.replace(".base_layer", "")  # a module wrapped by peft's ParamWrapper
+        if matches_module(plain, exclude):
             continue
         for param_name, param in owner.named_parameters(recurse=False):
             if param.dim() in (2, 3) and not param_name.endswith("bias"):
                 parts = f"{plain}.{param_name}".split(".")
                 layer = next((i for i, p in enumerate(parts) if p.isdigit()), None)  # model.layers.<i>.<rest>
-                parameters.add(".".join(parts[layer + 1:] if layer is not None else parts))
-    return modules, sorted(parameters)
+                found.add(".".join(parts[layer + 1:] if layer is not None else parts))
+    return sorted(found)
 
 
 def task_type_of(model: nn.Module) -> str:
