@@ -397,16 +397,19 @@ def frozen_adapter_names(model: nn.Module) -> list[str]:
     return sorted(found, key=lambda n: int(n[len(FROZEN):]))
 
 
-def _frozen_config(adapter_dir: Path, modules: set[str], task_type):
+def _frozen_config(adapter_dir: Path, modules: set[str], task_type, wrappers: set[str] = frozenset()):
     """The saved adapter's LoraConfig made to load frozen: its exact module names as targets (only those ``modules``
-    has), no dropout (the adapter is a constant of the base), no ``modules_to_save``; and its LoRA tensors."""
+    has; its ``target_parameters`` as saved, whose tensors sit under the parameter wrappers ``wrappers``), no dropout
+    (the adapter is a constant of the base), no ``modules_to_save``; and its LoRA tensors."""
     from peft import LoraConfig
     from safetensors.torch import load_file
 
     config = LoraConfig.from_pretrained(str(adapter_dir))
     weights = load_file(str(adapter_dir / "adapter_model.safetensors"))
     prefix = "base_model.model."
-    targets = {k.removeprefix(prefix).split(".lora_")[0] for k in weights if "lora_" in k}
+    owners = {k.removeprefix(prefix).split(".lora_")[0] for k in weights if "lora_" in k}
+    parameters = {o for o in owners if o in wrappers} if config.target_parameters else set()
+    targets = owners - parameters
     missing = sorted(t for t in targets if t not in modules)
     if missing:
         logger.info("frozen adapter %s: %d module(s) not in this model are left out (e.g. %s)", adapter_dir,
@@ -415,7 +418,8 @@ def _frozen_config(adapter_dir: Path, modules: set[str], task_type):
     config.target_modules, config.exclude_modules = kept, None
     config.layers_to_transform = config.layers_pattern = None
     config.lora_dropout, config.modules_to_save, config.task_type, config.inference_mode = 0.0, None, task_type, True
-    lora = {k: v for k, v in weights.items() if "lora_" in k and k.removeprefix(prefix).split(".lora_")[0] in kept}
+    loaded = set(kept) | parameters
+    lora = {k: v for k, v in weights.items() if "lora_" in k and k.removeprefix(prefix).split(".lora_")[0] in loaded}
     return config, lora
 
 
@@ -443,11 +447,13 @@ def stack_frozen_adapters(model: nn.Module, chain: Sequence[dict]) -> list[str]:
     trainable = {name for name, param in model.named_parameters() if param.requires_grad}
     task_type = model.peft_config[model.active_adapter].task_type
     modules = {name.removeprefix("base_model.model.") for name, _ in model.named_modules()}
+    wrappers = {name.removeprefix("base_model.model.") for name, m in model.named_modules()
+                if type(m).__name__ == "ParamWrapper"}  # MoE experts / routers adapted as parameters
     names = []
     for index, entry in enumerate(chain):
         name, path = f"{FROZEN}{index}", Path(entry["path"])
         try:
-            config, lora = _frozen_config(path, modules, task_type)
+            config, lora = _frozen_config(path, modules, task_type, wrappers)
             PeftModel.add_adapter(model, name, config)  # the base class: no classifier modules_to_save for SEQ_CLS
             result = set_peft_model_state_dict(model, lora, adapter_name=name)
         except Exception as err:  # noqa: BLE001 - any peft/safetensors failure is "this adapter does not load here"

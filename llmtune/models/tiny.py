@@ -109,7 +109,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     # attention sinks; sliding-window layers alternate with full ones; experts (with biases) stored transposed
     "mistral": ("MistralConfig", {"sliding_window": 8}),  # one sliding window on every layer
     "gemma3_text": ("Gemma3TextConfig", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
-                                         "query_pre_attn_scalar": 8, "final_logit_softcapping": 30.0}),
+                                         "query_pre_attn_scalar": 8, "final_logit_softcapping": 0.5}),
     "phi3": ("Phi3Config", {}),  # fused qkv_proj and gate_up_proj linear layers
     "olmo2": ("Olmo2Config", {}),  # norms after attention and MLP, q/k norms over all heads
     "granite": ("GraniteConfig", {"embedding_multiplier": 2.0, "logits_scaling": 4.0, "residual_multiplier": 0.5,
