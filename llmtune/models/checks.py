@@ -113,7 +113,8 @@ def vllm_model_problems(recipe: Recipe, config: Any, parameters: list[str] | Non
         return []
     if parameters is None:
         try:
-            parameters = adapted_parameters(recipe, meta_model(config, trust_remote_code=recipe.model.trust_remote_code))
+            model = meta_model(config, trust_remote_code=recipe.model.trust_remote_code)
+            parameters = adapted_parameters(recipe, model)
         except Exception:  # noqa: BLE001 - not buildable here: the engine reports what it cannot load
             parameters = []
     problems = []

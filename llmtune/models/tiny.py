@@ -109,7 +109,8 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     # attention sinks; sliding-window layers alternate with full ones; experts (with biases) stored transposed
     "mistral": ("MistralConfig", {"sliding_window": 8}),  # one sliding window on every layer
     "gemma3_text": ("Gemma3TextConfig", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
-                                         "query_pre_attn_scalar": 8, "final_logit_softcapping": 0.5}),
+                                         "query_pre_attn_scalar": 8, "final_logit_softcapping": 0.5,
+                                         "tie_word_embeddings": True}),  # tied as released; embeddings scaled
     "phi3": ("Phi3Config", {}),  # fused qkv_proj and gate_up_proj linear layers
     "olmo2": ("Olmo2Config", {}),  # norms after attention and MLP, q/k norms over all heads
     "granite": ("GraniteConfig", {"embedding_multiplier": 2.0, "logits_scaling": 4.0, "residual_multiplier": 0.5,
@@ -126,12 +127,13 @@ def make_tiny_model(
     tokenizer: PreTrainedTokenizerFast | None = None,
     hidden_size: int = 32,
     num_layers: int = 2,
-    tie_word_embeddings: bool = False,
+    tie_word_embeddings: bool | None = None,
     seed: int = 0,
 ):
     """A random ``*ForCausalLM`` of ``family`` (a key of :data:`FAMILIES`) in fp32, built from transformers' own
     config class: ``num_layers`` layers, ``hidden_size`` wide, 4 query heads of ``hidden_size / 4`` and 2 key/value
-    heads, its vocabulary matching ``tokenizer`` (default: the tiny one), 4,096 positions.
+    heads, its vocabulary matching ``tokenizer`` (default: the tiny one), 4,096 positions; the LM head tied to the
+    input embedding when ``tie_word_embeddings`` (None: as the family's released models, Gemma 3 only).
 
     Raises:
         ValueError: an unknown family.
@@ -155,8 +157,10 @@ def make_tiny_model(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=tie_word_embeddings,
-        **{k: (v[:num_layers] if k == "layer_types" else v) for k, v in settings.items()},
+        tie_word_embeddings=settings.get("tie_word_embeddings", False) if tie_word_embeddings is None
+        else tie_word_embeddings,
+        **{k: (v[:num_layers] if k == "layer_types" else v) for k, v in settings.items()
+           if k != "tie_word_embeddings"},
     )
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(config)

@@ -192,6 +192,23 @@ def test_padding_free_sft_batches_give_the_padded_log_probs(tok, family):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("family, kernel", [("llama", "eager"), ("gemma3_text", "eager"), ("gpt_oss", "eager")])
+def test_packing_is_refused_only_where_packed_rows_would_attend_to_each_other(tok, family, kernel):
+    """transformers keeps packed rows apart from their position ids for eager attention too; gpt-oss's model code
+    builds its masks without them: packing is an error there (found by asking the model), accepted elsewhere."""
+    from llmtune.config import RecipeError
+
+    stage = SFTStage(load_recipe(raw={"stage": "sft", "data": {"packing": True},
+                                      "model": {"attn_implementation": kernel}}))
+    model = make_tiny_model(family, tok)
+    model.config._attn_implementation = kernel
+    if family == "gpt_oss":
+        with pytest.raises(RecipeError, match="data.packing: GptOssForCausalLM with eager attention lets packed rows"):
+            stage.prepare_model(model, tok)
+    else:
+        stage.prepare_model(model, tok)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_shared_prompt_pairs_and_groups_give_the_log_probs_of_separate_rows(tok, family):
     gen = torch.Generator().manual_seed(3)
@@ -223,7 +240,7 @@ def test_shared_prompt_pairs_and_groups_give_the_log_probs_of_separate_rows(tok,
 def test_masked_head_gives_the_full_logits(tok, family):
     """Gemma 3's final-logit softcapping (0.5 in the tiny config) and Granite's logit scaling stay in the model's own
     forward, which the masked head goes through; a tied Gemma 3 head too."""
-    model = make_tiny_model(family, tok, tie_word_embeddings=family == "gemma3_text").eval()
+    model = make_tiny_model(family, tok).eval()
     ids = torch.randint(5, 300, (2, 12))
     keep = torch.rand(2, 12, generator=torch.Generator().manual_seed(0)) > 0.5
     with torch.no_grad():
