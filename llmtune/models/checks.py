@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from llmtune.config.schema import ModelConfig, Recipe
-from llmtune.models.attention import attention_problem
+from llmtune.models.attention import attention_problem, model_class
 from llmtune.models.load import resolve_model_source
 from llmtune.utils import get_logger
 
@@ -189,6 +189,11 @@ def model_fit_problems(recipe: Recipe, tokenizer, head: str = "causal_lm", stage
     attention = attention_problem(recipe.model.attn_implementation, config, head)
     if attention:
         problems.append(("model.attn_implementation", attention))
+    if head == "score" and model_class(config, "score") is None and model_class(config) is not None:
+        problems.append(("model.name_or_path", f"{getattr(config, 'model_type', '?')} models have no sequence-"
+                         "classification class in transformers (AutoModelForSequenceClassification), so they cannot "
+                         f"carry a reward model's score head (stage {stage or 'rm'}); train the reward model on a "
+                         "family that has one (docs/models.md)"))
     rows = getattr(text, "vocab_size", None)
     if check_vocab and tokenizer is not None and isinstance(rows, int) and len(tokenizer) > rows:
         problems.append(("model.name_or_path", f"the tokenizer has {len(tokenizer)} tokens but the model's embedding "

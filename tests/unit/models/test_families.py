@@ -287,3 +287,13 @@ def test_dora_and_vllm_on_moe_experts_are_refused_up_front(saved):
     assert not [k for k, _ in model_fit_problems(dense, None, stage="grpo") if k == "rollout.engine"]
     typo = load_recipe(raw={"stage": "sft", "model": {"name_or_path": path}, "adapter": {"exclude_modules": ["rooter"]}})
     assert "matches no module" in dict(model_fit_problems(typo, None))["adapter.exclude_modules.0"]
+
+
+@pytest.mark.parametrize("family", ["granite", "granitemoe", "qwen3"])
+def test_a_reward_model_on_a_family_without_a_score_class_is_refused_up_front(saved, family):
+    recipe = load_recipe(raw={"stage": "rm", "model": {"name_or_path": str(saved(family))}})
+    problems = dict(model_fit_problems(recipe, None, head="score", stage="rm"))
+    if family == "qwen3":
+        assert "model.name_or_path" not in problems
+    else:
+        assert "no sequence-classification class" in problems["model.name_or_path"]
