@@ -142,6 +142,30 @@ def test_dropout_stays_on_the_linear_layers_of_a_moe_adapter(tok, family):
     assert model.peft_config["default"].lora_dropout == 0.0  # the saved config loads in plain peft
 
 
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_checkpointing_gives_the_expert_adapters_the_same_gradients(tok, family):
+    """The expert and router adapters are applied inside the layer's forward (a parametrization of the stacked
+    weight): llmtune's non-reentrant checkpointing recomputes them with the same result."""
+    def gradients(checkpointing):
+        model = make_tiny_model(family, tok)
+        model = attach_adapter(model, AdapterConfig(lora_r=4, lora_alpha=8, lora_dropout=0.0),
+                               gradient_checkpointing=checkpointing, quantized=False)
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        model.train()
+        ids = torch.randint(5, 300, (2, 10), generator=torch.Generator().manual_seed(0))
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, checkpointed = gradients(False), gradients(True)
+    assert plain.keys() == checkpointed.keys() and any(".experts." in n for n in plain)
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_saved_adapter_loads_in_plain_peft_and_merges_into_the_weights(tok, family, tmp_path):
     model = lora(family, tok)
