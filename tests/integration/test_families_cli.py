@@ -4,7 +4,7 @@ leaves unset (attention auto, all-linear with lora_dropout 0.05). The merged mod
 adapters applied by plain transformers + peft, each adapter trained every weight all-linear adapts (the MoE experts
 and routers included), and `llmtune validate` refuses an attention kernel the model cannot run in one line.
 
-Wall time on one core: ~8 s per family (docs/models.md); Granite-MoE and Mixtral, extra MoE layouts beyond the
+Wall time on one core: ~4 s per family; Granite-MoE and Mixtral, extra MoE layouts beyond the
 families of the issue, run with the slow tests."""
 
 from __future__ import annotations
