@@ -54,8 +54,10 @@ class ModelConfig(Section):
         "auto",
         description="dtype the base weights are loaded in; auto = bf16/fp16 when precision asks for it, else fp32.",
     )
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"] = Field(
-        "sdpa", description="Attention kernel passed to transformers."
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3",
+                                 "flex_attention"] = Field(
+        "auto", description="Attention kernel passed to transformers; auto = sdpa where the model supports it, else "
+        "eager (gpt-oss); a kernel the model cannot run is an error naming those it can."
     )
     trust_remote_code: bool = Field(False, description="Allow model code from the hub (off by default).")
     load_in_4bit: bool = Field(False, description="QLoRA: quantize the frozen base to 4 bit with bitsandbytes.")
@@ -145,7 +147,7 @@ class DataConfig(Section):
     )
     padding_free: bool = Field(
         True, description="SFT: run each micro-batch as one sequence of its rows without padding, attention row by "
-        "row (needs model.attn_implementation: sdpa, else transformers' packed-sequence mask). DPO: the prompt of a "
+        "row (with sdpa attention; other kernels use transformers' packed-sequence mask). DPO: the prompt of a "
         "pair is computed once for chosen and rejected (sdpa/eager). Same losses either way."
     )
     max_samples: int | None = Field(None, ge=1, description="Use at most this many rows after mixing.")
@@ -196,7 +198,12 @@ class AdapterConfig(Section):
     lora_alpha: float = Field(32.0, gt=0, description="LoRA alpha; the update is scaled by alpha/r (alpha/sqrt(r) with rsLoRA).")
     lora_dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input, in [0, 1).")
     target_modules: Annotated[list[str], Field(min_length=1)] | str = Field(
-        "all-linear", description="Module names to adapt, or all-linear (every linear layer except the output head)."
+        "all-linear", description="Module names to adapt, or all-linear (every linear map except the output head: "
+        "linear layers, and MoE experts and routers stored as parameters; docs/models.md lists them per family)."
+    )
+    exclude_modules: list[str] = Field(
+        default_factory=list, description="Modules left out of target_modules (a module name or its dotted suffix), "
+        "e.g. the MoE router: [router] (gpt-oss, Granite-MoE) or [mlp.gate] (Qwen3-MoE, Mixtral)."
     )
     modules_to_save: list[str] = Field(
         default_factory=list, description="Modules trained in full and saved with the adapter (e.g. lm_head, score)."

@@ -175,8 +175,6 @@ def cross_field_problems(doc: dict) -> list[tuple[str, str]]:
                          "or a row count)"))
     if dotted_get(doc, "train.early_stopping_patience") and not dotted_get(doc, "data.val_size"):
         problems.append(("train.early_stopping_patience", "early stopping needs a validation split (data.val_size > 0)"))
-    if dotted_get(doc, "data.packing") is True and dotted_get(doc, "model.attn_implementation", "sdpa") == "eager":
-        problems.append(("data.packing", "packing needs sdpa/flash/flex attention to isolate rows; eager cannot"))
     if dotted_get(doc, "stage") == "ppo":
         problems += ppo_problems(doc)
     if dotted_get(doc, "stage") == "grpo":

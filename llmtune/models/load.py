@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from llmtune.models.attention import resolve_attention
 from llmtune.models.errors import ModelLoadError
 from llmtune.models.weight_files import check_weight_files, pickle_checkpoint_message
 
@@ -794,7 +795,8 @@ def load_model(
 
     Raises:
         ModelLoadError: the source cannot be resolved; ``load_in_4bit`` and ``load_in_8bit`` are both set;
-            bitsandbytes is missing; or transformers fails (missing weights, unknown architecture without
+            bitsandbytes is missing; ``model.attn_implementation`` names a kernel the model class cannot run
+            (:mod:`llmtune.models.attention`); or transformers fails (missing weights, unknown architecture without
             ``trust_remote_code``, an attention kernel that is not installed such as flash_attention_2).
     """
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -806,7 +808,7 @@ def load_model(
     dtype = resolve_dtype(cfg, precision)
     kwargs: dict[str, Any] = {
         "dtype": dtype,
-        "attn_implementation": cfg.attn_implementation,
+        "attn_implementation": resolve_attention(cfg.attn_implementation, source.path, cfg.trust_remote_code, head),
         "trust_remote_code": cfg.trust_remote_code,
     }
     if quantization is not None:
@@ -829,7 +831,7 @@ def load_model(
         if "attn" in str(err).lower() or "flash" in str(err).lower():
             hint = (
                 f" model.attn_implementation={cfg.attn_implementation!r} may not be available here; "
-                "try sdpa or eager."
+                "try auto, sdpa or eager."
             )
         raise ModelLoadError(
             f"could not load model {source.original!r} from {source.path}: {type(err).__name__}: "
@@ -842,8 +844,9 @@ def load_model(
     _log_loading_info(info, head, source.original)
     quant = "4-bit " + cfg.bnb_4bit_quant_type if cfg.load_in_4bit else "8-bit" if cfg.load_in_8bit else "unquantized"
     logger.info(
-        "loaded %s (%s source%s) in %.1f s: dtype %s, %s, attention %s",
+        "loaded %s (%s source%s) in %.1f s: dtype %s, %s, attention %s%s",
         source.original, source.kind, ", one-score head" if head == "score" else "", time.perf_counter() - start,
-        str(dtype).removeprefix("torch."), quant, cfg.attn_implementation,
+        str(dtype).removeprefix("torch."), quant, getattr(model.config, "_attn_implementation", None),
+        " (auto)" if cfg.attn_implementation == "auto" else "",
     )
     return model

@@ -116,7 +116,8 @@ def select_engine(recipe, cuda_available: bool | None = None, installed: bool | 
     """The engine ``rollout.engine`` asks for, and why.
 
     ``hf``/``vllm`` are taken as given; ``auto`` is vllm when CUDA is available, the recipe is one vLLM can sample
-    for (LoRA on an unquantized base, see :func:`llmtune.rl.engines.vllm_engine.vllm_recipe_problems`) and vLLM can be used (server mode: a url
+    for (LoRA on an unquantized base, see :func:`llmtune.rl.engines.vllm_engine.vllm_recipe_problems`; no LoRA on
+    MoE experts, :func:`llmtune.models.checks.vllm_model_problems`) and vLLM can be used (server mode: a url
     is set; colocate: vLLM is installed here), else hf (on CPUs hf is the faster engine: issue 22's measurements).
 
     Args:
@@ -134,6 +135,11 @@ def select_engine(recipe, cuda_available: bool | None = None, installed: bool | 
     from llmtune.rl.engines.vllm_engine import vllm_recipe_problems
 
     problems = vllm_recipe_problems(recipe)
+    if not problems:  # the model: LoRA on MoE experts (docs/models.md)
+        from llmtune.models.checks import read_model_config, vllm_model_problems
+
+        config = read_model_config(recipe.model)
+        problems = vllm_model_problems(recipe, config) if config is not None else []
     if problems:
         return "hf", f"rollout.engine: auto and vLLM cannot sample this recipe ({problems[0][0]}: {problems[0][1]})"
     if rollout.vllm.mode == "server":

@@ -24,7 +24,7 @@ def mergeable_lora_layers(model: torch.nn.Module, adapter: str) -> list | None:
     """The LoRA layers of ``adapter`` when all of them can be merged exactly for sampling, else None.
 
     Mergeable: plain ``peft.tuners.lora.Linear`` layers (no DoRA or other variant, no LoRA bias; quantized
-    layers such as QLoRA's ``Linear4bit`` are other classes) with fp32 base weights (a bf16/fp16 weight has 8/11
+    layers such as QLoRA's ``Linear4bit`` and the parameter wrappers of MoE experts are other classes) with fp32 base weights (a bf16/fp16 weight has 8/11
     mantissa bits: a LoRA delta below half its ulp, as early in training, would vanish in the merged copy and the
     engine would sample from the base) that are not shared with another module (a tied LM head would change the
     input embeddings too).
@@ -34,15 +34,17 @@ def mergeable_lora_layers(model: torch.nn.Module, adapter: str) -> list | None:
     layers = [m for m in model.modules() if isinstance(m, LoraLayer) and adapter in getattr(m, "lora_A", {})]
     if not layers:
         return None
+    plain = all(type(layer) is Linear and adapter not in getattr(layer, "lora_variant", {})
+                and not layer.lora_bias.get(adapter, False) and not layer.merged
+                and layer.get_base_layer().weight.dtype == torch.float32 for layer in layers)
+    if not plain:  # e.g. MoE experts adapted as parameters (peft's ParamWrapper): no base `weight` to swap
+        return None
     owners: dict[int, int] = {}  # parameter -> modules holding it (2 for a tied LM head and embedding)
     for module in model.modules():
         for param in module.parameters(recurse=False):
             owners[id(param)] = owners.get(id(param), 0) + 1
     shared = any(owners.get(id(layer.get_base_layer().weight), 0) > 1 for layer in layers)
-    plain = all(type(layer) is Linear and adapter not in getattr(layer, "lora_variant", {})
-                and not layer.lora_bias.get(adapter, False) and not layer.merged
-                and layer.get_base_layer().weight.dtype == torch.float32 for layer in layers)
-    return layers if plain and not shared else None
+    return None if shared else layers
 
 
 @contextlib.contextmanager

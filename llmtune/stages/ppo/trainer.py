@@ -307,7 +307,7 @@ def add_value_model(policy: nn.Module, recipe, reward_run: Path | None) -> nn.Li
             head.weight.data.copy_(score.reshape(1, hidden).float())
         log.info("value model initialised from the reward model %s (LoRA r=%d, score head)", rm_adapter, config.r)
     else:
-        policy.add_adapter(VALUE, build_lora_config(recipe.adapter, policy.peft_config[POLICY].task_type))
+        policy.add_adapter(VALUE, build_lora_config(recipe.adapter, policy.peft_config[POLICY].task_type, policy))
     for name, param in policy.named_parameters():
         if "lora_" in name and (f".{POLICY}." in name or f".{VALUE}." in name):
             param.requires_grad_(True)
