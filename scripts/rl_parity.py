@@ -168,6 +168,7 @@ def runs(root: Path) -> dict[str, dict]:
             grpo={"missing_eos_penalty": -0.5, "overlong_buffer_tokens": 4, "overlong_penalty_factor": 1.0,
                   "mask_truncated_completions": True, "dynamic_sampling": "resample", "num_iterations": 2,
                   "scale_rewards": "batch"},
+            train={"max_steps": 8, "save_steps": 4}, rollout={"max_new_tokens": 12},
             reward={"functions": [{"function": rewards + ":sometimes", "weight": 1.0},
                                   {"function": "llmtune.rewards:format_reward", "weight": 0.5}]}),
         "ppo_hf": single_turn(root, "ppo_hf", "ppo"),
