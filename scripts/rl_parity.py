@@ -5,7 +5,8 @@ Runs (each a fresh ``python -m llmtune`` process, ``OMP_NUM_THREADS=1``):
 
 - ``grpo_hf``: GRPO, hf engine, two weighted reward functions, beta 0.1, clip-higher (4 steps = 2 iterations).
 - ``grpo_hf_shaped``: GRPO, hf, an abstaining reward function, ``missing_eos_penalty``, DAPO's overlong penalty,
-  ``mask_truncated_completions``, ``dynamic_sampling: resample``, ``num_iterations`` 2 (old log-probs).
+  ``dynamic_sampling: resample``, ``num_iterations`` 2 (old log-probs), ``scale_rewards: batch``.
+- ``grpo_hf_masked``: GRPO, hf, ``mask_truncated_completions``, ``dynamic_sampling: drop``, rloo, sequence_mean.
 - ``ppo_hf``: PPO, hf, a reward function, ``missing_eos_penalty``, ``normalize_scores``, adaptive KL.
 - ``grpo_vllm``: GRPO, vLLM colocated (CPU build, ``.venv-vllm``; skipped when vLLM is not installed), with the
   engine's importance-sampling correction.
@@ -112,9 +113,10 @@ def workspace(root: Path) -> None:
         "train": {"micro_batch_size": 2, "global_batch_size": 4, "max_steps": 2, "learning_rate": 1e-2},
         "adapter": ADAPTER, "output": {"dir": str(root / "sft"), "plot": False}})))
     tool_calling_model(root / "tool_model")
-    rows = [{"prompt": "What is 2 + 3?", "completion": "#### 5"}] * 4 + [
+    rows = [{"prompt": "What is 2 + 3?", "completion": "#### 5"}] * 8 + [
         {"prompt": f"What is {a} + {b}?", "completion": f"#### {a + b}"} for a in (3, 4) for b in (1, 2)]
     (root / "agent_prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "memorised.jsonl").write_text("".join(json.dumps(rows[0]) + "\n" for _ in range(8)))
 
 
 def single_turn(root: Path, name: str, stage: str, engine: str = "hf", **sections) -> dict:
@@ -143,7 +145,7 @@ def single_turn(root: Path, name: str, stage: str, engine: str = "hf", **section
 def agent(root: Path, name: str, stage: str, **sections) -> dict:
     doc = {"stage": stage, "model": {"name_or_path": str(root / "tool_model")},
            "data": {"datasets": [{"path": str(root / "agent_prompts.jsonl")}], "max_length": 256, "val_size": 2},
-           "adapter": ADAPTER, "rollout": {"max_new_tokens": 96, "temperature": 1.0},
+           "adapter": ADAPTER, "rollout": {"max_new_tokens": 96, "temperature": 0.6},
            "agent": {"tools": ["llmtune.tools:calculator"], "max_turns": 3, "max_tool_result_tokens": 32},
            "reward": {"functions": [str(root / "rewards.py") + ":answer"]},
            "train": {"micro_batch_size": 2, "global_batch_size": 2, "max_steps": 4, "learning_rate": 1e-2,
@@ -166,17 +168,23 @@ def runs(root: Path) -> dict[str, dict]:
         "grpo_hf_shaped": single_turn(
             root, "grpo_hf_shaped", "grpo",
             grpo={"missing_eos_penalty": -0.5, "overlong_buffer_tokens": 4, "overlong_penalty_factor": 1.0,
-                  "mask_truncated_completions": True, "dynamic_sampling": "resample", "num_iterations": 2,
-                  "scale_rewards": "batch"},
+                  "dynamic_sampling": "resample", "num_iterations": 2, "scale_rewards": "batch"},
             train={"max_steps": 8, "save_steps": 4}, rollout={"max_new_tokens": 12},
             reward={"functions": [{"function": rewards + ":sometimes", "weight": 1.0},
                                   {"function": "llmtune.rewards:format_reward", "weight": 0.5}]}),
+        "grpo_hf_masked": single_turn(
+            root, "grpo_hf_masked", "grpo",
+            grpo={"mask_truncated_completions": True, "dynamic_sampling": "drop", "advantage_estimator": "rloo",
+                  "loss_aggregation": "sequence_mean"},
+            rollout={"max_new_tokens": 24, "temperature": 1.2},
+            reward={"functions": [{"function": rewards + ":sometimes", "weight": 1.0}]}),
         "ppo_hf": single_turn(root, "ppo_hf", "ppo"),
         "grpo_vllm": single_turn(root, "grpo_vllm", "grpo", engine="vllm"),
         "agent_grpo_hf": agent(root, "agent_grpo_hf", "grpo"),
         "agent_ppo_hf": agent(root, "agent_ppo_hf", "ppo"),
         "agent_grpo_broken": agent(root, "agent_grpo_broken", "grpo",
                                    agent={"tools": [str(root / "broken_tools.py") + ":calculator"]},
+                                   data={"datasets": [{"path": str(root / "memorised.jsonl")}]},
                                    rollout={"temperature": 0.3}),
     }
 
