@@ -112,7 +112,7 @@ def workspace(root: Path) -> None:
         "data": {"datasets": [{"path": str(root / "sft.jsonl")}], "max_length": 64},
         "train": {"micro_batch_size": 2, "global_batch_size": 4, "max_steps": 2, "learning_rate": 1e-2},
         "adapter": ADAPTER, "output": {"dir": str(root / "sft"), "plot": False}})))
-    tool_calling_model(root / "tool_model")
+    tool_calling_model(root / "tool_model", steps=1500)  # 200 steps leave it at loss ~0.45 here: no real calls
     rows = [{"prompt": "What is 2 + 3?", "completion": "#### 5"}] * 8 + [
         {"prompt": f"What is {a} + {b}?", "completion": f"#### {a + b}"} for a in (3, 4) for b in (1, 2)]
     (root / "agent_prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
