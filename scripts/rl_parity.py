@@ -18,6 +18,9 @@ rewards, KL, clipping, lengths: never timings), plus the final adapter's sha256;
 ``--dump DIR`` writes each run's reduced records, to diff two trees when a hash differs.
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 PYTHONPATH=. python scripts/rl_parity.py [--only grpo_hf,ppo_hf] [--dump d]
+
+(the vLLM run needs ``LLMTUNE_VLLM_PYTHON`` or ``.venv-vllm`` beside the repository; ``--agent-set KEY=VALUE`` adds a
+recipe override to the agent runs, e.g. a default that changed on purpose.)
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ def _write(root: Path, name: str, doc: dict) -> Path:
 
 
 def _llmtune(*args: str) -> None:
+    """``python -m llmtune ARGS`` in a fresh process (exits on failure, printing its log's end)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "LLMTUNE_VLLM_ENGINE_ARGS": json.dumps({"kv_cache_memory_bytes": 64 << 20})}
@@ -214,6 +218,9 @@ def main() -> int:
     parser.add_argument("--only", help="comma-separated run names (default all)")
     parser.add_argument("--dump", help="write each run's reduced records (JSON) into this directory")
     parser.add_argument("--keep", help="work in this directory (kept) instead of a temporary one")
+    parser.add_argument("--agent-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe override for the agent runs (e.g. to turn off a default that changed on "
+                        "purpose); applied to the runs whose stage the key's section names, or any section not a stage")
     args = parser.parse_args()
     from llmtune.rl.engines.vllm_client import vllm_python
 
@@ -228,7 +235,9 @@ def main() -> int:
         if doc["rollout"].get("engine") == "vllm" and vllm_python() is None:
             print(f"{name:20s} skipped (vLLM not installed)", flush=True)
             continue
-        _llmtune(doc["stage"], str(_write(root, name, doc)))
+        overrides = [o for o in args.agent_set if "agent" in doc
+                     and o.split(".")[0] not in ({"grpo", "ppo"} - {doc["stage"]})]
+        _llmtune(doc["stage"], str(_write(root, name, doc)), *overrides)
         digest, records = run_hash(root / name)
         results[name] = digest
         print(f"{name:20s} {digest}  ({len(records)} records)", flush=True)

@@ -164,9 +164,9 @@ def shared_prompt_batch(model: nn.Module, input_ids: torch.Tensor, attention_mas
         logits that predicts each scored response token, in the row-major order of ``responses[score_mask]``.
         None when no prompt repeats or the attention kernel takes no 4-D mask (then use the rows as they are).
     """
-    from llmtune.core.lm_head import SHARED_PROMPT_ATTENTION, _causal_lm, kept_positions, pack_shared_prompts
+    from llmtune.core.lm_head import SHARED_PROMPT_ATTENTION, causal_lm, kept_positions, pack_shared_prompts
 
-    lm = _causal_lm(model)
+    lm = causal_lm(model)
     attention = getattr(lm.config, "_attn_implementation", None)
     width, prompt_width = responses.shape[1], input_ids.shape[1] - responses.shape[1]
     if attention not in SHARED_PROMPT_ATTENTION or input_ids.shape[0] < 2 or prompt_width < 1:
