@@ -597,7 +597,8 @@ class RolloutConfig(Section):
     top_k: int = Field(0, ge=0, description="Top-k sampling of the rollouts (0 = off).")
     max_new_tokens: int | None = Field(
         None, ge=1, description="Longest sampled completion in tokens; one that reaches it without the end-of-turn "
-        "token is truncated (truncated_fraction). null = the stage's default (ppo 64, grpo 128).")
+        "token is truncated (truncated_fraction). null = the stage's default (ppo 64, grpo 128; with agent: 512, one "
+        "budget for the whole multi-turn rollout).")
     eval_max_new_tokens: int | None = Field(None, ge=1, description="Longest greedy eval completion in tokens "
                                             "(null = max_new_tokens).")
     seed: int | None = Field(None, ge=0, le=SEED_MAX, description="Seed of the sampling; null = train.seed. The "
