@@ -401,12 +401,11 @@ def trl_gsm8k_reward(prompts, completions, reference, **kwargs) -> list[float]:
     return gsm8k_reward(prompts, completions, reference)
 
 
-def llmtune_prompt_order(trainer_cls, n_rows: int, seed: int, iterations: int, per_iteration: int) -> list[int]:
-    """The prompt rows llmtune's online-RL trainer draws in iterations 0 .. iterations-1 (one process), in order."""
-    from types import SimpleNamespace
+def llmtune_prompt_order(n_rows: int, seed: int, iterations: int, per_iteration: int) -> list[int]:
+    """The prompt rows llmtune's online RL draws in iterations 0 .. iterations-1 (one process), in order."""
+    from llmtune.rl.rollouts import prompt_indices
 
-    me = SimpleNamespace(prompts=range(n_rows), args=SimpleNamespace(seed=seed, process_index=0, world_size=1))
-    return [i for it in range(iterations) for i in trainer_cls.prompt_indices(me, it, per_iteration)]
+    return [i for it in range(iterations) for i in prompt_indices(n_rows, seed, it, per_iteration)]
 
 
 def run_trl_grpo(recipe, tokenizer, rows, model, out: Path, probe: RolloutProbe) -> None:
@@ -418,10 +417,9 @@ def run_trl_grpo(recipe, tokenizer, rows, model, out: Path, probe: RolloutProbe)
 
     from llmtune.core.distributed import batch_layout
     from llmtune.models import build_lora_config
-    from llmtune.rl.trainer import OnlineRLTrainer
 
     t, g, r = recipe.train, recipe.grpo, recipe.rollout
-    order = llmtune_prompt_order(OnlineRLTrainer, len(rows), t.seed, t.max_steps, g.rollout_batch_size // g.num_generations)
+    order = llmtune_prompt_order(len(rows), t.seed, t.max_steps, g.rollout_batch_size // g.num_generations)
     ids_of: dict[str, list[int]] = {}
     for i in order:
         ids = list(rows[i]["input_ids"])

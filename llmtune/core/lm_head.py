@@ -44,7 +44,7 @@ def next_token_targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return keep, shifted[trained]
 
 
-def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers ``*ForCausalLM`` inside DDP / DeepSpeed (``.module``) and peft (``get_base_model``)."""
     inner = getattr(model, "module", model)
     return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
@@ -61,7 +61,7 @@ def _slices_by_mask(model_class: type) -> bool:
 
 def supports_masked_head(model: torch.nn.Module) -> bool:
     """True when ``model(..., logits_to_keep=<(B, T) bool>)`` returns the (N, V) logits of the masked positions."""
-    return _slices_by_mask(type(_causal_lm(model)))
+    return _slices_by_mask(type(causal_lm(model)))
 
 
 def masked_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], keep: torch.Tensor) -> torch.Tensor:
@@ -319,7 +319,7 @@ def pair_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
         raise ValueError(f"pair_logps needs a (2B, T) batch of chosen then rejected rows; got "
                          f"{batch['input_ids'].shape[0]} rows (use sequence_logps for unpaired rows)")
     n = batch["input_ids"].shape[0] // 2
-    shared, lm = None, _causal_lm(model)
+    shared, lm = None, causal_lm(model)
     attention = getattr(lm.config, "_attn_implementation", None)
     if share_prompt and shares_prompts(lm, int(batch["attention_mask"].sum(-1).max())):
         shared = shared_prompt_rows(batch, torch.bool if attention == "sdpa" else lm.dtype)

@@ -15,12 +15,16 @@ the next assistant header are context (``loss_mask`` 0, no engine log-prob). The
 
 A rollout ends: ``stop`` (a turn ended on its stop token without a tool call: the final answer), ``length`` (the
 budget ran out, in a turn or in a tool result; a turn cut by the budget is still part of the conversation, as an
-assistant message of its text as decoded, with no tool call run: it is what the model last wrote), ``turns`` (it
-called a tool at ``agent.max_turns``) or ``error`` (its environment or tool infrastructure failed:
-:class:`llmtune.rl.toolbox.InfrastructureError`, ``reset`` raising; the rollout then abstains from the reward: its
-group's statistics never see it, and it is counted). A malformed call, an
-unknown tool, bad arguments, a tool that raises or times out are the model's doing: the error goes back to it as the
-tool result, and is counted.
+assistant message of its text as decoded, with no tool call run: it is what the model last wrote; a turn whose calls
+would leave no token to sample after their results, even empty ones, ends the rollout too, WITHOUT running the calls:
+a tool may have side effects, and a result the model can never read is worth none), ``turns`` (it called a tool at
+``agent.max_turns``) or ``error`` (its environment or tool infrastructure failed:
+:class:`llmtune.rl.toolbox.InfrastructureError`, ``reset`` raising, a timeout of a tool in
+``agent.infrastructure_timeouts``; the rollout then abstains from the reward: its group's statistics never see it,
+and it is counted). A malformed call, an unknown tool, bad arguments, a tool that raises or times out (any other
+tool), a call beyond ``agent.max_tool_calls`` are the model's doing: the error goes back to it as the tool result,
+and is counted. A call may return a reward with its result (:class:`llmtune.rl.toolbox.ToolOutput`): the turn that
+made it gets it (``Outcome.turn_rewards``).
 """
 
 from __future__ import annotations
@@ -29,9 +33,7 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 
-from llmtune.rl.types import LENGTH, STOP, SamplingParams, Trajectory
-
-TURNS, ERROR = "turns", "error"  # multi-turn finish reasons besides stop / length
+from llmtune.rl.types import ERROR, LENGTH, STOP, TURNS, Outcome, SamplingParams, Trajectory
 TRUNCATION_NOTE = "\n[tool result cut to {n} tokens]"
 
 
@@ -44,6 +46,8 @@ class AgentSettings:
     tool_timeout_s: float
     parser: str | None  # the family parser (:func:`llmtune.rl.tool_calls.resolve_tool_parser`)
     response_template: bool = False  # parse with the tokenizer's response template (agent.tool_parser: auto)
+    max_tool_calls: int | None = None  # calls per rollout at most (agent.max_tool_calls); None = no cap
+    infrastructure_timeouts: tuple[str, ...] = ()  # tools whose timeout abstains (agent.infrastructure_timeouts)
 
 
 @dataclass
@@ -64,6 +68,8 @@ class _Rollout:
     truncated_results: int = 0
     infrastructure: str | None = None
     with_logps: bool = True
+    turn_rewards: list = field(default_factory=list)
+    rewarded: bool = False
 
     def add(self, ids: list[int], sampled: bool, logps: list[float] | None = None) -> None:
         self.ids += ids
@@ -104,11 +110,10 @@ class AgentLoop:
                 server (the engine's ``keys``). version: the policy version to sample with (default the current).
 
         Returns:
-            B :class:`~llmtune.rl.types.Trajectory` with ``turns``, ``finish_reason`` and ``info``: ``messages`` (the
-            whole conversation: prompt, assistant turns with their tool calls, tool results; a turn cut by the
-            budget is its last message), ``environment`` (the
-            instance or None), ``tool_calls``, ``tool_errors`` ({kind: count}), ``truncated_results``,
-            ``infrastructure_error`` (str or None).
+            B :class:`~llmtune.rl.types.Trajectory` with ``turns``, ``finish_reason`` and their
+            :class:`~llmtune.rl.types.Outcome`: the whole conversation (prompt, assistant turns with their tool
+            calls, tool results; a turn cut by the budget is its last message), the environment instance, tool calls
+            and errors, truncated results, the infrastructure failure, per-turn rewards.
         """
         from llmtune.rl.toolbox import InfrastructureError, make_toolbox
 
@@ -119,7 +124,8 @@ class AgentLoop:
             prompt_ids = [int(i) for i in row["input_ids"]]
             toolbox, failure = None, None
             try:
-                toolbox, first = make_toolbox(self.tools, self.environment, _row_columns(row))
+                toolbox, first = make_toolbox(self.tools, self.environment, _row_columns(row),
+                                              self.settings.infrastructure_timeouts)
                 if first:
                     messages = _with_first_turn(messages, first)
                     prompt_ids = list(self.render_prompt(messages))
@@ -153,6 +159,7 @@ class AgentLoop:
 
         r.add(list(completion.token_ids), sampled=True, logps=completion.logprobs)
         r.turns += 1
+        r.turn_rewards.append(0.0)
         r.version = completion.version if r.version is None else r.version
         if completion.finish_reason != STOP:  # cut by the budget: what the model last wrote, no call run
             text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=False)
@@ -170,11 +177,21 @@ class AgentLoop:
         if r.turns >= self.settings.max_turns:
             r.finish = TURNS
             return
-        results = [r.toolbox.call(call, self.settings.tool_timeout_s) for call in calls]
+        room = budget - len(r.ids)
+        if len(self._result_frame(calls)) >= room:  # no result could be read: no token left to sample after it
+            r.finish = LENGTH  # the calls are not run (a tool may have side effects)
+            return
+        limit = self.settings.max_tool_calls
+        allowed = len(calls) if limit is None else max(limit - r.tool_calls, 0)
+        results = [r.toolbox.call(call, self.settings.tool_timeout_s) if i < allowed else r.toolbox.refuse(call, limit)
+                   for i, call in enumerate(calls)]
         r.tool_calls += len(calls)
         for res in results:
             if res.error is not None:
                 r.tool_errors[res.error] = r.tool_errors.get(res.error, 0) + 1
+            if res.reward is not None:
+                r.turn_rewards[-1] += res.reward
+                r.rewarded = True
         failed = next((res for res in results if res.infrastructure), None)
         if failed is not None:
             r.finish, r.infrastructure = ERROR, f"tool {failed.name}: {failed.content}"
@@ -183,12 +200,16 @@ class AgentLoop:
                          for res in results]
         ids = self.turns.continuation_ids(tool_messages)
         r.messages.extend(tool_messages)
-        room = budget - len(r.ids)
         if len(ids) >= room:  # the tool results (and the next header) use up the budget: nothing left to sample
             r.add(ids[:room], sampled=False)
             r.finish = LENGTH
             return
         r.add(ids, sampled=False)
+
+    def _result_frame(self, calls: list) -> list[int]:
+        """The ids that follow a turn with these calls when every result is empty: the least the results take."""
+        return self.turns.continuation_ids([{"role": "tool", "name": c.name or "unknown", "content": ""}
+                                            for c in calls])
 
     def _cap(self, r: _Rollout, content: str) -> str:
         """A tool result cut to ``max_tool_result_tokens`` tokens (and saying so)."""
@@ -201,11 +222,10 @@ class AgentLoop:
 
     @staticmethod
     def _trajectory(r: _Rollout) -> Trajectory:
-        info = {"messages": r.messages, "environment": getattr(r.toolbox, "environment", None),
-                "tool_calls": r.tool_calls, "tool_errors": dict(r.tool_errors),
-                "truncated_results": r.truncated_results, "infrastructure_error": r.infrastructure}
+        outcome = Outcome(r.messages, getattr(r.toolbox, "environment", None), r.tool_calls, dict(r.tool_errors),
+                          r.truncated_results, r.infrastructure, list(r.turn_rewards) if r.rewarded else [])
         return Trajectory(r.row, r.prompt_ids, r.ids, r.mask, r.logps if r.with_logps and r.ids else None, r.version,
-                          r.finish, r.turns, r.group, info)
+                          r.finish, r.turns, r.group, outcome)
 
 
 def _assistant_message(content: str, calls: list) -> dict:
@@ -250,12 +270,13 @@ def agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     ``agent/tool_error_rate`` (errored calls / calls); ``agent/finish_<reason>`` (share of rollouts ended by each
     reason: stop, length, turns, error) and ``agent/infrastructure_failures`` (share of rollouts)."""
     n = max(len(trajectories), 1)
-    calls = sum(t.info.get("tool_calls", 0) for t in trajectories)
-    errors = sum(sum(t.info.get("tool_errors", {}).values()) for t in trajectories)
+    outcomes = [t.outcome for t in trajectories]
+    calls = sum(o.tool_calls for o in outcomes)
+    errors = sum(sum(o.tool_errors.values()) for o in outcomes)
     out = {"agent/turns": sum(t.turns for t in trajectories) / n, "agent/tool_calls": calls / n,
            "agent/tool_error_rate": errors / calls if calls else 0.0,
-           "agent/truncated_tool_results": sum(t.info.get("truncated_results", 0) for t in trajectories) / n,
-           "agent/infrastructure_failures": sum(bool(t.info.get("infrastructure_error")) for t in trajectories) / n}
+           "agent/truncated_tool_results": sum(o.truncated_results for o in outcomes) / n,
+           "agent/infrastructure_failures": sum(o.failed for o in outcomes) / n}
     for reason in (STOP, LENGTH, TURNS, ERROR):
         out[f"agent/finish_{reason}"] = sum(t.finish_reason == reason for t in trajectories) / n
     return out

@@ -165,9 +165,9 @@ def shared_prompt_batch(model: nn.Module, input_ids: torch.Tensor, attention_mas
         None when no prompt repeats, the attention kernel takes no 4-D mask or a sliding window is shorter than the
         rows (:func:`llmtune.core.lm_head.shares_prompts`; then use the rows as they are).
     """
-    from llmtune.core.lm_head import _causal_lm, kept_positions, pack_shared_prompts, shares_prompts
+    from llmtune.core.lm_head import causal_lm, kept_positions, pack_shared_prompts, shares_prompts
 
-    lm = _causal_lm(model)
+    lm = causal_lm(model)
     attention = getattr(lm.config, "_attn_implementation", None)
     width, prompt_width = responses.shape[1], input_ids.shape[1] - responses.shape[1]
     if not shares_prompts(lm, int(attention_mask.sum(-1).max())) or input_ids.shape[0] < 2 or prompt_width < 1:

@@ -37,6 +37,7 @@ import difflib
 import functools
 import inspect
 import json
+import math
 import sys
 import threading
 import time
@@ -48,7 +49,7 @@ from llmtune.errors import LlmtuneError
 from llmtune.rl.tool_calls import ToolCall, _cut, _exception_text, _json_type
 from llmtune.utils import AwaitTimeout, awaited
 
-ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout")
+ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout", "over_limit")
 NOT_TOOLS = frozenset({"reset", "reward"})  # environment methods that are never tools (besides names starting with _)
 
 _TYPES_FIX = ("give every parameter a type hint (str, int, float, bool, list[...], dict[str, ...], Literal[...], an "
@@ -76,6 +77,21 @@ class InfrastructureError(Exception):
 
 
 @dataclass
+class ToolOutput:
+    """What a tool (or an environment's tool method) may return instead of a plain value, to give the turn that
+    called it a reward: a per-step reward of the environment (GRPO adds a rollout's per-turn rewards to its
+    reward; PPO places each turn's reward at that turn's last sampled token: :mod:`llmtune.rewards.shaping`).
+
+    Attributes:
+        content: what goes back to the model (as a plain return value would: a str as it is, a dict/list as JSON).
+        reward: this call's reward (a finite number), or None for none.
+    """
+
+    content: Any
+    reward: float | None = None
+
+
+@dataclass
 class ToolResult:
     """What one :meth:`Toolbox.call` gives back.
 
@@ -87,6 +103,7 @@ class ToolResult:
             rollout abstains.
         seconds: wall-clock seconds the call took (including a timeout's wait).
         call_id: the call's id (:attr:`ToolCall.id`), for formats that pair results with calls.
+        reward: the reward the tool returned with its result (:class:`ToolOutput`), or None.
     """
 
     name: str | None
@@ -95,6 +112,7 @@ class ToolResult:
     infrastructure: bool
     seconds: float
     call_id: str | None = None
+    reward: float | None = None
 
     def as_message(self) -> dict:
         """The result as a ``{"role": "tool", ...}`` message (transformers' chat format)."""
@@ -247,6 +265,24 @@ def tool_schemas(functions: Iterable[Callable], environment_cls: type | None = N
     return copy.deepcopy(schemas)
 
 
+def check_tool_names(names: Iterable[str], tools: list[str], key: str) -> None:
+    """Every name in ``names`` (a recipe list of tool names, e.g. ``agent.infrastructure_timeouts``) is one of the
+    run's ``tools``.
+
+    Raises:
+        ToolSetupError: one line per unknown name, with the closest tool names and the list of tools.
+    """
+    problems = []
+    for i, name in enumerate(names):
+        if name not in tools:
+            close = difflib.get_close_matches(name, tools, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(f"{key}.{i}: {name!r} is not a tool of this run{hint}; the tools are "
+                            f"{', '.join(tools) or '(none)'}")
+    if problems:
+        raise ToolSetupError(problems)
+
+
 def check_reset_columns(environment_cls: type, columns: Iterable[str], key: str = "agent.environment",
                         some_rows: Iterable[str] = ()) -> None:
     """Check that every row with these columns can be passed to the environment's ``reset`` (a recipe check: without
@@ -273,7 +309,7 @@ def check_reset_columns(environment_cls: type, columns: Iterable[str], key: str 
 def _resolve(spec: str, recipe_dir: Any, where: str) -> Any:
     """The object ``module:attr`` names, imported as reward functions are (same search directories and import
     helpers, :mod:`llmtune.rewards.functions`)."""
-    from llmtune.rewards.functions import RewardFunctionError, _import, _import_file, reward_search_dirs
+    from llmtune.rewards.functions import RewardFunctionError, import_file, import_module, reward_search_dirs
 
     module_name, sep, attr = str(spec).partition(":")
     module_name, attr = module_name.strip(), attr.strip()
@@ -287,7 +323,7 @@ def _resolve(spec: str, recipe_dir: Any, where: str) -> Any:
     key = (module_name, tuple(dirs))
     if key not in _MODULES:  # a file is executed once: the tools and environment it defines share its globals
         try:
-            _MODULES[key] = (_import_file if module_name.endswith(".py") else _import)(module_name, spec, dirs)
+            _MODULES[key] = (import_file if module_name.endswith(".py") else import_module)(module_name, spec, dirs)
         except RewardFunctionError as exc:
             reason = str(exc).removeprefix(f"reward.function: {spec!r}: ")
             raise ToolSetupError(f"{where}: {spec!r}: {reason}") from (exc.__cause__ or exc)
@@ -350,7 +386,8 @@ def _schema(fn: Callable) -> dict:
 
 
 def make_toolbox(
-    functions: Iterable[Callable], environment_cls: type | None, row: Mapping[str, Any]
+    functions: Iterable[Callable], environment_cls: type | None, row: Mapping[str, Any],
+    infrastructure_timeouts: Iterable[str] = ()
 ) -> tuple[Toolbox, str | None]:
     """The tools of one rollout: a fresh environment instance (if any), reset with the row.
 
@@ -359,6 +396,8 @@ def make_toolbox(
         environment_cls: the environment class (:func:`load_environment`) or None.
         row: the prompt row's columns; ``reset`` receives those it names (all of them when it takes ``**kwargs``). An
             ``async def reset`` is run to completion.
+        infrastructure_timeouts: tool names whose timeout is the infrastructure's fault
+            (``agent.infrastructure_timeouts``).
 
     Returns:
         ``(toolbox, first_user_text)``: the text ``reset`` returned for the first user turn, or None.
@@ -389,7 +428,7 @@ def make_toolbox(
             raise ToolSetupError(f"environment {name}.reset returned {type(first_user_text).__name__}; return the "
                                  "text of the first user turn (str) or None")
         tools.update({n: getattr(environment, n) for n in environment_tool_names(environment_cls)})
-    return Toolbox(tools, schemas, environment), first_user_text
+    return Toolbox(tools, schemas, environment, infrastructure_timeouts), first_user_text
 
 
 def _reset_arguments(environment_cls: type, row: Mapping[str, Any], key: str) -> dict:
@@ -428,16 +467,27 @@ class Toolbox:
         tools: tool name -> callable.
         schemas: the JSON schemas of the tools (what ``apply_chat_template(tools=...)`` takes), functions first.
         environment: this rollout's environment instance, or None.
+        infrastructure_timeouts: names of the tools whose timeout is the infrastructure's fault (the result is then
+            an infrastructure failure: the rollout abstains), not the model's (the default: the model reads the
+            timeout error and the rollout goes on, scored).
         abandoned: how many of this toolbox's calls timed out while their thread was still running (the thread may
             still be using ``environment``).
     """
 
-    def __init__(self, tools: dict[str, Callable], schemas: list[dict], environment: object | None = None):
+    def __init__(self, tools: dict[str, Callable], schemas: list[dict], environment: object | None = None,
+                 infrastructure_timeouts: Iterable[str] = ()):
         self.tools = tools
         self.schemas = schemas
         self.environment = environment
+        self.infrastructure_timeouts = frozenset(infrastructure_timeouts)
         self.abandoned = 0
         self._schemas = {s["function"]["name"]: s for s in schemas}
+
+    def refuse(self, call: ToolCall, limit: int) -> ToolResult:
+        """The result of a call beyond ``agent.max_tool_calls`` (not run, not checked): the model reads
+        ``Error: tool call limit reached (N per rollout); answer with what you have`` (error ``over_limit``)."""
+        return ToolResult(call.name, f"Error: tool call limit reached ({limit} per rollout); answer with what you "
+                          "have", "over_limit", False, 0.0, call.id)
 
     def call(self, call: ToolCall, timeout_s: float) -> ToolResult:
         """Run one parsed call and turn every outcome into a result for the model (never raises on the model's
@@ -462,17 +512,21 @@ class Toolbox:
                 so ``signal``-based timeouts inside a tool do not work.
 
         Returns:
-            The :class:`ToolResult`; ``infrastructure`` is True when the tool raised :class:`InfrastructureError`.
+            The :class:`ToolResult`; ``infrastructure`` is True when the tool raised :class:`InfrastructureError`, or
+            timed out and is one of :attr:`infrastructure_timeouts`; ``reward`` is what a :class:`ToolOutput` carried.
 
         Raises:
             ValueError: ``timeout_s`` is not positive (a caller's error, never the model's).
+            ToolSetupError: the tool returned a :class:`ToolOutput` whose reward is not a finite number or None (the
+                tool's bug, not the model's: the run stops).
         """
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
         start = time.monotonic()
 
-        def result(content: str, error: str | None = None, infrastructure: bool = False) -> ToolResult:
-            return ToolResult(call.name, content, error, infrastructure, time.monotonic() - start, call.id)
+        def result(content: str, error: str | None = None, infrastructure: bool = False,
+                   reward: float | None = None) -> ToolResult:
+            return ToolResult(call.name, content, error, infrastructure, time.monotonic() - start, call.id, reward)
 
         if call.error is not None:
             return result(f"Error: malformed tool call: {call.error}", "malformed")
@@ -488,12 +542,18 @@ class Toolbox:
         state, value, exc = _run(fn, arguments, timeout_s, call.name)
         if state != "returned":
             self.abandoned += state == "abandoned"
-            return result(f"Error: {call.name} did not return within {timeout_s:g} s", "timeout")
+            return result(f"Error: {call.name} did not return within {timeout_s:g} s", "timeout",
+                          call.name in self.infrastructure_timeouts)
         if exc is not None:
             message = _cut(_exception_text(exc))
             return result(f"Error: {call.name} raised {type(exc).__name__}{': ' * bool(message)}{message}", "raised",
                           isinstance(exc, InfrastructureError))
-        return result(value)
+        content, reward = value
+        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
+                                   or not math.isfinite(reward)):
+            raise ToolSetupError(f"agent: tool {call.name} returned ToolOutput(reward={reward!r}); a reward must be a "
+                                 "finite number or None")
+        return result(content, reward=None if reward is None else float(reward))
 
 
 def check_arguments(arguments: dict, schema: dict) -> tuple[dict, list[str]]:
@@ -537,10 +597,11 @@ _ABANDONED_LOCK = threading.Lock()
 ASYNC_CANCEL_GRACE_S = 1.0  # after the timeout, how long a cancelled async tool may take to unwind
 
 
-def _run(fn: Callable, arguments: dict, timeout_s: float, name: str) -> tuple[str, str | None, BaseException | None]:
-    """``fn(**arguments)`` in a daemon thread, waiting at most ``timeout_s``: ``(state, content, exception)`` with
-    state ``"returned"`` (or raised), ``"cancelled"`` (an ``async def`` tool, which runs on its own event loop in that
-    thread, cancelled at the timeout: its thread ends) or ``"abandoned"`` (past the timeout, still running)."""
+def _run(fn: Callable, arguments: dict, timeout_s: float, name: str
+         ) -> tuple[str, tuple[str, Any] | None, BaseException | None]:
+    """``fn(**arguments)`` in a daemon thread, waiting at most ``timeout_s``: ``(state, (content, reward), exception)``
+    with state ``"returned"`` (or raised), ``"cancelled"`` (an ``async def`` tool, which runs on its own event loop in
+    that thread, cancelled at the timeout: its thread ends) or ``"abandoned"`` (past the timeout, still running)."""
     box: dict[str, Any] = {}
 
     def target() -> None:
@@ -549,7 +610,8 @@ def _run(fn: Callable, arguments: dict, timeout_s: float, name: str) -> tuple[st
             if inspect.isawaitable(value):
                 box["async"] = True
                 value = awaited(value, timeout_s)
-            box["value"] = _to_text(value)
+            box["value"] = ((_to_text(value.content), value.reward) if isinstance(value, ToolOutput)
+                            else (_to_text(value), None))
         except AwaitTimeout:
             box["expired"] = True
         except BaseException as exc:  # noqa: BLE001 - SystemExit in a tool must not vanish with its thread

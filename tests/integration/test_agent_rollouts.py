@@ -66,8 +66,8 @@ def test_a_greedy_rollout_is_the_full_render_of_its_conversation_token_for_token
     tok, policy = parts
     agent, stop = loop(tok, hf_engine(tok, policy))
     [t] = agent.run([row(tok)], SamplingParams(96, tuple(stop), greedy=True))
-    assert (t.turns, t.finish_reason, t.info["tool_calls"], t.info["tool_errors"]) == (2, STOP, 1, {})
-    messages = t.info["messages"]
+    assert (t.turns, t.finish_reason, t.outcome.tool_calls, t.outcome.tool_errors) == (2, STOP, 1, {})
+    messages = t.outcome.messages
     assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
     assert messages[1]["tool_calls"][0]["function"] == {"name": "calculator", "arguments": {"expression": "2 + 3"}}
     assert messages[2]["content"] == "5" and messages[3]["content"] == "The answer is 5. #### 5"
@@ -124,10 +124,10 @@ def test_tool_failures_go_back_to_the_model_and_are_counted(parts, kind, make, e
     tok, policy = parts
     agent, stop = loop(tok, hf_engine(tok, policy), tools=(make(),), timeout=0.2)
     [t] = agent.run([row(tok)], SamplingParams(200, tuple(stop), greedy=True))  # room for a cut error message
-    assert t.info["tool_errors"] == {kind: 1} and t.info["tool_calls"] >= 1
-    result = t.info["messages"][2]
+    assert t.outcome.tool_errors == {kind: 1} and t.outcome.tool_calls >= 1
+    result = t.outcome.messages[2]
     assert result["role"] == "tool" and result["content"].startswith(expect), result
-    assert t.finish_reason != ERROR and not t.info["infrastructure_error"]  # the model's doing: the rollout goes on
+    assert t.finish_reason != ERROR and not t.outcome.infrastructure_error  # the model's doing: the rollout goes on
     assert t.turns >= 2  # it answered after the error
 
 
@@ -136,8 +136,8 @@ def test_an_infrastructure_failure_ends_the_rollout_without_a_score(parts):
     broken = tool("    raise InfrastructureError('the sandbox is down')")
     agent, stop = loop(tok, hf_engine(tok, policy), tools=(broken,))
     [t] = agent.run([row(tok)], SamplingParams(96, tuple(stop), greedy=True))
-    assert t.finish_reason == ERROR and "the sandbox is down" in t.info["infrastructure_error"]
-    assert t.turns == 1 and len(t.info["messages"]) == 2  # nothing was fed back
+    assert t.finish_reason == ERROR and "the sandbox is down" in t.outcome.infrastructure_error
+    assert t.turns == 1 and len(t.outcome.messages) == 2  # nothing was fed back
 
 
 def test_the_budget_counts_the_tool_results_and_the_turn_cap_ends_a_rollout(parts):
@@ -145,13 +145,18 @@ def test_the_budget_counts_the_tool_results_and_the_turn_cap_ends_a_rollout(part
     agent, stop = loop(tok, hf_engine(tok, policy))
     [first] = agent.run([row(tok)], SamplingParams(96, tuple(stop), greedy=True))
     turn1 = first.loss_mask.index(0)  # the first turn's sampled tokens
-    budget = turn1 + 3  # room for the first turn and 3 tokens of the tool message
-    [t] = agent.run([row(tok)], SamplingParams(budget, tuple(stop), greedy=True))
-    assert t.finish_reason == LENGTH and len(t.completion_ids) == budget and t.turns == 1
-    assert t.loss_mask == [1] * turn1 + [0] * 3 and t.completion_ids == first.completion_ids[:budget]
+    message = first.loss_mask.index(1, turn1) - turn1  # the tool message and the next assistant header
+    # room for the tool message, not one token after it: the result is appended, nothing more is sampled
+    [t] = agent.run([row(tok)], SamplingParams(turn1 + message, tuple(stop), greedy=True))
+    assert t.finish_reason == LENGTH and t.turns == 1 and t.outcome.tool_calls == 1
+    assert t.loss_mask == [1] * turn1 + [0] * message and t.completion_ids == first.completion_ids[:turn1 + message]
+    # room for 3 tokens of it: not even an empty result would leave a token to sample, so the call is not run
+    [cut] = agent.run([row(tok)], SamplingParams(turn1 + 3, tuple(stop), greedy=True))
+    assert cut.finish_reason == LENGTH and cut.turns == 1 and cut.outcome.tool_calls == 0
+    assert cut.completion_ids == first.completion_ids[:turn1] and cut.loss_mask == [1] * turn1
     capped, _ = loop(tok, hf_engine(tok, policy), max_turns=1)
     [c] = capped.run([row(tok)], SamplingParams(96, tuple(stop), greedy=True))
-    assert c.finish_reason == TURNS and c.turns == 1 and c.info["tool_calls"] == 0
+    assert c.finish_reason == TURNS and c.turns == 1 and c.outcome.tool_calls == 0
     assert c.completion_ids == first.completion_ids[:turn1]
 
 

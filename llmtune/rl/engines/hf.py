@@ -17,6 +17,7 @@ import contextlib
 import torch
 
 from llmtune.models.adapters import adapter_scope
+from llmtune.rl.engines.base import RolloutEngine
 from llmtune.rl.types import LENGTH, STOP, Completion, SamplingParams
 
 
@@ -117,7 +118,7 @@ def shared_prompt_cache(model: torch.nn.Module, input_ids: torch.Tensor, attenti
     return cache
 
 
-class HFEngine:
+class HFEngine(RolloutEngine):
     """transformers' ``generate`` on the policy (see the module docstring).
 
     Args:
@@ -139,7 +140,7 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, budgets: list[int] | None = None,
                  keys: list[int] | None = None, version: int | None = None) -> list[Completion]:
-        """One completion per prompt (see :meth:`llmtune.rl.engines.RolloutEngine.generate`); ``logprobs`` None
+        """One completion per prompt (see :meth:`llmtune.rl.engines.base.RolloutEngine.generate`); ``logprobs`` None
         (transformers' scores are not the trainer's log-probs; the trainer computes its own). With ``budgets``,
         ``generate`` runs to the largest and each completion is cut at its own (the tokens kept are exactly what a
         run to that budget samples: generation is left to right). ``keys`` are ignored (one engine);

@@ -64,6 +64,7 @@ from pathlib import Path
 import torch
 
 from llmtune.config.schema import RolloutConfig, VLLMConfig
+from llmtune.rl.engines.base import BackgroundEngine
 from llmtune.rl.engines.vllm_base import ROLLOUT_BASE, base_identity, check_base, rollout_base
 from llmtune.rl.engines.vllm_client import (RolloutEngineError, VLLMClient, _stop, not_installed_error,
                                             start_colocated, vllm_python)
@@ -172,7 +173,7 @@ def needed_model_len(recipe) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 # the engine
 # ---------------------------------------------------------------------------------------------------------------
-class VLLMEngine:
+class VLLMEngine(BackgroundEngine):
     """The rollout engine protocol on one or several vLLM servers (``generate``, ``sync``, ``close``; and
     ``snapshot``/``push``, the two halves of ``sync``, for rollouts sampled in a background thread).
 
@@ -212,7 +213,6 @@ class VLLMEngine:
         self.max_adapter_bytes = health.get("max_adapter_bytes")  # refused before sending, with the fix
         self.vocab_size = int(getattr(getattr(policy.model, "config", None), "vocab_size", 0) or 0)
         self._pool = None  # threads talking to several servers at once
-        self.background = False  # rollouts are sampled while the trainer trains: the engine never sleeps
 
     def check_adapter(self) -> None:
         """Refuse an adapter the engine cannot hold (before anything is pushed).
@@ -290,7 +290,8 @@ class VLLMEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, budgets: list[int] | None = None,
                  keys: list[int] | None = None, version: int | None = None) -> list[Completion]:
-        """One completion per prompt on the engine (see :meth:`llmtune.rl.engines.RolloutEngine.generate`), with the
+        """One completion per prompt on the engine (see
+        :meth:`llmtune.rl.engines.base.RolloutEngine.generate`), with the
         engine's log-prob of each sampled token under its sampling distribution (temperature, then top-k/top-p
         truncation, renormalised; NaN where not finite; None for greedy decoding). One seed per prompt, drawn from
         ``sampling.seed``, else from the torch RNG that the trainer seeds per (seed, iteration, rank).
