@@ -1,0 +1,84 @@
+"""The request batcher (llmtune.rl.batcher) in front of the real hf engine on a tiny model: requests from many
+threads are sampled in batches, each caller gets the completion of its own prompt (the one a direct engine call
+gives), batches never mix sampling settings or policy versions, and the engine's errors reach every caller."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from llmtune.rl.batcher import RequestBatcher
+from llmtune.rl.types import SamplingParams
+from tests.unit.rl.test_hf_generation import engine_for, prompt_ids, tok, trained_policy  # noqa: F401 - fixture
+
+TEXTS = ["What is 2 + 3?", "Hi", "Tell me a long story about the sea, please.", "Why?", "Hello! How are you?",
+         "What is 12 * 7?", "Write a poem about the sea.", "Natalia sold clips."]
+
+
+@pytest.fixture(scope="module")
+def engine(tok):
+    return engine_for(trained_policy(tok), tok)
+
+
+def greedy(tok, n=12):
+    return SamplingParams(max_new_tokens=n, stop_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),), greedy=True)
+
+
+def test_concurrent_requests_are_batched_and_each_gets_its_own_completion(tok, engine):
+    prompts = prompt_ids(tok, TEXTS)
+    direct = [c.token_ids for c in engine.generate(prompts, greedy(tok))]
+    with RequestBatcher(engine) as batcher:
+        barrier = threading.Barrier(len(prompts))
+
+        def ask(i):
+            barrier.wait()  # all at once: most of them queue while the first call samples
+            return batcher.generate(prompts[i], greedy(tok)).token_ids
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(ask, range(len(prompts))))
+    assert answers == direct
+    assert sum(batcher.sizes) == len(prompts)
+    assert batcher.calls < len(prompts) and max(batcher.sizes) > 1  # batched, not one call per request
+
+
+def test_linger_gathers_requests_into_one_call(tok, engine):
+    prompts = prompt_ids(tok, TEXTS[:4])
+    with RequestBatcher(engine, linger_s=2.0) as batcher:
+        futures = [batcher.submit(p, greedy(tok)) for p in prompts]
+        [f.result() for f in futures]
+    assert batcher.sizes == [4]
+
+
+def test_batches_never_mix_sampling_settings_or_versions(tok, engine):
+    prompts = prompt_ids(tok, TEXTS[:4])
+    short, longer = greedy(tok, 4), greedy(tok, 12)
+    with RequestBatcher(engine, linger_s=1.0) as batcher:
+        futures = [batcher.submit(prompts[0], short), batcher.submit(prompts[1], longer),
+                   batcher.submit(prompts[2], short), batcher.submit(prompts[3], short, version=0)]
+        results = [f.result() for f in futures]
+    assert sorted(batcher.sizes) == [1, 1, 2]
+    assert all(len(r.token_ids) <= 4 for r in (results[0], results[2], results[3]))
+    assert results[1].token_ids == engine.generate([prompts[1]], longer)[0].token_ids
+
+
+def test_a_per_request_budget_is_the_engines(tok, engine):
+    prompts = prompt_ids(tok, TEXTS[:2])
+    with RequestBatcher(engine, linger_s=1.0) as batcher:
+        a, b = batcher.submit(prompts[0], greedy(tok, 12), budget=3), batcher.submit(prompts[1], greedy(tok, 12))
+        assert len(a.result().token_ids) <= 3
+        assert b.result().token_ids == engine.generate([prompts[1]], greedy(tok, 12))[0].token_ids
+
+
+def test_the_engines_error_reaches_every_caller_and_the_batcher_goes_on(tok, engine):
+    prompts = prompt_ids(tok, TEXTS[:2])
+    with RequestBatcher(engine, linger_s=1.0) as batcher:
+        bad = [batcher.submit([10**9], greedy(tok)), batcher.submit([10**9 + 1], greedy(tok))]  # ids beyond the vocab
+        for future in bad:
+            with pytest.raises(Exception):
+                future.result()
+        assert batcher.generate(prompts[0], greedy(tok)).token_ids == \
+            engine.generate([prompts[0]], greedy(tok))[0].token_ids
+    with pytest.raises(RuntimeError, match="not running"):
+        batcher.submit(prompts[0], greedy(tok))
