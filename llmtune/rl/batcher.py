@@ -12,6 +12,12 @@ tool returned early is sampled at once, the ones whose tools return while it sam
 The engine is only ever called from the batcher's thread, one call at a time (the ``hf`` engine samples with the
 training model; vLLM's server batches concurrent HTTP requests itself, and gets them as one request here). Asyncio
 callers wrap the future: ``await asyncio.wrap_future(batcher.submit(...))``.
+
+Seeds: a request may carry its own seed (``submit(..., seed=)``), so that what it samples does not depend on which
+other requests it happened to be batched with (an engine that seeds per prompt, vLLM, then gets ``seeds=``; the
+``hf`` engine draws every prompt of a batch from torch's one RNG and ignores them). Requests with seeds and requests
+without are never batched together; within a batch, the sampling settings' own ``seed`` is the first request's (all
+equal, like every other setting).
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ class Request:
         prompt_ids: the token ids to continue. sampling: how (its ``max_new_tokens`` is the default budget).
         budget: this prompt's own token limit (a multi-turn rollout's remaining budget), None = the sampling's.
         key: requests of one key go to one server (an engine over several servers). version: the policy version
-            to sample with (None = the engine's current one).
+            to sample with (None = the engine's current one). seed: this request's own seed (None = the engine
+            draws one: from ``sampling.seed`` and the request's position in its batch, or from torch's RNG).
         future: resolved with the :class:`~llmtune.rl.types.Completion`, or with the engine's exception.
     """
 
@@ -42,6 +49,7 @@ class Request:
     budget: int | None = None
     key: int | None = None
     version: int | None = None
+    seed: int | None = None
     future: Future = field(default_factory=Future)
     submitted: float = field(default_factory=time.monotonic)
 
@@ -96,13 +104,14 @@ class RequestBatcher:
         self._thread = None
 
     def submit(self, prompt_ids: list[int], sampling: SamplingParams, budget: int | None = None,
-               key: int | None = None, version: int | None = None) -> Future:
+               key: int | None = None, version: int | None = None, seed: int | None = None) -> Future:
         """Queue one request; returns a future of its :class:`~llmtune.rl.types.Completion`.
 
         Raises:
             RuntimeError: the batcher is closed (or was never started).
         """
-        request = Request([int(i) for i in prompt_ids], sampling, budget, key, version)
+        request = Request([int(i) for i in prompt_ids], sampling, budget, key, version,
+                          None if seed is None else int(seed))
         with self._cond:
             if self._closed or self._thread is None:
                 raise RuntimeError("the request batcher is not running")
@@ -111,13 +120,14 @@ class RequestBatcher:
         return request.future
 
     def generate(self, prompt_ids: list[int], sampling: SamplingParams, budget: int | None = None,
-                 key: int | None = None, version: int | None = None) -> Completion:
+                 key: int | None = None, version: int | None = None, seed: int | None = None) -> Completion:
         """:meth:`submit` and wait for the completion (re-raises the engine's exception)."""
-        return self.submit(prompt_ids, sampling, budget, key, version).result()
+        return self.submit(prompt_ids, sampling, budget, key, version, seed).result()
 
     def _take(self) -> list[Request] | None:
-        """The next batch: the oldest pending request and every pending one with its sampling and version (in
-        submission order, at most ``max_batch``); None when closed and nothing is pending."""
+        """The next batch: the oldest pending request and every pending one with its sampling and version, and a
+        seed of its own when it has one (in submission order, at most ``max_batch``); None when closed and nothing
+        is pending."""
         with self._cond:
             while not self._pending:
                 if self._closed:
@@ -131,7 +141,8 @@ class RequestBatcher:
             first = self._pending[0]
             batch, rest = [], deque()
             for r in self._pending:
-                same = r.sampling == first.sampling and r.version == first.version
+                same = (r.sampling == first.sampling and r.version == first.version
+                        and (r.seed is None) == (first.seed is None))
                 if same and (self.max_batch is None or len(batch) < self.max_batch):
                     batch.append(r)
                 else:
@@ -151,8 +162,9 @@ class RequestBatcher:
             try:
                 budgets = [r.budget if r.budget is not None else r.sampling.max_new_tokens for r in batch]
                 keys = [r.key if r.key is not None else i for i, r in enumerate(batch)]
+                seeded = {"seeds": [r.seed for r in batch]} if batch[0].seed is not None else {}
                 completions = self.engine.generate([r.prompt_ids for r in batch], batch[0].sampling, budgets,
-                                                   keys=keys, version=batch[0].version)
+                                                   keys=keys, version=batch[0].version, **seeded)
             except BaseException as exc:  # noqa: BLE001 - the callers get the engine's error, the thread goes on
                 for r in batch:
                     r.future.set_exception(exc)

@@ -19,12 +19,16 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, budgets: list[int] | None = None,
-                 keys: list[int] | None = None, version: int | None = None) -> list[Completion]:
+                 keys: list[int] | None = None, version: int | None = None, seeds: list[int] | None = None
+                 ) -> list[Completion]:
         """One completion per prompt (token ids, no padding), sampled (or greedy) from the policy version the
         engine was last synced to; ``budgets``: each prompt's own token limit (a multi-turn rollout's remaining
         completion budget), else ``sampling.max_new_tokens`` for all; ``keys``: prompts of one key are served by
         one server (an engine over several); ``version``: the version to sample with (default the trainer's
-        current one; a rollout sampled in the background names the version pushed for it)."""
+        current one; a rollout sampled in the background names the version pushed for it); ``seeds``: one per
+        prompt, for engines that seed each prompt (vLLM: instead of drawing them from ``sampling.seed``), so that a
+        prompt samples the same whatever it is batched with; an engine with one RNG for the batch (``hf``) ignores
+        them. Callers pass ``seeds`` only when they have them (:class:`llmtune.rl.batcher.RequestBatcher`)."""
 
     @abstractmethod
     def sync(self, version: int) -> None:

@@ -139,12 +139,14 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, budgets: list[int] | None = None,
-                 keys: list[int] | None = None, version: int | None = None) -> list[Completion]:
+                 keys: list[int] | None = None, version: int | None = None, seeds: list[int] | None = None
+                 ) -> list[Completion]:
         """One completion per prompt (see :meth:`llmtune.rl.engines.base.RolloutEngine.generate`); ``logprobs`` None
         (transformers' scores are not the trainer's log-probs; the trainer computes its own). With ``budgets``,
         ``generate`` runs to the largest and each completion is cut at its own (the tokens kept are exactly what a
         run to that budget samples: generation is left to right). ``keys`` are ignored (one engine);
-        ``sampling.seed`` too (this engine draws from torch's global RNG, which the trainer seeds).
+        ``sampling.seed`` and ``seeds`` too (this engine draws every prompt of the batch from torch's global RNG,
+        which the trainer seeds: what a prompt samples depends on the batch it is in).
 
         Raises:
             NonFiniteError: sampling met NaN/inf probabilities (the policy's logits are not finite).

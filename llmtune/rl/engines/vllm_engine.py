@@ -289,12 +289,14 @@ class VLLMEngine(BackgroundEngine):
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, budgets: list[int] | None = None,
-                 keys: list[int] | None = None, version: int | None = None) -> list[Completion]:
+                 keys: list[int] | None = None, version: int | None = None, seeds: list[int] | None = None
+                 ) -> list[Completion]:
         """One completion per prompt on the engine (see
         :meth:`llmtune.rl.engines.base.RolloutEngine.generate`), with the
         engine's log-prob of each sampled token under its sampling distribution (temperature, then top-k/top-p
-        truncation, renormalised; NaN where not finite; None for greedy decoding). One seed per prompt, drawn from
-        ``sampling.seed``, else from the torch RNG that the trainer seeds per (seed, iteration, rank).
+        truncation, renormalised; NaN where not finite; None for greedy decoding). One seed per prompt: ``seeds``
+        when given, else drawn from ``sampling.seed``, else from the torch RNG that the trainer seeds per (seed,
+        iteration, rank).
 
         Args:
             keys: one per prompt; with several servers, prompts of one key always go to one server (the turns of
@@ -314,8 +316,13 @@ class VLLMEngine(BackgroundEngine):
                 f"stale rollout weights: the trainer is at policy version {want} (optimizer steps applied) but the "
                 f"engine was last synced to version {self.version}; sync(version) must follow every optimizer step "
                 "(a bug in the trainer: please report it)")
-        gen = None if sampling.seed is None else torch.Generator().manual_seed(int(sampling.seed))
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=gen).tolist()
+        if seeds is not None:
+            if len(seeds) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+            seeds = [int(s) % (2**31 - 1) for s in seeds]
+        else:
+            gen = None if sampling.seed is None else torch.Generator().manual_seed(int(sampling.seed))
+            seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=gen).tolist()
         greedy = sampling.greedy
         limits = list(budgets) if budgets is not None else [sampling.max_new_tokens] * len(prompts)
         base = {"temperature": 0.0 if greedy else sampling.temperature, "top_p": 1.0 if greedy else sampling.top_p,

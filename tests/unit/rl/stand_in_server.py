@@ -19,7 +19,7 @@ class RecordingCore:
     max_lora_rank, max_model_len, model = 8, 64, "tiny"
 
     def __init__(self, gate: threading.Event | None = None):
-        self.adapters, self.loaded, self.generated = {}, [], []
+        self.adapters, self.loaded, self.generated, self.seeds = {}, [], [], []
         self.gate = gate  # when set: an engine call waits for it (to queue requests behind a running one)
         self.prompts_served = 0
 
@@ -35,6 +35,7 @@ class RecordingCore:
     def prepare(self, prompts, *, version, adapter_id, **kwargs):
         from llmtune.rl.engines.vllm_server import StaleVersionError
 
+        self.seeds.append(list(kwargs.get("seeds") or []))
         entry = self.adapters.get(adapter_id) if adapter_id is not None else self.latest
         if entry is None or entry["version"] != version:
             raise StaleVersionError(f"not holding {adapter_id} at {version}")

@@ -82,3 +82,28 @@ def test_the_engines_error_reaches_every_caller_and_the_batcher_goes_on(tok, eng
             engine.generate([prompts[0]], greedy(tok))[0].token_ids
     with pytest.raises(RuntimeError, match="not running"):
         batcher.submit(prompts[0], greedy(tok))
+
+
+class _Recorder:
+    """An engine that records each call's prompts and seeds, and answers each prompt with its last id."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompts, sampling, budgets=None, keys=None, version=None, **extra):
+        from llmtune.rl.types import Completion
+
+        self.calls.append(([p[-1] for p in prompts], extra.get("seeds")))
+        return [Completion([p[-1]], None, "length", 0) for p in prompts]
+
+
+def test_requests_with_their_own_seeds_batch_together_and_pass_them_on():
+    engine = _Recorder()
+    sampling = SamplingParams(max_new_tokens=2, stop_token_ids=(0,), seed=5)
+    with RequestBatcher(engine, linger_s=1.0) as batcher:
+        futures = [batcher.submit([1], sampling, seed=11), batcher.submit([2], sampling),
+                   batcher.submit([3], sampling, seed=33), batcher.submit([4], sampling)]
+        assert [f.result().token_ids for f in futures] == [[1], [2], [3], [4]]
+    # seeded and unseeded requests are never mixed; an engine gets seeds= only for seeded requests (old engines that
+    # do not take the argument keep working for unseeded ones)
+    assert sorted(engine.calls) == [([1, 3], [11, 33]), ([2, 4], None)]

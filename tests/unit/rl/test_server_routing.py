@@ -104,3 +104,18 @@ def test_a_rank_that_does_not_upload_waits_for_rank_0_and_checks_its_bytes(polic
         rank1.adapter = {**rank1.adapter, "sha256": "0" * 64}
         with pytest.raises(RolloutEngineError, match="the ranks' policies diverged"):
             rank1.generate([[1, 2]], SAMPLING)
+
+
+def test_seeds_given_per_prompt_reach_the_server_as_they_are(policy):
+    """A prompt's own seed (a request of the batcher with a seed: issue 41's endpoint) is the one the server samples
+    it with, whatever it is batched with; without seeds they are drawn from ``sampling.seed``, by position."""
+    with serve(max_adapter_bytes=16 << 20) as (port, core):
+        e = engine([port], policy)
+        e.sync(0)
+        e.generate([[1], [2]], SAMPLING, seeds=[11, 22])
+        e.generate([[2]], SAMPLING, seeds=[22])
+        e.generate([[1], [2]], SAMPLING)
+        e.generate([[2], [1]], SAMPLING)
+    assert core.seeds[:2] == [[11, 22], [22]]
+    drawn = core.seeds[2:]
+    assert drawn[0] == drawn[1] and drawn[0] != [11, 22]  # by position from sampling.seed: not the prompt's own
