@@ -621,6 +621,38 @@ class RolloutConfig(Section):
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
 
+class OpenAIAgentConfig(Section):
+    """An agent program of your own, trained as it is: during rollouts llmtune serves an OpenAI-compatible
+    /v1/chat/completions endpoint in front of the rollout engine, and runs your agent once per rollout against it
+    (its own base URL and key). Every request is rendered with the chat template (tools included) and recorded as
+    token ids; requests that extend the previous exchange are joined by ids, a rewritten history starts a new
+    segment (docs/agents-openai.md). Set function or command (not both); agent.tools and agent.environment stay
+    empty."""
+
+    function: str | None = Field(
+        None, description="module:function or file.py:function (found in the working directory, then next to the "
+        "recipe), called once per rollout as fn(base_url, api_key, row, seed) in a thread of its own; returns the "
+        "rollout's reward (a number) or None (the reward: section then scores the final conversation).")
+    command: list[str] | None = Field(
+        None, description="An external program run once per rollout (argv list, e.g. [python, my_agent.py], run in "
+        "the working directory) with OPENAI_BASE_URL, OPENAI_API_KEY, LLMTUNE_ROW (the dataset row as JSON) and "
+        "LLMTUNE_SEED in its environment; the last line of its stdout is the reward, or empty for none (a non-zero "
+        "exit is an infrastructure failure).")
+    concurrency: int = Field(8, ge=1, description="Rollouts whose agents run at once (their requests are sampled "
+                             "together, in batches).")
+    timeout_s: float = Field(600.0, gt=0, description="Seconds one rollout's agent may run; past it the rollout is an "
+                             "infrastructure failure (it abstains, counted), a command is killed.")
+    host: str = Field("127.0.0.1", description="Address the endpoint listens on. Loopback by default; any other "
+                      "address exposes it beyond this host (every request still needs its rollout's key).")
+    port: int = Field(0, ge=0, le=65535, description="Port of the endpoint (0 = a free one).")
+    reward_weight: float = Field(1.0, description="Weight of the reward the agent returns (reward source `agent`) "
+                                 "in the total; None from the agent abstains.")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.function or self.command)
+
+
 class AgentConfig(Section):
     """Multi-turn, tool-using rollouts of the online-RL stages (GRPO, PPO): the policy answers over several turns,
     calling tools (plain Python functions) or acting in an environment (a class, one fresh instance per rollout);
@@ -665,10 +697,12 @@ class AgentConfig(Section):
         "tokenizer's own response template where it has one, else detected from the chat template.")
     environment_reward_weight: float = Field(1.0, description="Weight of the environment's reward(messages) in the "
                                              "total reward (when its class defines reward).")
+    openai: OpenAIAgentConfig = Field(default_factory=OpenAIAgentConfig)
 
     @property
     def enabled(self) -> bool:
-        return bool(self.tools or self.environment)
+        """Multi-turn rollouts: the built-in loop (tools or an environment) or an agent program (``openai``)."""
+        return bool(self.tools or self.environment) or self.openai.enabled
 
 
 class RewardFunctionConfig(Section):

@@ -357,7 +357,7 @@ def _rollout_sequence_tokens(doc: dict) -> tuple[int, str] | None:
     prompt = dotted_get(doc, prompt_key, 1024)
     new = dotted_get(doc, "rollout.max_new_tokens")
     if new is None:
-        agent = bool(dotted_get(doc, "agent.tools")) or bool(dotted_get(doc, "agent.environment"))
+        agent = agent_enabled(doc)
         new = default_max_new_tokens(dotted_get(doc, "stage"), agent)
     evaluation = dotted_get(doc, "rollout.eval_max_new_tokens")
     if not all(isinstance(v, int) for v in (prompt, new)) or not isinstance(evaluation, (int, type(None))):
@@ -367,16 +367,32 @@ def _rollout_sequence_tokens(doc: dict) -> tuple[int, str] | None:
     return prompt + longest, f"{prompt_key} {prompt} + {key} {longest}"
 
 
+def agent_enabled(doc: dict) -> bool:
+    """The raw recipe has multi-turn rollouts: tools, an environment or an agent program (``agent.openai``)."""
+    return bool(dotted_get(doc, "agent.tools")) or bool(dotted_get(doc, "agent.environment")) or bool(
+        dotted_get(doc, "agent.openai.function")) or bool(dotted_get(doc, "agent.openai.command"))
+
+
 def agent_problems(doc: dict) -> list[tuple[str, str]]:
-    """Multi-turn rollouts (``agent:``): only for the online-RL stages, and a tool result that fits the budget."""
-    enabled = bool(dotted_get(doc, "agent.tools")) or bool(dotted_get(doc, "agent.environment"))
-    if not enabled:
+    """Multi-turn rollouts (``agent:``): only for the online-RL stages, and a tool result that fits the budget; an
+    agent program (``agent.openai``) is one function or one command, with no llmtune tools beside it."""
+    if not agent_enabled(doc):
         return []
     stage = dotted_get(doc, "stage")
     if stage is not None and stage not in ("ppo", "grpo"):
         return [("agent", f"multi-turn tool rollouts are sampled by the online-RL stages (ppo, grpo); stage {stage} "
                  "trains on fixed data: remove the agent section")]
     problems = []
+    program = dotted_get(doc, "agent.openai.function") or dotted_get(doc, "agent.openai.command")
+    if dotted_get(doc, "agent.openai.function") and dotted_get(doc, "agent.openai.command"):
+        problems.append(("agent.openai", "set function (a Python callable) or command (an external program), not both"))
+    if program and (dotted_get(doc, "agent.tools") or dotted_get(doc, "agent.environment")):
+        problems.append(("agent.openai", "an agent program runs its own tools (it sends their schemas with its "
+                         "requests and runs the calls itself): leave agent.tools and agent.environment empty, or drop "
+                         "agent.openai to use llmtune's own loop"))
+    command = dotted_get(doc, "agent.openai.command")
+    if isinstance(command, list) and (not command or not all(isinstance(a, str) and a for a in command)):
+        problems.append(("agent.openai.command", "an argv list of non-empty strings, e.g. [python, my_agent.py]"))
     budget = dotted_get(doc, "rollout.max_new_tokens")
     budget = default_max_new_tokens(stage, True) if budget is None else budget
     cap = dotted_get(doc, "agent.max_tool_result_tokens")  # null = a quarter of the budget: always fits
@@ -390,7 +406,7 @@ def agent_problems(doc: dict) -> list[tuple[str, str]]:
 def overlong_problems(doc: dict, stage: str) -> list[tuple[str, str]]:
     """``<stage>.overlong_buffer_tokens`` fits in ``rollout.max_new_tokens``."""
     buffer, longest = dotted_get(doc, f"{stage}.overlong_buffer_tokens"), dotted_get(doc, "rollout.max_new_tokens")
-    agent = bool(dotted_get(doc, "agent.tools")) or bool(dotted_get(doc, "agent.environment"))
+    agent = agent_enabled(doc)
     longest = default_max_new_tokens(stage, agent) if longest is None else longest
     if isinstance(buffer, int) and isinstance(longest, int) and buffer > longest:
         return [(f"{stage}.overlong_buffer_tokens", f"{buffer} is more than rollout.max_new_tokens ({longest}): the "
@@ -404,7 +420,8 @@ def ppo_problems(doc: dict) -> list[tuple[str, str]]:
     problems: list[tuple[str, str]] = overlong_problems(doc, "ppo")
     has_run = bool(dotted_get(doc, "reward.from_run"))
     has_fn = bool(dotted_get(doc, "reward.function")) or bool(dotted_get(doc, "reward.functions"))
-    if has_run == has_fn:
+    program = bool(dotted_get(doc, "agent.openai.function") or dotted_get(doc, "agent.openai.command"))
+    if (has_run and has_fn) or not (has_run or has_fn or program):  # an agent program may return the reward itself
         problems.append(("reward", "PPO needs exactly one score source: reward.from_run (an `llmtune rm` run) or "
                          "reward.function (module:function, e.g. llmtune.rewards:gsm8k_reward) / reward.functions"))
     rollout, glob = dotted_get(doc, "ppo.rollout_batch_size", 16), dotted_get(doc, "train.global_batch_size", 8)
@@ -424,7 +441,8 @@ def grpo_problems(doc: dict) -> list[tuple[str, str]]:
     optimizer step, whole optimizer steps in every rollout batch, steps/saves/evals at iteration ends."""
     problems: list[tuple[str, str]] = []
     functions = dotted_get(doc, "reward.functions") or []
-    if not (dotted_get(doc, "reward.from_run") or dotted_get(doc, "reward.function") or functions):
+    program = dotted_get(doc, "agent.openai.function") or dotted_get(doc, "agent.openai.command")
+    if not (dotted_get(doc, "reward.from_run") or dotted_get(doc, "reward.function") or functions or program):
         problems.append(("reward", "GRPO needs at least one reward source: reward.function (module:function, e.g. "
                          "llmtune.rewards:gsm8k_reward), reward.functions ([{function, weight}, ...]) and/or "
                          "reward.from_run (an `llmtune rm` run)"))

@@ -285,7 +285,7 @@ class CoreTrainer(NonFiniteGuard, Trainer):
         count = torch.as_tensor(count, device=device)
         if self.args.world_size > 1:
             count = self.accelerator.gather(count.reshape(1)).sum()
-        self.trained_tokens += int(count)
+        self.trained_tokens += round(float(count))  # a fraction when rows are shares of a rollout (GRPO segments)
         seen = sum(  # packed batches carry no attention_mask: every position is a real token
             int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel() for b in batch_samples
         )

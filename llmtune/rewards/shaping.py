@@ -171,19 +171,34 @@ class RewardResult:
         self.skip = torch.where(self.trains & rows.to(self.skip.device), torch.full_like(self.skip, int(reason)),
                                 self.skip)
 
-    def loss_mask(self, batch: RolloutBatch) -> torch.Tensor:
-        """THE mask every loss path reads: (B, N) long, 1 on the tokens the policy sampled of the rows that train."""
-        return batch.loss_mask * self.trains.to(batch.loss_mask.device)[:, None].long()
+    def loss_mask(self, batch: RolloutBatch, rollout: torch.Tensor | None = None) -> torch.Tensor:
+        """THE mask every loss path reads: (B, N) long, 1 on the tokens the policy sampled of the rows that train.
 
-    def token_rewards(self, batch: RolloutBatch) -> torch.Tensor | None:
+        Args:
+            batch: the scored rollout batch, or its training rows (:meth:`~llmtune.rl.types.RolloutBatch.training_rows`:
+                one per segment of a rollout whose agent rewrote its history). rollout: with training rows, (S,)
+                the rollout of each row; the mask is then (S, N), a row trains when its rollout does.
+        """
+        trains = self.trains if rollout is None else self.trains[rollout.to(self.trains.device)]
+        return batch.loss_mask * trains.to(batch.loss_mask.device)[:, None].long()
+
+    def token_rewards(self, batch: RolloutBatch, rollout: torch.Tensor | None = None) -> torch.Tensor | None:
         """(B, N) fp32: each turn's reward at that turn's last sampled token (its end-of-turn token), 0 elsewhere;
-        None when no row has turn rewards. PPO adds it to its per-token rewards."""
+        None when no row has turn rewards. PPO adds it to its per-token rewards.
+
+        Args:
+            batch, rollout: as :meth:`loss_mask` (with training rows, a rollout's turns are read across its rows in
+                order).
+        """
         if not any(self.turn_rewards):
             return None
+        rollout = list(range(len(batch.trajectories))) if rollout is None else rollout.tolist()
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
-        for b, (t, rewards) in enumerate(zip(batch.trajectories, self.turn_rewards)):
-            for end, reward in zip(t.turn_ends, rewards):
-                out[b, end] += reward
+        done = [0] * len(self.turn_rewards)  # turns of each rollout already placed (in its earlier rows)
+        for s, (t, b) in enumerate(zip(batch.trajectories, rollout)):
+            for end, reward in zip(t.turn_ends, self.turn_rewards[b][done[b]:]):
+                out[s, end] += reward
+            done[b] += len(t.turn_ends)
         return out.to(batch.loss_mask.device)
 
     def merge(self, other: RewardResult, pick: torch.Tensor) -> RewardResult:

@@ -24,9 +24,10 @@ from llmtune.utils import awaited, get_logger
 log = get_logger("rl")
 
 # metric names of the rewards that are not sources (rewards/<name>_mean: the task reward, the per-turn rewards, the
-# shaping terms of llmtune.rewards.shaping): a reward function of such a name is logged as <name>_2
+# shaping terms of llmtune.rewards.shaping) and of an agent program's source: a reward function of such a name is
+# logged as <name>_2
 RESERVED_NAMES = frozenset({"task", "turns", "missing_eos_penalty", "overlong_penalty", "tool_cost",
-                            "well_formed_calls"})
+                            "well_formed_calls", "agent"})
 
 
 @dataclass
@@ -176,6 +177,16 @@ class EnvironmentScorer:
         return torch.tensor(values, dtype=torch.float32)
 
 
+class AgentRewardScorer:
+    """The reward an agent program returned for each rollout (``agent.openai``;
+    :attr:`llmtune.rl.types.Outcome.agent_reward`); None abstains (the other sources then score the rollout)."""
+
+    def __call__(self, scored: Scored) -> torch.Tensor:
+        trajectories = scored.batch.trajectories if scored.batch is not None else []
+        values = [t.outcome.agent_reward for t in trajectories] or [None] * len(scored.rows)
+        return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
+
+
 @dataclass
 class RewardSource:
     """One weighted reward source; ``name`` is its metric name (``rewards/<name>_mean``)."""
@@ -247,7 +258,7 @@ def combine(per_source: dict[str, torch.Tensor], weights: dict[str, float]) -> t
 
 def build_reward_sources(reward, tokenizer=None, recipe_dir: str | Path | None = None, precision=None,
                          base_dir: str | Path = ".", environment_weight: float | None = None,
-                         multi_turn: bool = False) -> RewardSources:
+                         multi_turn: bool = False, agent_weight: float | None = None) -> RewardSources:
     """The :class:`RewardSources` of a ``reward:`` section (functions imported, the reward model loaded); reward
     modules are found in the working directory, then in ``recipe_dir``
     (:func:`llmtune.rewards.functions.reward_search_dirs`).
@@ -260,6 +271,8 @@ def build_reward_sources(reward, tokenizer=None, recipe_dir: str | Path | None =
         environment_weight: a multi-turn run's environment has a ``reward(messages)`` method: add it as the source
             ``environment`` with this weight (``agent.environment_reward_weight``); None = no such source.
         multi_turn: the run has ``agent:`` (reward functions may take ``messages`` and ``environments``).
+        agent_weight: an agent program's run (``agent.openai``): the reward it returns is the source ``agent`` with
+            this weight (``agent.openai.reward_weight``); None = no such source.
     """
     sources: list[RewardSource] = []
     if reward.from_run:
@@ -277,4 +290,6 @@ def build_reward_sources(reward, tokenizer=None, recipe_dir: str | Path | None =
         sources.append(RewardSource(unique, weight, FunctionScorer(spec, recipe_dir=recipe_dir, multi_turn=multi_turn)))
     if environment_weight is not None:
         sources.append(RewardSource("environment", environment_weight, EnvironmentScorer()))
+    if agent_weight is not None:
+        sources.append(RewardSource("agent", agent_weight, AgentRewardScorer()))
     return RewardSources(sources)

@@ -203,10 +203,10 @@ class Rollouts:
         if self.prefetch is None:  # sampled in the background: the trainer's share is the time it waited
             self.generation_s += seconds
         self.log_metrics({"rollout/sample_s": seconds})
-        tokens = batch.loss_mask  # the tokens the policy sampled (multi-turn: not the tool results)
+        tokens = batch.sampled_tokens()  # (B,) the tokens the policy sampled (multi-turn: not the tool results)
         tokens_per_s = float(tokens.sum()) / max(seconds, 1e-9)
         # a generated token attends to its prompt and the completion so far: on average prompt + half of it
-        context = float(batch.prompt_mask.sum(1).float().mean()) + float(tokens.sum(1).float().mean() + 1) / 2
+        context = float(batch.prompt_mask.sum(1).float().mean()) + float(tokens.float().mean() + 1) / 2
         tflops = forward_flops_per_token(self.flops_model, context) * tokens_per_s / 1e12
         peak = peak_tflops()
         self.log_metrics({"generation_tokens_per_s": tokens_per_s, "generation_tflops_per_s": tflops,
@@ -215,13 +215,18 @@ class Rollouts:
 
     def agent_metrics(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """:func:`llmtune.rl.agent.agent_metrics` over all ranks' rollouts of this batch, and
-        ``agent/abandoned_tool_threads``: tool threads that timed out and are still running, summed over the ranks'
-        processes (:func:`llmtune.rl.toolbox.abandoned_tool_threads`; a number that grows means a tool hangs)."""
+        ``agent/abandoned_tool_threads``: tool threads (and agent programs' threads,
+        :func:`llmtune.rl.agent_program.abandoned_agent_threads`) that timed out and are still running, summed over
+        the ranks' processes (:func:`llmtune.rl.toolbox.abandoned_tool_threads`; a number that grows means a tool or
+        an agent hangs)."""
         from llmtune.rl.agent import agent_metrics
+        from llmtune.rl.agent_program import OpenAIAgentLoop, abandoned_agent_threads, endpoint_metrics
         from llmtune.rl.toolbox import abandoned_tool_threads
 
         metrics = agent_metrics(trajectories)
-        abandoned = float(abandoned_tool_threads())
+        if isinstance(self.agent, OpenAIAgentLoop):  # joins and splits of an agent program's requests
+            metrics.update(endpoint_metrics(trajectories))
+        abandoned = float(abandoned_tool_threads() + abandoned_agent_threads())
         if self.ranks.world > 1:
             keys = sorted(metrics)
             values = torch.tensor([metrics[k] * len(trajectories) for k in keys] + [abandoned, len(trajectories)],
@@ -241,6 +246,10 @@ class Rollouts:
         """Free the background sampler and the engine (never hiding the error that ended the run)."""
         if self.prefetch is not None:
             self.prefetch.close()
+        from llmtune.rl.agent_program import OpenAIAgentLoop
+
+        if isinstance(self.agent, OpenAIAgentLoop):
+            self.agent.close()  # the endpoint
         try:
             self.engine.close()
         except Exception as exc:  # noqa: BLE001 - never hide the error that ended the run behind a failed close
@@ -267,3 +276,35 @@ def build_agent_loop(recipe, engine: RolloutEngine, tokenizer, tools, stop_ids: 
     return AgentLoop(engine, tokenizer, turns, tools.functions, tools.environment, settings,
                      lambda messages: prompt_ids(tokenizer, messages, tools=tools.schemas),
                      recipe.data.max_prompt_length or recipe.data.max_length)
+
+
+def build_openai_agent(recipe, engine: RolloutEngine, tokenizer, stop_ids: list[int], recipe_dir=None, rank: int = 0,
+                       world: int = 1):
+    """The rollouts of an agent program (``agent.openai``: :class:`llmtune.rl.agent_program.OpenAIAgentLoop`) on
+    ``engine``: its OpenAI-compatible endpoint (on ``agent.openai.port`` + rank when a port is set), the run's tool-call
+    parser, the chat template's renderer.
+
+    Raises:
+        RecipeError: several processes with the hf engine (each rank's agents would call ``generate`` at their own
+            times; hf generation under ZeRO-3 is collective); ``agent.tool_parser: auto`` finds no format.
+        AgentSetupError: the agent cannot be loaded (as ``llmtune validate`` says).
+    """
+    from llmtune.config import RecipeError
+    from llmtune.rl.agent_program import EndpointSettings, OpenAIAgentLoop, load_agent
+    from llmtune.rl.endpoint import Reader
+    from llmtune.rl.engines.vllm_engine import needed_model_len
+    from llmtune.rl.recorder import Renderer
+    from llmtune.rl.tool_calls import resolve_tool_parser
+
+    cfg = recipe.agent.openai
+    if world > 1 and not isinstance(engine, BackgroundEngine):
+        raise RecipeError([("agent.openai", f"an agent program with rollout.engine: hf on {world} processes: each "
+                            "rank's agents reach the engine at their own times, while hf generation on several ranks "
+                            "must run in step; use rollout.engine: vllm")])
+    parser, response_template = resolve_tool_parser(recipe.agent.tool_parser, tokenizer)
+    program = load_agent(cfg.function, cfg.command, recipe_dir)
+    settings = EndpointSettings(cfg.concurrency, cfg.timeout_s, cfg.host, cfg.port + rank if cfg.port else 0,
+                                recipe.agent.max_turns, needed_model_len(recipe))
+    return OpenAIAgentLoop(engine, program, Renderer(tokenizer, stop_ids), Reader(tokenizer, parser,
+                                                                                response_template), settings)
+

@@ -68,16 +68,18 @@ class OnlineRLStage(Stage):
         resets = agent is not None and agent.environment is not None and hasattr(agent.environment, "reset")
         data = build_prompt_data(self.recipe.data, tokenizer, base_dir=base_dir,
                                  tools=agent.schemas if agent else None, keep_columns=resets)
-        if agent is not None:
+        if agent is not None or self.recipe.agent.openai.enabled:  # an agent program's requests too
             from llmtune.data.prompts import prompt_ids
             from llmtune.data.templates import stop_token_ids
             from llmtune.rl.chat import check_tool_template
             from llmtune.rl.tool_calls import resolve_tool_parser
 
-            agent.turns = check_tool_template(
-                tokenizer, agent.schemas, stop_token_ids(tokenizer),
+            turns = check_tool_template(
+                tokenizer, agent.schemas if agent else [], stop_token_ids(tokenizer),
                 lambda messages, tools, generation: prompt_ids(tokenizer, messages, tools=tools,
                                                                generation_prompt=generation))
+            if agent is not None:
+                agent.turns = turns
             resolve_tool_parser(self.recipe.agent.tool_parser, tokenizer)  # auto must find a format
             if resets:
                 from llmtune.data.prompts import PROMPT_ROW_FIELDS, shared_raw_columns
@@ -102,6 +104,15 @@ class OnlineRLStage(Stage):
             for line in exc.problems:
                 key, sep, message = line.partition(": ")
                 problems.append((key, message) if sep and key.startswith("agent") else ("agent", line))
+        program = self.recipe.agent.openai
+        if program.enabled and not (self.recipe.agent.tools or self.recipe.agent.environment):
+            from llmtune.rl.agent_program import AgentSetupError, load_agent
+
+            try:
+                load_agent(program.function, program.command, self.recipe_dir)
+            except AgentSetupError as exc:
+                key, sep, message = str(exc).partition(": ")
+                problems.append((key, message) if sep and key.startswith("agent") else ("agent.openai", str(exc)))
         if reward.from_run:
             lineage_path = Path(reward.from_run) / "lineage.json"
             if not lineage_path.is_file():

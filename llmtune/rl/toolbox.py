@@ -149,7 +149,7 @@ def load_tools(specs: Iterable[str], recipe_dir: Any = None, key: str = "agent.t
     for i, spec in enumerate(specs):
         where = f"{key}.{i}"
         try:
-            fn = _resolve(spec, recipe_dir, where)
+            fn = resolve_spec(spec, recipe_dir, where)
             if inspect.isclass(fn) or not inspect.isroutine(fn):
                 raise ToolSetupError(f"{where}: {spec!r} is {type(fn).__name__}, not a function; a tool is a function "
                                      "with type hints and an Args: docstring (a class with tool methods is an "
@@ -190,7 +190,7 @@ def load_environment(spec: str, recipe_dir: Any = None, key: str = "agent.enviro
             ``reward(messages)``; no public method (no tool); a public method without a schema (as for a tool).
     """
     where = f"{key}: {spec!r}"
-    cls = _resolve(spec, recipe_dir, key)
+    cls = resolve_spec(spec, recipe_dir, key)
     if not inspect.isclass(cls):
         raise ToolSetupError(f"{where} is {type(cls).__name__}, not a class; an environment is a class whose public "
                              "methods are the tools (a plain function is a tool: list it under the tools)")
@@ -306,7 +306,7 @@ def check_reset_columns(environment_cls: type, columns: Iterable[str], key: str 
         raise ToolSetupError(f"{exc.problems[0]} (only some rows have {', '.join(partial)})") from None
 
 
-def _resolve(spec: str, recipe_dir: Any, where: str) -> Any:
+def resolve_spec(spec: str, recipe_dir: Any, where: str) -> Any:
     """The object ``module:attr`` names, imported as reward functions are (same search directories and import
     helpers, :mod:`llmtune.rewards.functions`)."""
     from llmtune.rewards.functions import RewardFunctionError, import_file, import_module, reward_search_dirs

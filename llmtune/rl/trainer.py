@@ -39,7 +39,7 @@ from llmtune.rewards.sources import build_reward_sources
 from llmtune.rl.engines import EngineSite, Policy, build_engine, sampling_from_recipe
 from llmtune.rl.iteration import Loop, run_iteration
 from llmtune.rl.model import POLICY
-from llmtune.rl.rollouts import Ranks, Rollouts, build_agent_loop, conversation_fields
+from llmtune.rl.rollouts import Ranks, Rollouts, build_agent_loop, build_openai_agent, conversation_fields
 from llmtune.utils import get_logger
 
 log = get_logger("rl")
@@ -116,6 +116,8 @@ class OnlineRLTrainer(CoreTrainer):
                                        precision=recipe.precision,
                                        environment_weight=recipe.agent.environment_reward_weight
                                        if environment is not None and hasattr(environment, "reward") else None,
+                                       agent_weight=recipe.agent.openai.reward_weight
+                                       if recipe.agent.openai.enabled else None,
                                        multi_turn=recipe.agent.enabled)
         self.rewards = Rewards(sources, shaping_from_recipe(recipe), processing_class)
         wrapped = self.build_model(model, recipe)
@@ -160,8 +162,13 @@ class OnlineRLTrainer(CoreTrainer):
                                     f"({spi} steps: {name} rollout batch / train.global_batch_size x its passes): a "
                                     f"batch sampled one iteration ahead is {spi} steps stale. Set it to 0 or >= "
                                     f"{spi} (a multiple of {spi}: {spi} = one iteration ahead)")])
-            agent = (build_agent_loop(recipe, engine, self.tokenizer, self.agent_tools, self.stop_ids)
-                     if self.agent_tools else None)
+            if self.agent_tools:  # the built-in loop: llmtune's tools or environment
+                agent = build_agent_loop(recipe, engine, self.tokenizer, self.agent_tools, self.stop_ids)
+            elif recipe.agent.openai.enabled:  # your agent program, through the OpenAI-compatible endpoint
+                agent = build_openai_agent(recipe, engine, self.tokenizer, self.stop_ids, self.stage.recipe_dir,
+                                           self.args.process_index, self.args.world_size)
+            else:
+                agent = None
             return Rollouts(engine, agent, sampling_from_recipe(recipe, self.stop_ids),
                             sampling_from_recipe(recipe, self.stop_ids, greedy=True), self.algorithm.rollout_rows,
                             self.args.seed if self.rollout.seed is None else self.rollout.seed, self.pad_id,
@@ -299,13 +306,15 @@ class OnlineRLTrainer(CoreTrainer):
         for start in range(0, len(indices), size):
             rows = [rows_all[i] for i in indices[start:start + size]]
             batch = self.rollouts.sample(rows, greedy=True)
-            fwd = self.loop.forward(batch, reference=True, exact_kl=True, temperature=1.0)
+            train, rollout = batch.training_rows()  # a rollout whose agent rewrote its history: one per segment
+            fwd = self.loop.forward(train, reference=True, exact_kl=True, temperature=1.0)
             result = self.rewards.score(batch, self.args.device)
             total, per_source = result.task, result.per_source
             mask = batch.completion_mask
-            kl = (fwd.kl_exact * batch.loss_mask).sum(1)  # over the policy's tokens (not a tool result's)
+            kl_rows = (fwd.kl_exact * train.loss_mask).sum(1)  # over the policy's tokens (not a tool result's)
+            kl = torch.zeros(len(rows), device=kl_rows.device).index_add_(0, rollout.to(kl_rows.device), kl_rows)
             per_row.append(torch.stack([total.to(kl.device), kl, mask.sum(1).float(), (~batch.ended).float(),
-                                        batch.loss_mask.sum(1).float(),
+                                        batch.sampled_tokens().float().to(kl.device),
                                         *(per_source[n].to(kl.device) for n in names)], 1))
             progress.update(len(rows))
             if len(samples) < 8:

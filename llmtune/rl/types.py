@@ -10,6 +10,12 @@ Shapes: B = trajectories, P = prompt width (left-padded to the longest prompt of
 (right-padded to the longest completion). A completion is everything after the prompt: in a single-turn rollout the
 sampled tokens up to and including the stop token; in a multi-turn one also the tool / environment messages between
 the assistant turns (``loss_mask`` 0 there).
+
+A rollout of an agent program that talks to the OpenAI-compatible endpoint (:mod:`llmtune.rl.recorder`) and rewrote
+its history (dropped reasoning, summarised its memory, changed its system prompt) is several **segments**, each
+trained with its own context (:class:`Segment`, :attr:`Trajectory.segments`): the learner trains on
+:meth:`RolloutBatch.training_rows` (S >= B rows, one per segment), everything per rollout (rewards, advantages,
+statistics) is computed on the B rollouts.
 """
 
 from __future__ import annotations
@@ -112,6 +118,11 @@ class Outcome:
         turn_rewards: one value per assistant turn: the sum of the rewards its tool calls returned
             (:class:`llmtune.rl.toolbox.ToolOutput` ``reward``; 0 for a turn without one); empty when no call of the
             rollout returned a reward.
+        requests, joins, splits: an agent program's rollout (:mod:`llmtune.rl.recorder`): requests to the endpoint
+            answered, those joined by ids onto an earlier exchange, those that started a new segment (history
+            rewritten, or an exchange continued twice). sampling_overridden: requests whose sampling settings the
+            run replaced by its own. agent_reward: the reward the agent program returned (None: none; its
+            ``reward`` source abstains).
     """
 
     messages: list[dict] | None = None
@@ -121,6 +132,11 @@ class Outcome:
     truncated_results: int = 0
     infrastructure_error: str | None = None
     turn_rewards: list[float] = field(default_factory=list)
+    requests: int = 0
+    joins: int = 0
+    splits: int = 0
+    sampling_overridden: int = 0
+    agent_reward: float | None = None
 
     @property
     def failed(self) -> bool:
@@ -142,6 +158,24 @@ class Outcome:
 
 
 @dataclass
+class Segment:
+    """One training row of a rollout that is several (an agent program that rewrote its history): a context and
+    everything after it, trained with that context. Fields as :class:`Trajectory`'s (``loss_mask`` 1 on the tokens
+    the policy sampled in it; ``engine_logps`` NaN on the others, or None)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    loss_mask: list[int]
+    engine_logps: list[float] | None
+
+    def __post_init__(self):
+        n = len(self.completion_ids)
+        if len(self.loss_mask) != n or (self.engine_logps is not None and len(self.engine_logps) != n):
+            raise ValueError(f"segment of {n} completion ids with {len(self.loss_mask)} loss-mask values and "
+                             f"{None if self.engine_logps is None else len(self.engine_logps)} engine log-probs")
+
+
+@dataclass
 class Trajectory:
     """One rollout of one prompt row: what the policy and its environment produced after the prompt.
 
@@ -160,6 +194,9 @@ class Trajectory:
         turns: assistant turns sampled. group: the trajectory's group (its prompt) in its rollout batch.
         outcome: what else the rollout recorded (:class:`Outcome`: the conversation, tool calls, errors, per-turn
             rewards, an infrastructure failure).
+        segments: the rollout's training rows when it is several (:class:`Segment`, in the order they started; an
+            agent program that rewrote its history), the last one being the trajectory's own ids (the final context
+            and what followed it: what a reward model scores); empty = the trajectory is its one row.
     """
 
     row: dict
@@ -172,6 +209,7 @@ class Trajectory:
     turns: int = 1
     group: int = 0
     outcome: Outcome = field(default_factory=Outcome)
+    segments: list[Segment] = field(default_factory=list)
 
     def __post_init__(self):
         n = len(self.completion_ids)
@@ -183,6 +221,18 @@ class Trajectory:
     def ended(self) -> bool:
         """It ended on its own (a stop token), not cut by a budget or a cap."""
         return self.finish_reason == STOP
+
+    @property
+    def rows(self) -> list[Segment]:
+        """What the learner trains on for this rollout: its segments, or the trajectory itself as one."""
+        if self.segments:
+            return list(self.segments)
+        return [Segment(self.prompt_ids, self.completion_ids, self.loss_mask, self.engine_logps)]
+
+    @property
+    def sampled_tokens(self) -> int:
+        """Tokens the policy sampled in the whole rollout (every segment)."""
+        return sum(sum(s.loss_mask) for s in self.rows)
 
     @property
     def turn_ends(self) -> list[int]:
@@ -210,7 +260,7 @@ class RolloutBatch:
         loss_mask: (B, N) 1 on the ids the policy sampled (a subset of ``completion_mask``).
         engine_logps: (B, N) fp32 (0 on padding, NaN on context tokens or non-finite values), or None.
         ended: (B,) bool, stopped on a stop token. group_ids: (B,) long. versions: (B,) long (-1 = unknown).
-        trajectories: the B trajectories.
+        trajectories: the B trajectories. pad_id: the id the padding is made of.
     """
 
     prompt_ids: torch.Tensor
@@ -223,6 +273,7 @@ class RolloutBatch:
     group_ids: torch.Tensor
     versions: torch.Tensor
     trajectories: list[Trajectory]
+    pad_id: int = 0
 
     @classmethod
     def from_trajectories(cls, trajectories: list[Trajectory], pad_id: int, device: torch.device | str = "cpu"
@@ -255,11 +306,50 @@ class RolloutBatch:
         versions = torch.tensor([-1 if t.version is None else t.version for t in trajectories], dtype=torch.long)
         to = lambda x: None if x is None else x.to(device)  # noqa: E731
         return cls(to(prompt_ids), to(prompt_mask), to(completion_ids), to(completion_mask), to(loss_mask),
-                   to(engine_logps), to(ended), to(group_ids), to(versions), trajectories)
+                   to(engine_logps), to(ended), to(group_ids), to(versions), trajectories, pad_id)
 
     @property
     def rows(self) -> list[dict]:
         return [t.row for t in self.trajectories]
+
+    @property
+    def segmented(self) -> bool:
+        """Some rollout is several training rows (:attr:`Trajectory.segments`)."""
+        return any(t.segments for t in self.trajectories)
+
+    def sampled_tokens(self) -> torch.Tensor:
+        """(B,) long: the tokens the policy sampled in each whole rollout (every segment; ``loss_mask.sum(1)``
+        when no rollout is several rows)."""
+        if not self.segmented:
+            return self.loss_mask.sum(1)
+        return torch.tensor([t.sampled_tokens for t in self.trajectories], dtype=torch.long,
+                            device=self.loss_mask.device)
+
+    def training_rows(self) -> tuple[RolloutBatch, torch.Tensor]:
+        """The rows the learner trains on, and the rollout each comes from.
+
+        A rollout is one row, or one per segment when its agent rewrote its history (:attr:`Trajectory.segments`:
+        each segment with its own context; every token the policy sampled is in exactly one of them).
+
+        Returns:
+            ``(rows, rollout)``: a batch of S >= B rows (each a :class:`Trajectory` with the rollout's row, finish
+            reason, version, group and outcome, and the segment's ids), and (S,) long, the index of each row's
+            rollout in this batch; ``(self, arange(B))`` when no rollout has segments.
+        """
+        from dataclasses import replace
+
+        B = len(self.trajectories)
+        if not self.segmented:
+            return self, torch.arange(B, device=self.loss_mask.device)
+        rows, rollout = [], []
+        for b, t in enumerate(self.trajectories):
+            for s in t.rows:
+                rows.append(replace(t, prompt_ids=s.prompt_ids, completion_ids=s.completion_ids,
+                                    loss_mask=s.loss_mask, engine_logps=s.engine_logps, segments=[]))
+                rollout.append(b)
+        device = self.loss_mask.device
+        return (RolloutBatch.from_trajectories(rows, self.pad_id, device),
+                torch.tensor(rollout, dtype=torch.long, device=device))
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """Prompt + completion as one model input: ``input_ids``/``attention_mask``/``position_ids``, each

@@ -36,7 +36,7 @@ class GRPOStage(OnlineRLStage):
                     "truncated_fraction")
 
     def count_items(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return ops.count_items(batch["loss_mask"], self.recipe.grpo.loss_aggregation)
+        return ops.count_items(batch["loss_mask"], self.recipe.grpo.loss_aggregation, batch.get("rollout_tokens"))
 
     def loss(self, model, batch, num_items):
         """GRPO's clipped loss (:func:`ops.grpo_loss`) of a micro-batch / the step's ``num_items``.
@@ -63,10 +63,12 @@ class GRPOStage(OnlineRLStage):
                      else (cfg.epsilon_low, cfg.epsilon_high))
         out = ops.grpo_loss(logps, batch.get("old_logps"), batch["advantages"], mask, low, high,
                             cfg.loss_aggregation, self.recipe.rollout.max_new_tokens, cfg.beta, batch.get("ref_logps"),
-                            cfg.kl_estimator, cfg.importance_sampling_level, batch.get("is_weights"))
+                            cfg.kl_estimator, cfg.importance_sampling_level, batch.get("is_weights"),
+                            batch.get("rollout_tokens"))
         tokens = mask.sum().clamp(min=1)
         entropy = masked_mean(entropy, mask)  # over the trained tokens (multi-turn: never a tool result's)
-        local = ops.count_items(mask, cfg.loss_aggregation).clamp(min=1)  # this micro-batch's share of num_items
+        local = ops.count_items(mask, cfg.loss_aggregation,  # this micro-batch's share of num_items
+                                batch.get("rollout_tokens")).clamp(min=1e-6)
         metrics = {"policy_loss": float(out.loss_sum.detach() / local), "entropy": float(entropy),
                    "clip_fraction_low": float(out.clipped_low / tokens),
                    "clip_fraction_high": float(out.clipped_high / tokens)}

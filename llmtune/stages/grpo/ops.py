@@ -226,11 +226,22 @@ def compute_advantages(estimator: str, rewards: torch.Tensor, group_ids: torch.T
     return group_advantages(rewards, group_ids, trainable, scale_rewards, batch_std)[0]
 
 
-def count_items(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+def count_items(mask: torch.Tensor, aggregation: str, rollout_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """What the step loss is divided by, for a micro-batch: completion tokens (``token_mean``) or completions with
     at least one token in the loss (``sequence_mean``, ``constant``). Summed over the step's micro-batches and
-    ranks by the core, so the normaliser belongs to the whole optimizer step."""
-    return mask.sum() if aggregation == "token_mean" else (mask.sum(1) > 0).sum()
+    ranks by the core, so the normaliser belongs to the whole optimizer step.
+
+    Args:
+        mask: (B, N) the loss mask. rollout_tokens: (B,) rows that are segments of rollouts (an agent that rewrote its
+            history): the loss tokens of each row's whole rollout; a row then counts as its share of its rollout's
+            tokens, so that a rollout counts as one completion whatever its segments
+            (:func:`llmtune.stages.grpo.trainer.segment_weights`). None: every row is a whole rollout.
+    """
+    if aggregation == "token_mean":
+        return mask.sum()
+    if rollout_tokens is None:
+        return (mask.sum(1) > 0).sum()
+    return (mask.float().sum(1) / rollout_tokens.float().clamp(min=1)).sum()
 
 
 @dataclass
@@ -246,7 +257,8 @@ class GRPOLoss:
 def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: torch.Tensor, mask: torch.Tensor,
               epsilon_low: float, epsilon_high: float, aggregation: str, max_new_tokens: int,
               beta: float = 0.0, ref_logps: torch.Tensor | None = None, kl_estimator: str = "k3",
-              importance_sampling_level: str = "token", is_weights: torch.Tensor | None = None) -> GRPOLoss:
+              importance_sampling_level: str = "token", is_weights: torch.Tensor | None = None,
+              rollout_tokens: torch.Tensor | None = None) -> GRPOLoss:
     """Clipped surrogate of GRPO/DAPO/GSPO with an optional KL term, aggregated as the step normaliser expects.
 
     Per token: ``l_t = -w_t * min(r A, clip(r, 1 - epsilon_low, 1 + epsilon_high) A) + beta * c * KL_t`` (the
@@ -286,6 +298,9 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: t
         beta: KL weight; ref_logps: (B, N) reference log-probs (needed when beta > 0).
         kl_estimator: ``k1`` | ``k2`` | ``k3``. importance_sampling_level: ``token`` | ``sequence``.
         is_weights: (B, N) per-token weights of the surrogate (detached here), or None.
+        rollout_tokens: (B,) when rows are segments of rollouts: each row's rollout's loss tokens, which
+            ``sequence_mean`` divides a row's token sum by (instead of the row's own), so that a rollout's segments add
+            up to its mean (:func:`count_items`). The sequence-level ratio stays per row.
 
     Raises:
         ValueError: an unknown aggregation or importance_sampling_level, or beta > 0 without ``ref_logps``.
@@ -315,7 +330,8 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: t
     if aggregation == "token_mean":
         loss_sum = masked_sum(per_token, mask)
     elif aggregation == "sequence_mean":
-        loss_sum = (masked_sum(per_token, mask, dim=1) / mask.sum(1).clamp(min=1)).sum()
+        lengths = mask.sum(1) if rollout_tokens is None else rollout_tokens.float()
+        loss_sum = (masked_sum(per_token, mask, dim=1) / lengths.clamp(min=1)).sum()
     else:
         loss_sum = masked_sum(per_token, mask) / max_new_tokens
     return GRPOLoss(loss_sum, masked_sum(surrogate.clipped_low, mask), masked_sum(surrogate.clipped_high, mask),

@@ -164,7 +164,7 @@ class GRPO:
             rewards.exclude(silent, Skip.NO_SIGNAL)
         keep = rewards.trains
         # every statistic below is over the rows that train (bug: masked rows used to move their group's baseline)
-        tokens = batch.loss_mask.sum(1)
+        tokens = batch.sampled_tokens()  # (B,) every segment's, for a rollout that is several rows
         stats = ops.advantage_moments(g.advantage_estimator, g.scale_rewards, reward, keep, tokens)
         if stats is not None and loop.ranks.world > 1:
             stats = loop.ranks.reduce(stats.to(loop.ranks.device))
@@ -172,21 +172,26 @@ class GRPO:
                                             tokens)
         self._check_signal(loop, iteration, rewards, keep & (advantages != 0))
 
-        experience = Experience.from_batch(batch, rewards.loss_mask(batch))
-        experience.add("advantages", advantages, Layout.SEQUENCE)
-        if all("index" in row for row in batch.rows):  # (B,) prompt rows, named by the non-finite guard
-            experience.add(ROW_KEY, torch.tensor([int(r["index"]) for r in batch.rows], device=reward.device),
+        # the learner's rows: one per rollout, or one per segment of a rollout whose agent rewrote its history, each
+        # with its rollout's advantage (every sampled token is in one row: see segment_weights)
+        train, rollout = batch.training_rows()
+        experience = Experience.from_batch(train, rewards.loss_mask(train, rollout))
+        experience.add("advantages", advantages[rollout.to(advantages.device)], Layout.SEQUENCE)
+        if train is not batch:
+            experience.add("rollout_tokens", segment_weights(experience["loss_mask"], rollout), Layout.SEQUENCE)
+        if all("index" in row for row in train.rows):  # (S,) prompt rows, named by the non-finite guard
+            experience.add(ROW_KEY, torch.tensor([int(r["index"]) for r in train.rows], device=reward.device),
                            Layout.SEQUENCE)
         kl_rollout, fwd = None, None
         if self.needs_old_logps or g.beta > 0:
-            fwd = loop.forward(batch, reference=g.beta > 0)  # every sampled token (rollout_kl counts them all)
-            sampled = batch.loss_mask
+            fwd = loop.forward(train, reference=g.beta > 0)  # every sampled token (rollout_kl counts them all)
+            sampled = train.loss_mask
             if self.needs_old_logps:
                 experience.add("old_logps", fwd.logps * sampled, Layout.TOKEN)
             if g.beta > 0:
                 experience.add("ref_logps", fwd.ref_logps * sampled, Layout.TOKEN)
                 kl_rollout = masked_mean(kl_estimate(fwd.logps, fwd.ref_logps, g.kl_estimator), sampled.float())
-        loop.engine_correction(experience, batch, fwd)
+        loop.engine_correction(experience, train, fwd)
 
         loop.log_metrics(self._rollout_metrics(loop, batch, rewards, silent_first, silent, keep, rounds, kl_rollout))
         if iteration % g.sample_every == 0:
@@ -199,8 +204,8 @@ class GRPO:
                  "advantage": float(advantages[b]), "trained": bool(keep[b]),
                  **conversation_fields(batch.trajectories[b])}
                 for b in range(min(len(texts), 2 * g.num_generations))])
-        n = batch.completion_mask.shape[0]
-        return experience, batch.prompt_mask.sum(1).cpu() * n + group_ids.cpu()
+        n = train.completion_mask.shape[0]
+        return experience, train.prompt_mask.sum(1).cpu() * n + train.group_ids.cpu()
 
     def _check_signal(self, loop: Loop, iteration: int, rewards: RewardResult, informative: torch.Tensor) -> None:
         """A run that learns nothing says so (issue 30; the docs promise "never a silent 0").
@@ -278,6 +283,26 @@ class GRPO:
         if kl is not None:
             metrics["rollout_kl"] = float(kl)  # per token, sampling policy vs reference (0 before the first step)
         return metrics
+
+
+def segment_weights(loss_mask: torch.Tensor, rollout: torch.Tensor) -> torch.Tensor:
+    """(S,) fp32: for each training row, the tokens in the loss of its whole rollout (all its segments).
+
+    How a rollout that is several segments (an agent that rewrote its history) is weighted: each segment is a row
+    with the rollout's advantage, and every token the policy sampled is in exactly one of them, so under
+    ``token_mean`` a token weighs what it would in one joined row. Under ``sequence_mean`` and ``constant`` (whose
+    unit is a completion) a row's token sum is divided by its ROLLOUT's tokens and the row counts as its share of them
+    (:func:`llmtune.stages.grpo.ops.count_items`): the segments of one rollout add up to that rollout's mean and count
+    as one completion, as if it had joined. (Not 1/segments per row: that would make a token's weight depend on where
+    the agent happened to rewrite its history.)
+
+    Args:
+        loss_mask: (S, N) the loss mask of the rows. rollout: (S,) the rollout of each row.
+    """
+    per_row = loss_mask.float().sum(1)
+    totals = torch.zeros(int(rollout.max()) + 1 if len(rollout) else 0, device=per_row.device)
+    totals.index_add_(0, rollout.to(per_row.device), per_row)
+    return totals[rollout.to(per_row.device)]
 
 
 def _mean(x: torch.Tensor) -> float:

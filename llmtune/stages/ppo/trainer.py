@@ -180,18 +180,23 @@ class PPO:
         """
         require_rewards(rewards)
         trained = rewards.trains  # (B,) the rollouts that train
-        mask = rewards.loss_mask(batch)  # THE mask: the tokens the policy sampled, of the rollouts that train
-        fwd = loop.forward(batch, mask, reference=True, values=True)
+        # the learner's rows: one per rollout, or one per segment of a rollout whose agent rewrote its history (each
+        # an episode of its own that ends with its rollout's score; docs/agents-openai.md)
+        train, rollout = batch.training_rows()
+        mask = rewards.loss_mask(train, rollout)  # THE mask: the tokens the policy sampled, of the rollouts that train
+        fwd = loop.forward(train, mask, reference=True, values=True)
         maskf = mask.float()  # values, GAE, KL and whitening over these
         logps, ref_logps, values = fwd.logps * maskf, fwd.ref_logps * maskf, fwd.values * maskf
         raw_scores = torch.nan_to_num(rewards.task, nan=0.0).to(maskf.device)
         scores = self.shaped_scores(loop, rewards.outcome.to(maskf.device), trained.to(maskf.device))
+        rollout = rollout.to(maskf.device)
         # per-token rewards and GAE walk the policy's actions in order: on the sampled tokens packed to the left
         # (multi-turn: the tool results between turns are not actions; single-turn: the identity)
         index, packed = pack_left(maskf)
         take = lambda x: x.gather(1, index) * packed  # noqa: E731
-        per_token, kl = ops.per_token_rewards(scores, take(logps), take(ref_logps), packed, self.kl_ctl.value)
-        turn_rewards = rewards.token_rewards(batch)  # each turn's reward at its last sampled token, or None
+        per_token, kl = ops.per_token_rewards(scores[rollout], take(logps), take(ref_logps), packed,
+                                              self.kl_ctl.value)
+        turn_rewards = rewards.token_rewards(train, rollout)  # each turn's reward at its last sampled token, or None
         if turn_rewards is not None:
             per_token = per_token + take(turn_rewards.to(maskf.device))
         advantages, returns = ops.gae(per_token, take(values), packed, self.ppo.gamma, self.ppo.lam)
@@ -203,8 +208,10 @@ class PPO:
             stats = loop.ranks.reduce(stats)
             advantages = ops.masked_whiten(advantages, maskf, stats=tuple(float(x) for x in stats))
 
-        metrics, n_trained = self._rollout_metrics(loop, raw_scores, kl, per_token, fwd.entropy, values, returns,
-                                                   maskf, batch.ended, trained)
+        sums = per_rollout(torch.stack([kl.sum(1), (per_token * maskf).sum(1), maskf.sum(1),
+                                        masked_sum(fwd.entropy, maskf, dim=1)], 1), rollout, len(trained))
+        metrics, n_trained = self._rollout_metrics(loop, raw_scores, sums, values, returns, maskf, batch.ended,
+                                                   trained)
         if n_trained:  # the controller follows the KL of the rollouts that train, counted as such
             self.kl_ctl.update(metrics["kl"], n_trained)
         loop.log_metrics({**metrics, **reward_metrics(rewards, loop.ranks.gather)})
@@ -213,17 +220,17 @@ class PPO:
                 {"prompt": row["prompt"], "response": text, "score": score if ok else None,
                  "kl": k if ok else None, **conversation_fields(t)}
                 for row, text, score, k, ok, t in zip(
-                    batch.rows, rewards.completions, raw_scores.tolist(), kl.sum(1).tolist(), trained.tolist(),
+                    batch.rows, rewards.completions, raw_scores.tolist(), sums[:, 0].tolist(), trained.tolist(),
                     batch.trajectories)][:4])
 
-        experience = Experience.from_batch(batch, mask)
+        experience = Experience.from_batch(train, mask)
         for name, value in (("old_logps", logps), ("old_values", values), ("advantages", advantages),
                             ("returns", returns)):
             experience.add(name, value, Layout.TOKEN)
-        if all("index" in row for row in batch.rows):  # (B,) prompt rows, named by the non-finite guard
-            experience.add(ROW_KEY, torch.tensor([int(row["index"]) for row in batch.rows], dtype=torch.long,
+        if all("index" in row for row in train.rows):  # (S,) prompt rows, named by the non-finite guard
+            experience.add(ROW_KEY, torch.tensor([int(row["index"]) for row in train.rows], dtype=torch.long,
                                                  device=maskf.device), Layout.SEQUENCE)
-        loop.engine_correction(experience, batch, fwd, mask)  # vLLM: is_weights
+        loop.engine_correction(experience, train, fwd, mask)  # vLLM: is_weights
         return experience, None
 
     def shaped_scores(self, loop: Loop, scores: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
@@ -240,15 +247,21 @@ class PPO:
             scores = scores.clamp(-self.ppo.score_clip, self.ppo.score_clip)
         return scores.masked_fill(~trained, 0.0)
 
-    def _rollout_metrics(self, loop: Loop, scores, kl, rewards, entropy, values, returns, mask, ended, trained
+    def _rollout_metrics(self, loop: Loop, scores, sums, values, returns, mask, ended, trained
                          ) -> tuple[dict[str, float], int]:
         """Means over all ranks' rollouts of this iteration that train (sequence sums for kl/non_score_reward), and
         how many of them there are; ``trained_response_fraction`` = that count / all rollouts. Without any, only
-        ``kl_coef`` and the fraction are logged (a mean over no rollout is never logged)."""
-        lengths = mask.sum(1)
+        ``kl_coef`` and the fraction are logged (a mean over no rollout is never logged).
+
+        Args:
+            scores: (B,) task rewards. sums: (B, 4) per rollout (over all its rows): KL, per-token reward, sampled
+                tokens, entropy, each summed over its tokens. values, returns, mask: (S, N) of the training rows.
+            ended, trained: (B,) bool.
+        """
+        kl, reward, lengths, entropy = sums.T
         per_row = torch.stack([
-            scores.float(), kl.sum(1), (rewards * mask).sum(1), lengths,
-            (~ended).float(), masked_sum(entropy, mask, dim=1) / lengths.clamp(min=1), trained.float(),
+            scores.float(), kl, reward, lengths, (~ended.to(sums.device)).float(), entropy / lengths.clamp(min=1),
+            trained.float().to(sums.device),
         ], dim=1)  # (B, 7)
         per_row = loop.ranks.gather(per_row)
         good = per_row[:, 6] > 0
@@ -267,6 +280,13 @@ class PPO:
             "explained_variance": ops.explained_variance(values, returns, mask),
         })
         return metrics, n
+
+
+def per_rollout(values: torch.Tensor, rollout: torch.Tensor, n: int) -> torch.Tensor:
+    """(S, k) per training row -> (n, k) summed over each rollout's rows (the identity when every rollout is one
+    row, ``rollout`` = arange)."""
+    out = torch.zeros(n, values.shape[1], dtype=values.dtype, device=values.device)
+    return out.index_add_(0, rollout.to(values.device), values)
 
 
 # ---- value model --------------------------------------------------------------------------------------------
