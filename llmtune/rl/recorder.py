@@ -184,9 +184,9 @@ class Recorder:
                 failure = "the agent made no request to the endpoint"
             rows = []
             for seg in self.segments:
-                row = self._row([self.exchanges[i] for i in seg if self.exchanges[i].finish is not None])
-                if row is not None:
-                    rows.append((max(self.exchanges[i].order for i in seg), row))
+                segment = self._row([self.exchanges[i] for i in seg if self.exchanges[i].finish is not None])
+                if segment is not None:
+                    rows.append((max(self.exchanges[i].order for i in seg), segment))
             rows = [r for _, r in sorted(rows, key=lambda x: x[0])]
             last = max(done, key=lambda e: e.order) if done else None
             messages = [*last.messages, last.reply] if last is not None else list(_prompt_messages(row))

@@ -31,14 +31,14 @@ class OnlineRLStage(Stage):
     _agent: AgentTools | None = None
 
     def agent_tools(self) -> AgentTools | None:
-        """The run's :class:`AgentTools` (None without ``agent:``), loaded on first use.
+        """The run's :class:`AgentTools` (None without ``agent.tools`` / ``agent.environment``), loaded on first use.
 
         Raises:
             ToolSetupError: a tool or the environment cannot be loaded or has no schema (recipe keys named); a name in
                 ``agent.infrastructure_timeouts`` that is not one of the run's tools.
         """
         cfg = self.recipe.agent
-        if not cfg.enabled:
+        if not (cfg.tools or cfg.environment):  # none, or an agent program (agent.openai) with its own tools
             return None
         if self._agent is None:
             from llmtune.rl.toolbox import check_tool_names, load_environment, load_tools, tool_schemas
