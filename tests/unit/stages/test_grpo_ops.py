@@ -288,3 +288,34 @@ def test_is_weights_scale_the_surrogate_not_the_kl():
     # d/dlogp of -w r A (r = 1 in value) = -w A, plus beta * d k3 = beta * (1 - exp(ref - logp))
     expected = [-0.5 + 0.1 * (1 - math.exp(-0.5)), -2.0 + 0.1 * (1 - 1.0)]
     assert logps.grad[0].tolist() == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("aggregation", ops.AGGREGATIONS)
+def test_a_rollout_split_into_segments_weighs_what_it_would_joined(aggregation):
+    """A rollout whose agent rewrote its history is several rows (issue 41): each with the rollout's advantage, every
+    sampled token in one of them. With the rollout's token count per row (segment_weights), the step loss is the one
+    of the same tokens as one row, for every aggregation (1/segments per row would not be: a row's weight would then
+    depend on where the agent rewrote its history)."""
+    from llmtune.stages.grpo.trainer import segment_weights
+
+    g = torch.Generator().manual_seed(1)
+    logps = torch.randn(3, 6, generator=g)  # rollout 0: 6 tokens; rollout 1: 2 tokens; rollout 2: 4 tokens
+    old = logps + 0.2 * torch.randn(3, 6, generator=g)
+    adv = torch.tensor([0.7, -1.3, 0.4])
+    lengths = torch.tensor([6, 2, 4])
+    mask = (torch.arange(6)[None] < lengths[:, None]).long()
+    joined = ops.grpo_loss(logps, old, adv, mask, 0.2, 0.28, aggregation, 8).loss_sum / ops.count_items(
+        mask, aggregation)
+    # rollout 0 as segments of 4 and 2 tokens, rollout 2 of 1 and 3: five rows
+    rows = [(0, 0, 4), (0, 4, 6), (1, 0, 2), (2, 0, 1), (2, 1, 4)]
+    seg_logps, seg_old, seg_mask = torch.zeros(5, 4), torch.zeros(5, 4), torch.zeros(5, 4, dtype=torch.long)
+    for s, (b, lo, hi) in enumerate(rows):
+        seg_logps[s, :hi - lo], seg_old[s, :hi - lo], seg_mask[s, :hi - lo] = logps[b, lo:hi], old[b, lo:hi], 1
+    rollout = torch.tensor([b for b, _, _ in rows])
+    weights = segment_weights(seg_mask, rollout)
+    assert weights.tolist() == [6, 6, 2, 4, 4]
+    split = ops.grpo_loss(seg_logps, seg_old, adv[rollout], seg_mask, 0.2, 0.28, aggregation, 8,
+                          rollout_tokens=weights).loss_sum / ops.count_items(seg_mask, aggregation, weights)
+    assert float(split) == pytest.approx(float(joined), rel=1e-6)
+    if aggregation != "token_mean":  # a rollout counts as one completion, whatever its segments
+        assert float(ops.count_items(seg_mask, aggregation, weights)) == pytest.approx(3.0)
