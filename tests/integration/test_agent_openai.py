@@ -49,24 +49,18 @@ def client(base_url, api_key):
     return openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
 
 
-def calculator_agent(base_url, api_key, row, seed):
-    """The built-in loop's behaviour, written as a plain openai-client agent."""
-    from llmtune.tools import calculator
+def shipped_agent():
+    """The example's own agent program (recipes/quickstart_agent_openai.py), loaded as its recipe names it: a plain
+    openai-client calculator agent, no llmtune import."""
+    from pathlib import Path
 
-    c = client(base_url, api_key)
-    messages = list(row["messages"])
-    while True:
-        try:
-            reply = c.chat.completions.create(model="policy", messages=messages, tools=SCHEMA)
-        except openai.BadRequestError:
-            return None
-        message = reply.choices[0].message
-        messages.append(message)
-        if not message.tool_calls:
-            return None
-        for call in message.tool_calls:
-            content = calculator(**json.loads(call.function.arguments))
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
+    from llmtune.rl.agent_program import load_agent
+
+    import re
+
+    recipes = Path(__file__).resolve().parents[2] / "recipes"
+    assert not re.search(r"^\s*(from|import) llmtune", (recipes / "quickstart_agent_openai.py").read_text(), re.M)
+    return load_agent("quickstart_agent_openai.py:solve", None, recipes).fn  # as the recipe names it
 
 
 def test_tool_calls_round_trip_in_openai_format(parts):
@@ -116,13 +110,13 @@ def test_tool_calls_round_trip_in_openai_format(parts):
 
 
 def test_a_greedy_rollout_has_the_built_in_loops_token_ids(parts):
-    """The same task through the endpoint and through llmtune's own loop: the same ids, mask and conversation (hf;
-    two rollouts at once, sampled in batches)."""
+    """The same task through the endpoint, by the example's agent program (recipes/quickstart_agent_openai.py), and
+    through llmtune's own loop: the same ids, mask and conversation (hf; two rollouts at once, sampled in batches)."""
     tok, policy = parts
     engine = hf_engine(tok, policy)
     built_in, stop = loop(tok, engine)
     expected = built_in.run([row(tok)] * 2, greedy(stop))
-    agents, _ = endpoint_loop(tok, engine, calculator_agent, concurrency=2)
+    agents, _ = endpoint_loop(tok, engine, shipped_agent(), concurrency=2)
     try:
         got = agents.run([row(tok)] * 2, greedy(stop))
     finally:
@@ -142,7 +136,7 @@ def test_vllm_greedy_rollouts_equal_the_built_in_loops_and_seeds_do_not_depend_o
     tok, policy = parts
     built_in, stop = loop(tok, vllm_engine)
     [a] = built_in.run([row(tok)], greedy(stop))
-    agents, _ = endpoint_loop(tok, vllm_engine, calculator_agent, concurrency=4)
+    agents, _ = endpoint_loop(tok, vllm_engine, shipped_agent(), concurrency=4)
     try:
         [b] = agents.run([row(tok)], greedy(stop))
         sampling = SamplingParams(96, tuple(stop), temperature=1.0, seed=1234)

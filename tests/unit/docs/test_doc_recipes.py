@@ -88,11 +88,15 @@ def test_doc_yaml_block_is_valid(block, tmp_path):
 
 
 def test_snippets_are_shipped_recipes():
-    """Included files exist and are recipes/*.yaml (so the recipe tests validate what the pages show)."""
+    """Included files exist and are recipes/*.yaml (so the recipe tests validate what the pages show), or a program
+    shipped beside them (recipes/*.py: an agent program) that a test runs by its path."""
     included = [(p, name) for p in PAGES if p.is_file() for name in SNIPPET.findall(p.read_text())]
+    tests = "\n".join(p.read_text() for p in (ROOT / "tests").rglob("test_*.py"))
     for page, name in included:
         assert (ROOT / name).is_file(), f"{page.relative_to(ROOT)} includes {name}, which does not exist"
-        assert name.startswith("recipes/") and name.endswith(".yaml"), f"{page.relative_to(ROOT)} includes {name}"
+        assert name.startswith("recipes/") and name.endswith((".yaml", ".py")), f"{page.relative_to(ROOT)} includes {name}"
+        if name.endswith(".py"):
+            assert name in tests, f"{page.relative_to(ROOT)} includes {name}, which no test runs"
 
 
 def test_every_shipped_recipe_is_validated_by_a_test():
