@@ -622,12 +622,9 @@ class RolloutConfig(Section):
 
 
 class OpenAIAgentConfig(Section):
-    """An agent program of your own, trained as it is: during rollouts llmtune serves an OpenAI-compatible
-    /v1/chat/completions endpoint in front of the rollout engine, and runs your agent once per rollout against it
-    (its own base URL and key). Every request is rendered with the chat template (tools included) and recorded as
-    token ids; requests that extend the previous exchange are joined by ids, a rewritten history starts a new
-    segment (docs/agents-openai.md). Set function or command (not both); agent.tools and agent.environment stay
-    empty."""
+    """An agent program of your own, trained as it is: run once per rollout against an OpenAI-compatible endpoint
+    in front of the rollout engine (its own base URL and key), its requests recorded as token ids, joined by ids or
+    split into segments (docs/agents-openai.md). Set function or command; agent.tools/environment stay empty."""
 
     function: str | None = Field(
         None, description="module:function or file.py:function (found in the working directory, then next to the "
@@ -638,8 +635,7 @@ class OpenAIAgentConfig(Section):
         "the working directory) with OPENAI_BASE_URL, OPENAI_API_KEY, LLMTUNE_ROW (the dataset row as JSON) and "
         "LLMTUNE_SEED in its environment; the last line of its stdout is the reward, or empty for none (a non-zero "
         "exit is an infrastructure failure).")
-    concurrency: int = Field(8, ge=1, description="Rollouts whose agents run at once (their requests are sampled "
-                             "together, in batches).")
+    concurrency: int = Field(8, ge=1, description="Rollouts whose agents run at once (requests sampled in batches).")
     timeout_s: float = Field(600.0, gt=0, description="Seconds one rollout's agent may run; past it the rollout is an "
                              "infrastructure failure (it abstains, counted), a command is killed.")
     host: str = Field("127.0.0.1", description="Address the endpoint listens on. Loopback by default; any other "

@@ -110,9 +110,9 @@ class Session:
         s = self.sampling
         request = parse_request(body, 0.0 if s.greedy else s.temperature, 1.0 if s.greedy else s.top_p)
         prepared = self.recorder.prepare(request)
-        number = self.recorder.requests  # this request's number in the rollout (1, 2, ...): its seeds
         futures = [self.submit(prepared.prompt_ids, s, budget=prepared.room, key=self.group, version=self.version,
-                               seed=(self.seed + 1_000_003 * number + 7919 * i) % 2**31) for i in range(request.n)]
+                               seed=(self.seed + 1_000_003 * prepared.number + 7919 * i) % 2**31)
+                   for i in range(request.n)]
         try:
             completions = [f.result() for f in futures]
         except BaseException as exc:  # noqa: BLE001 - the engine's failure ends the run; the agent gets a 500

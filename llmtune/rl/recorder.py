@@ -62,13 +62,14 @@ class Exchange:
 
 @dataclass
 class Prepared:
-    """What a request is sampled from: its prompt ids, how many tokens it may sample, and the exchanges (one per
-    choice) it will fill."""
+    """What a request is sampled from: its prompt ids, how many tokens it may sample, the exchanges (one per choice)
+    it will fill, whether it was joined, and its number in the rollout."""
 
     prompt_ids: list[int]
     room: int
     exchanges: list[Exchange]
     joined: bool
+    number: int  # the request's number in the rollout (1, 2, ...): its seeds
 
 
 class Recorder:
@@ -86,6 +87,7 @@ class Recorder:
         self.lock = threading.Lock()
         self.joins = self.splits = self.requests = self.overridden = 0
         self.cut: str | None = None  # LENGTH / TURNS when a request was refused for the rollout's limits
+        self.refused: str | None = None  # why, the first time
         self.tool_calls, self.tool_errors = 0, {}
         self.version: int | None = None  # the policy version its answers were sampled with
 
@@ -99,9 +101,9 @@ class Recorder:
         """
         with self.lock:
             if self.requests >= self.max_turns:
-                self.cut = self.cut or TURNS
-                raise APIError(400, f"this rollout has had its {self.max_turns} requests (agent.max_turns): no more "
-                               "requests in this rollout", "messages", "rollout_turn_limit")
+                raise self._refuse(TURNS, APIError(400, f"this rollout has had its {self.max_turns} requests "
+                                                   "(agent.max_turns): no more requests in this rollout", "messages",
+                                                   "rollout_turn_limit"))
             parent = self._parent(request)
             prompt_ids, segment = None, None
             if parent is not None:
@@ -119,10 +121,10 @@ class Recorder:
             if request.max_tokens is not None:
                 room = min(room, request.max_tokens)
             if room < 1:
-                self.cut = self.cut or LENGTH
-                raise APIError(400, f"this rollout's budget is used up: {len(prompt_ids)} prompt tokens, {used} of "
-                               f"rollout.max_new_tokens {self.budget} spent in this conversation (model length "
-                               f"{self.model_len})", "messages", "context_length_exceeded")
+                raise self._refuse(LENGTH, APIError(
+                    400, f"this rollout's budget is used up: {len(prompt_ids)} prompt tokens, {used} of "
+                    f"rollout.max_new_tokens {self.budget} spent in this conversation (model length {self.model_len})",
+                    "messages", "context_length_exceeded"))
             self.requests += 1
             self.overridden += bool(request.overridden)
             if joined:
@@ -142,7 +144,13 @@ class Recorder:
                 self.segments[seg].append(len(self.exchanges))
                 self.exchanges.append(exchange)
                 out.append(exchange)
-            return Prepared(prompt_ids, room, out, joined)
+            return Prepared(prompt_ids, room, out, joined, self.requests)
+
+    def _refuse(self, finish: str, error: APIError) -> APIError:
+        """Note a refusal for the rollout's own limits (the rollout is then cut: ``finish``)."""
+        self.cut = self.cut or finish
+        self.refused = self.refused or error.message
+        return error
 
     def _parent(self, request: ChatRequest) -> Exchange | None:
         """The answered exchange this request extends (its messages, then its answer, then new ones), the one with
@@ -180,8 +188,9 @@ class Recorder:
         for the rollout's limits; else how its last answer ended), the agent's reward."""
         with self.lock:
             done = [e for e in self.exchanges if e.finish is not None]
-            if not done and failure is None:
-                failure = "the agent made no request to the endpoint"
+            if not done and failure is None:  # nothing to train on: not the model's doing
+                failure = (f"no request of the agent was answered: {self.refused}" if self.refused
+                           else "the agent made no request to the endpoint")
             rows = []
             for seg in self.segments:
                 segment = self._row([self.exchanges[i] for i in seg if self.exchanges[i].finish is not None])
