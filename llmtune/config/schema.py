@@ -655,8 +655,8 @@ class AgentConfig(Section):
     each tool result is fed back as the template's tool message and the policy continues. Token-in/token-out:
     the next turn's input is the ids so far + the sampled ids + the template's ids of the tool messages; only the
     tokens the policy sampled are trained. rollout.max_new_tokens is ONE budget for the whole trajectory: every token
-    after the prompt counts (sampled turns, tool results, template tokens). Off when neither tools nor environment
-    is set."""
+    after the prompt counts (sampled turns, tool results, template tokens). Or your own agent program (openai).
+    Off when none of tools, environment, openai is set."""
 
     tools: list[str] = Field(default_factory=list, description="Tool functions, module:function or "
                              "file.py:function (found in the working directory, then next to the recipe); each "

@@ -224,7 +224,7 @@ class Rollouts:
         from llmtune.rl.toolbox import abandoned_tool_threads
 
         metrics = agent_metrics(trajectories)
-        if isinstance(self.agent, OpenAIAgentLoop):  # joins and splits of an agent program's requests
+        if isinstance(getattr(self, "agent", None), OpenAIAgentLoop):  # joins and splits of an agent program's
             metrics.update(endpoint_metrics(trajectories))
         abandoned = float(abandoned_tool_threads() + abandoned_agent_threads())
         if self.ranks.world > 1:

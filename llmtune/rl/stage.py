@@ -53,9 +53,10 @@ class OnlineRLStage(Stage):
 
     def build_data(self, tokenizer, base_dir: str) -> StageData:
         """The prompts (rendered with the tools' schemas for a multi-turn run, whose chat template is checked here:
-        :func:`llmtune.rl.chat.check_tool_template`, before any weights load; with an environment that has a ``reset``
-        the prompt rows keep the dataset's own columns, which ``reset`` receives, and its parameters are checked
-        against them).
+        :func:`llmtune.rl.chat.check_tool_template`, before any weights load; an agent program's run (``agent.openai``:
+        its requests bring their own tools) has its template checked the same way; with an environment that has a
+        ``reset`` the prompt rows keep the dataset's own columns, which ``reset`` receives, and its parameters are
+        checked against them).
 
         Raises:
             DataError: bad prompt data. RecipeError: the template cannot render tool conversations

@@ -223,7 +223,7 @@ class Trajectory:
         return self.finish_reason == STOP
 
     @property
-    def rows(self) -> list[Segment]:
+    def training_rows(self) -> list[Segment]:
         """What the learner trains on for this rollout: its segments, or the trajectory itself as one."""
         if self.segments:
             return list(self.segments)
@@ -232,7 +232,7 @@ class Trajectory:
     @property
     def sampled_tokens(self) -> int:
         """Tokens the policy sampled in the whole rollout (every segment)."""
-        return sum(sum(s.loss_mask) for s in self.rows)
+        return sum(sum(s.loss_mask) for s in self.training_rows)
 
     @property
     def turn_ends(self) -> list[int]:
@@ -343,7 +343,7 @@ class RolloutBatch:
             return self, torch.arange(B, device=self.loss_mask.device)
         rows, rollout = [], []
         for b, t in enumerate(self.trajectories):
-            for s in t.rows:
+            for s in t.training_rows:
                 rows.append(replace(t, prompt_ids=s.prompt_ids, completion_ids=s.completion_ids,
                                     loss_mask=s.loss_mask, engine_logps=s.engine_logps, segments=[]))
                 rollout.append(b)
