@@ -40,6 +40,9 @@ from llmtune.utils import AwaitTimeout, awaited, get_logger
 
 log = get_logger("rl")
 STDERR_TAIL = 800  # characters of a failed command's stderr kept in its failure
+# how long the engine waits, once a request reaches it idle, for the other agents' requests (agents that start
+# together, or whose tools return together, send theirs within milliseconds): one engine call instead of two
+LINGER_S = 0.05
 
 
 class AgentSetupError(Exception):
@@ -265,7 +268,7 @@ class OpenAIAgentLoop:
 
         recorders = [Recorder(self.renderer, sampling.max_new_tokens, self.settings.model_len, self.settings.max_turns)
                      for _ in rows]
-        with RequestBatcher(self.engine) as batcher:
+        with RequestBatcher(self.engine, linger_s=LINGER_S) as batcher:
             sessions = [Session(r, batcher.submit, sampling, version, g, s, self.reader, engine_failed)
                         for r, g, s in zip(recorders, groups, seeds)]
             keys = [endpoint.register(session) for session in sessions]
