@@ -154,6 +154,41 @@ def test_vllm_greedy_rollouts_equal_the_built_in_loops_and_seeds_do_not_depend_o
         assert torch.isfinite(logps[sampled]).all() and torch.isnan(logps[~sampled]).all()
 
 
+def test_an_answer_cut_by_a_stop_string_or_max_tokens_joins_with_the_end_of_turn_as_context(parts):
+    """A stop string ends the answer before it (the tokens sampled after it are not part of the rollout); an answer
+    cut by max_tokens ends with finish_reason length; a request that continues either is joined by ids, with the
+    template's end-of-turn token (which the policy did not sample) as context."""
+    tok, policy = parts
+    seen = {}
+
+    def agent(base_url, api_key, row, seed):
+        c = client(base_url, api_key)
+        messages = list(row["messages"])
+        cut = c.chat.completions.create(model="p", messages=messages, tools=SCHEMA, stop=["calculator"])
+        messages += [cut.choices[0].message, {"role": "user", "content": "Go on."}]
+        short = c.chat.completions.create(model="p", messages=messages, tools=SCHEMA, max_tokens=3)
+        messages += [short.choices[0].message, {"role": "user", "content": "And?"}]
+        c.chat.completions.create(model="p", messages=messages, tools=SCHEMA, max_tokens=2)
+        seen.update(cut=cut, short=short)
+
+    agents, stop = endpoint_loop(tok, hf_engine(tok, policy), agent)
+    try:
+        [t] = agents.run([row(tok)], greedy(stop, 200))
+    finally:
+        agents.close()
+    cut, short = seen["cut"].choices[0], seen["short"].choices[0]
+    assert cut.finish_reason == "stop" and cut.message.tool_calls is None
+    assert cut.message.content == '<tool_call>\n{"name": "'  # the text before the stop string
+    assert short.finish_reason == "length" and seen["short"].usage.completion_tokens == 3
+    assert (t.outcome.joins, t.outcome.splits, t.segments) == (2, 0, [])
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    k = seen["cut"].usage.completion_tokens
+    assert t.loss_mask[:k] == [1] * k and t.loss_mask[k] == 0 and t.completion_ids[k] == eot  # not sampled: context
+    assert "calculator" not in tok.decode(t.completion_ids[:k - 1])  # the turn ends where the stop string does
+    second = t.loss_mask.index(1, k)
+    assert t.completion_ids[second + 3] == eot and t.loss_mask[second + 3] == 0
+
+
 def test_a_rewritten_history_becomes_segments_each_with_its_own_context(parts):
     tok, policy = parts
     usage = []
