@@ -145,12 +145,13 @@ class Endpoint:
     def __init__(self, host: str = "127.0.0.1", port: int = 0):
         self._sessions: dict[bytes, Session] = {}
         self._lock = threading.Lock()
-        family = ThreadingHTTPServer
-        if ":" in host:
-            import socket
+        import socket
 
-            family = type("ThreadingHTTPServer6", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6})
-        self.httpd = family((host, port), _handler(self))
+        attributes = {"request_queue_size": 256}  # many agents connect at once (socketserver's default backlog: 5)
+        if ":" in host:
+            attributes["address_family"] = socket.AF_INET6
+        server = type("EndpointServer", (ThreadingHTTPServer,), attributes)
+        self.httpd = server((host, port), _handler(self))
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         wildcard = host in ("", "0.0.0.0", "::")
