@@ -77,7 +77,7 @@ class Recorder:
 
     Args:
         renderer: the run's :class:`Renderer`. budget: tokens after a segment's first prompt (the rollout's
-            ``max_new_tokens``). model_len: prompt + completion at most (the engine's). max_turns: answers at most.
+            ``max_new_tokens``). model_len: prompt + completion at most (the engine's). max_turns: requests at most.
     """
 
     def __init__(self, renderer: Renderer, budget: int, model_len: int, max_turns: int):
@@ -96,7 +96,7 @@ class Recorder:
         """Decide how ``request`` becomes ids (join or split; module docstring) and reserve its exchanges.
 
         Raises:
-            APIError: 400 ``rollout_turn_limit`` after ``max_turns`` answers; 400 ``context_length_exceeded`` when
+            APIError: 400 ``rollout_turn_limit`` after ``max_turns`` requests; 400 ``context_length_exceeded`` when
                 the segment's budget or the model length leaves no token to sample (the rollout is then cut).
         """
         with self.lock:
