@@ -40,9 +40,10 @@ from llmtune.utils import AwaitTimeout, awaited, get_logger
 
 log = get_logger("rl")
 STDERR_TAIL = 800  # characters of a failed command's stderr kept in its failure
-# how long the engine waits, once a request reaches it idle, for the other agents' requests (agents that start
-# together, or whose tools return together, send theirs within milliseconds): one engine call instead of two
-LINGER_S = 0.05
+# how long the engine waits at most, once a request reaches it idle, for the other running agents' requests: it
+# samples as soon as every running agent has one pending (agents in step: one engine call per wave, as the built-in
+# loop's one call per turn), and a slow agent (a long tool call) holds the others back this long at most
+LINGER_S = 0.5
 
 
 class AgentSetupError(Exception):
@@ -268,7 +269,13 @@ class OpenAIAgentLoop:
 
         recorders = [Recorder(self.renderer, sampling.max_new_tokens, self.settings.model_len, self.settings.max_turns)
                      for _ in rows]
-        with RequestBatcher(self.engine, linger_s=LINGER_S) as batcher:
+        finished = [0]
+        lock = threading.Lock()
+
+        def running() -> int:  # the agents that run now, or start as soon as a slot frees: each will send a request
+            return min(self.settings.concurrency, len(rows) - finished[0])
+
+        with RequestBatcher(self.engine, linger_s=LINGER_S, expect=running) as batcher:
             sessions = [Session(r, batcher.submit, sampling, version, g, s, self.reader, engine_failed)
                         for r, g, s in zip(recorders, groups, seeds)]
             keys = [endpoint.register(session) for session in sessions]
@@ -279,6 +286,9 @@ class OpenAIAgentLoop:
                                             self.settings.timeout_s)
                 finally:
                     endpoint.revoke(keys[b])  # the rollout is over: its late requests are refused
+                    with lock:
+                        finished[0] += 1
+                    batcher.wake()  # one agent fewer to wait for
 
             try:
                 with ThreadPoolExecutor(self.settings.concurrency, thread_name_prefix="llmtune-rollout") as pool:

@@ -27,6 +27,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Callable
 
 from llmtune.rl.types import Completion, SamplingParams
 
@@ -62,13 +63,19 @@ class RequestBatcher:
         max_batch: most requests per ``generate`` call (None: all that are pending and compatible).
         linger_s: after the first request arrives at an idle engine, wait this long for more before sampling (0:
             sample at once; the batches still grow while the engine is busy).
+        expect: ``fn() -> int``, how many requests the callers will have pending when they are all waiting (e.g.
+            the rollouts still running): once that many are pending the batch is sampled without lingering further,
+            so callers that run in step (their requests come back together, their tools return together) are one
+            ``generate`` call, and a slow one delays the others by ``linger_s`` at most. None: linger the whole
+            ``linger_s``. Call :meth:`wake` when it drops.
 
     Attributes:
         calls: ``generate`` calls made. sizes: the size of each (for metrics and tests).
     """
 
-    def __init__(self, engine, max_batch: int | None = None, linger_s: float = 0.0):
-        self.engine, self.max_batch, self.linger_s = engine, max_batch, linger_s
+    def __init__(self, engine, max_batch: int | None = None, linger_s: float = 0.0,
+                 expect: Callable[[], int] | None = None):
+        self.engine, self.max_batch, self.linger_s, self.expect = engine, max_batch, linger_s, expect
         self._pending: deque[Request] = deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -92,6 +99,11 @@ class RequestBatcher:
             self._closed = False
             self._thread = threading.Thread(target=self._run, name="llmtune-engine", daemon=True)
             self._thread.start()
+
+    def wake(self) -> None:
+        """Re-check a lingering batch now (``expect`` dropped: a caller finished)."""
+        with self._cond:
+            self._cond.notify_all()
 
     def close(self) -> None:
         """Finish the requests already submitted, then stop the thread; later submissions raise."""
@@ -136,7 +148,8 @@ class RequestBatcher:
             if self.linger_s > 0:
                 deadline = self._pending[0].submitted + self.linger_s
                 while not self._closed and time.monotonic() < deadline and (
-                        self.max_batch is None or len(self._pending) < self.max_batch):
+                        self.max_batch is None or len(self._pending) < self.max_batch) and (
+                        self.expect is None or len(self._pending) < self.expect()):
                     self._cond.wait(timeout=max(deadline - time.monotonic(), 0.0))
             first = self._pending[0]
             batch, rest = [], deque()

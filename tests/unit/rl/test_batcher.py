@@ -107,3 +107,29 @@ def test_requests_with_their_own_seeds_batch_together_and_pass_them_on():
     # seeded and unseeded requests are never mixed; an engine gets seeds= only for seeded requests (old engines that
     # do not take the argument keep working for unseeded ones)
     assert sorted(engine.calls) == [([1, 3], [11, 33]), ([2, 4], None)]
+
+
+def test_expect_samples_as_soon_as_every_caller_is_waiting_and_lingers_at_most_linger_s():
+    """``expect``: callers that run in step are one engine call (no waiting beyond the last of them); one that does
+    not come holds the others back ``linger_s`` at most; ``wake`` re-checks when fewer are expected."""
+    import time
+
+    engine = _Recorder()
+    sampling = SamplingParams(max_new_tokens=2, stop_token_ids=(0,))
+    expected = [3]
+    with RequestBatcher(engine, linger_s=30.0, expect=lambda: expected[0]) as batcher:
+        start = time.monotonic()
+        futures = [batcher.submit([i], sampling) for i in (1, 2, 3)]
+        [f.result() for f in futures]
+        assert time.monotonic() - start < 10  # all three were there: no lingering to 30 s
+        future = batcher.submit([4], sampling)  # one of three: waits for the others ...
+        time.sleep(0.3)
+        assert not future.done()
+        expected[0] = 1  # ... until they are no longer expected
+        batcher.wake()
+        future.result(timeout=10)
+    assert [calls for calls, _ in engine.calls] == [[1, 2, 3], [4]]
+    with RequestBatcher(engine, linger_s=0.2, expect=lambda: 5) as batcher:
+        start = time.monotonic()
+        batcher.submit([5], sampling).result(timeout=10)
+        assert 0.15 < time.monotonic() - start < 10  # never more than linger_s
