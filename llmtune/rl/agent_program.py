@@ -187,18 +187,20 @@ _ABANDONED: list[threading.Thread] = []
 _ABANDONED_LOCK = threading.Lock()
 
 
-def endpoint_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+def endpoint_metrics(trajectories: list[Trajectory], batch_sizes: list[int] = ()) -> dict[str, float]:
     """Per-rollout means of an agent program's rollouts (this rank): ``agent/requests`` (requests answered),
     ``agent/joins`` (requests joined by ids onto the exchange before), ``agent/splits`` (requests that started a new
-    segment), ``agent/segments`` (training rows per rollout), and ``agent/sampling_overridden`` (share of requests
-    whose sampling settings the run replaced)."""
+    segment), ``agent/segments`` (training rows per rollout), ``agent/sampling_overridden`` (share of requests
+    whose sampling settings the run replaced), and ``agent/requests_per_engine_call`` (the mean of ``batch_sizes``,
+    the requests of each engine call, when given)."""
     n = max(len(trajectories), 1)
     outcomes = [t.outcome for t in trajectories]
     requests = sum(o.requests for o in outcomes)
     return {"agent/requests": requests / n, "agent/joins": sum(o.joins for o in outcomes) / n,
             "agent/splits": sum(o.splits for o in outcomes) / n,
             "agent/segments": sum(max(len(t.segments), 1) for t in trajectories) / n,
-            "agent/sampling_overridden": sum(o.sampling_overridden for o in outcomes) / requests if requests else 0.0}
+            "agent/sampling_overridden": sum(o.sampling_overridden for o in outcomes) / requests if requests else 0.0,
+            **({"agent/requests_per_engine_call": sum(batch_sizes) / len(batch_sizes)} if batch_sizes else {})}
 
 
 @dataclass
@@ -228,6 +230,7 @@ class OpenAIAgentLoop:
         self.engine, self.program, self.renderer, self.reader, self.settings = engine, program, renderer, reader, \
             settings
         self.endpoint = None
+        self.batch_sizes: list[int] = []  # requests per engine call in the last run()
 
     def _endpoint(self):
         if self.endpoint is None:
@@ -296,6 +299,7 @@ class OpenAIAgentLoop:
             finally:
                 for key in keys:
                     endpoint.revoke(key)
+        self.batch_sizes = list(batcher.sizes)
         if errors:
             raise errors[0]
         out = []

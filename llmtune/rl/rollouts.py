@@ -224,8 +224,9 @@ class Rollouts:
         from llmtune.rl.toolbox import abandoned_tool_threads
 
         metrics = agent_metrics(trajectories)
-        if isinstance(getattr(self, "agent", None), OpenAIAgentLoop):  # joins and splits of an agent program's
-            metrics.update(endpoint_metrics(trajectories))
+        agent = getattr(self, "agent", None)
+        if isinstance(agent, OpenAIAgentLoop):  # joins and splits of an agent program's requests
+            metrics.update(endpoint_metrics(trajectories, agent.batch_sizes))
         abandoned = float(abandoned_tool_threads() + abandoned_agent_threads())
         if self.ranks.world > 1:
             keys = sorted(metrics)
