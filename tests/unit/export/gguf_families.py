@@ -38,7 +38,8 @@ def tiny_config(family: str, tokenizer, hidden: int = 64, layers: int = 2):
         return tf.Gemma3TextConfig(**c, head_dim=hidden // 4, sliding_window=64, query_pre_attn_scalar=hidden // 4)
     if family == "qwen3_moe":
         return tf.Qwen3MoeConfig(**c, head_dim=hidden // 4, num_experts=4, num_experts_per_tok=2,
-                                 moe_intermediate_size=hidden, decoder_sparse_step=1)
+                                 moe_intermediate_size=hidden, decoder_sparse_step=1,
+                                 norm_topk_prob=True)  # as Qwen3-30B-A3B; llama.cpp always normalizes (False: caught, 4.8 off)
     if family == "phi3":
         return tf.Phi3Config(**c)
     if family == "olmo2":
