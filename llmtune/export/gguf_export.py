@@ -170,18 +170,17 @@ def export_gguf(path: str | Path, types: str | list[str], out_dir: str | Path | 
         llm = gv.load(files[t], n_ctx)
         entry = {"file": files[t].name, "bytes": files[t].stat().st_size,
                  "tokenizer": gv.check_tokenizer(llm, tokenizer, stop_ids)}
-        chat_ref = [(ids, bool(ids) and ids[-1] in stop_ids) for ids, _ in chat_gens]
-        entry["chat"] = gv.check_chat(llm, tokenizer, chat_ref, gen_tokens)
         if t in FLOAT_TYPES:
             entry["logits"] = gv.logit_report([gv.gguf_logits(llm, x[0].tolist()) for x in inputs], ref_logits, t)
+            tolerance = entry["logits"]["tolerance"]
             entry["generations"] = _compare(ref_gens, [gv.gguf_greedy(llm, x[0].tolist(), gen_tokens) for x in inputs],
-                                            tokenizer, entry["logits"]["tolerance"])
-            chat_ok = all(r["reply_equal"] and r["stopped_alike"] for r in entry["chat"]["conversations"])
-            entry["chat"]["replies_equal"] = chat_ok  # float GGUFs: the chat ends as the merged model's does
-            entry["passed"] = (entry["tokenizer"]["passed"] and entry["chat"]["passed"] and chat_ok
-                               and entry["logits"]["passed"]
+                                            tokenizer, tolerance)
+            entry["chat"] = gv.check_chat(llm, tokenizer, chat_gens, gen_tokens, stop_ids, tolerance)
+            entry["passed"] = (entry["tokenizer"]["passed"] and entry["chat"]["passed"] and entry["logits"]["passed"]
+                               and entry["chat"]["replies_alike"]  # the chat ends as the merged model's does
                                and all(g["match"] or g["near_tie"] for g in entry["generations"]))
         else:
+            entry["chat"] = gv.check_chat(llm, tokenizer, chat_gens, gen_tokens, stop_ids, 0.0)
             entry["quantization"] = gv.quant_report(gv.gguf_logits(llm, held), f16_held, held, t)
             entry["passed"] = entry["tokenizer"]["passed"] and entry["chat"]["passed"] and \
                 entry["quantization"]["passed"]
@@ -256,7 +255,8 @@ def check_modelfile(path: Path, tokenizer, gguf: Path, stop_ids: list[int], n_ct
 def _log_entry(t: str, entry: dict) -> None:
     tok = entry["tokenizer"]
     parts = [f"tokenization {tok['strings'] - len(tok['mismatches'])}/{tok['strings']} strings equal",
-             "chat prompt ids " + ("equal" if entry["chat"]["passed"] else "DIFFER")]
+             "chat prompt ids " + ("equal" if entry["chat"]["passed"] else "DIFFER") + ", replies equal "
+             f"{sum(c['reply_equal'] for c in entry['chat']['conversations'])}/{len(entry['chat']['conversations'])}"]
     if "logits" in entry:
         lg = entry["logits"]
         parts.append(f"max |logit diff| {lg['max_abs_diff']:.3g} (tolerance {lg['tolerance']:.3g})")

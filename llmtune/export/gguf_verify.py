@@ -185,23 +185,29 @@ CHAT_CONVERSATIONS = [
 ]
 
 
-def check_chat(llm, tokenizer, reference: list[tuple[list[int], bool]], max_tokens: int) -> dict:
+def check_chat(llm, tokenizer, reference: list[tuple[list[int], object]], max_tokens: int, stop_ids: list[int],
+               tolerance: float) -> dict:
     """Chat completions through llama-cpp-python vs the merged model.
 
     Args:
         llm: the GGUF, loaded.
         tokenizer: the merged model's tokenizer.
-        reference: per :data:`CHAT_CONVERSATIONS` entry (usable with the template): the merged model's greedy reply
-            ids (with its stop token if it stopped) and whether it stopped at a stop token.
+        reference: per :func:`usable_conversations` entry, the merged model's greedy reply: ``(ids, (N, V) logits)``
+            (ids end with a stop token when it stopped).
         max_tokens: the generation limit both used.
+        stop_ids: the merged model's stop tokens.
+        tolerance: logit tolerance of a near-tie (a reply may part from the merged model's only where its two
+            choices are closer than that).
 
     Returns:
-        ``{"conversations": [{prompt_ids_equal, reply_equal, stopped_alike, hf_text, gguf_text, finish_reason}],
-        "passed"}``; ``passed`` needs equal prompt ids everywhere, and (only for a float GGUF, decided by the caller)
-        equal replies.
+        ``{"conversations": [{prompt_ids_equal, reply_equal, near_tie, stopped_alike, hf_text, gguf_text,
+        finish_reason}], "passed", "replies_alike"}``: ``passed`` = equal prompt ids everywhere; ``replies_alike`` =
+        every reply equal with the same ending, or parting at a near-tie (required of float GGUFs by the caller).
     """
+    from llmtune.export.merge import compare_generations
+
     rows = []
-    for conv, (ref_ids, ref_stopped) in zip(usable_conversations(tokenizer), reference):
+    for conv, (ref_ids, ref_logits) in zip(usable_conversations(tokenizer), reference):
         want = list(tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True,
                                                   return_dict=True)["input_ids"])
         llm.reset()
@@ -210,14 +216,21 @@ def check_chat(llm, tokenizer, reference: list[tuple[list[int], bool]], max_toke
         got = [int(t) for t in llm.input_ids[:n_prompt]]
         text = res["choices"][0]["message"]["content"] or ""
         finish = res["choices"][0]["finish_reason"]
-        hf_text = tokenizer.decode([i for i in ref_ids if i not in set(tokenizer.all_special_ids)])
-        rows.append({"prompt_ids_equal": got == want, "prompt_tokens": len(want),
-                     "reply_equal": text.strip() == hf_text.strip(),
-                     "stopped_alike": (finish == "stop") == ref_stopped,
-                     "hf_text": hf_text, "gguf_text": text, "finish_reason": finish})
+        ref_stopped = bool(ref_ids) and ref_ids[-1] in stop_ids
+        ids = [int(t) for t in llm.input_ids[n_prompt:llm.n_tokens]]  # the reply tokens llama.cpp evaluated
+        ref = list(ref_ids)
+        if finish == "stop":  # the end-of-generation token it sampled is never evaluated
+            ids.append(ref_ids[-1] if ref_stopped else stop_ids[0])
+        elif len(ids) < res["usage"]["completion_tokens"]:  # cut at max_tokens: the last token was not evaluated
+            ref = ref[:len(ids)] if len(ref) > len(ids) and not ref_stopped else ref
+        cmp = compare_generations([(ref, ref_logits)], [(ids, None)], tokenizer, tolerance)[0]
+        rows.append({"prompt_ids_equal": got == want, "prompt_tokens": len(want), "reply_equal": cmp["match"],
+                     "near_tie": cmp.get("near_tie", False), "stopped_alike": (finish == "stop") == ref_stopped,
+                     "hf_text": cmp["adapter_text"], "gguf_text": text, "finish_reason": finish})
         if got != want:
             rows[-1].update(hf_prompt_ids=want[:80], gguf_prompt_ids=got[:80])
-    return {"conversations": rows, "passed": all(r["prompt_ids_equal"] for r in rows)}
+    return {"conversations": rows, "passed": all(r["prompt_ids_equal"] for r in rows),
+            "replies_alike": all((r["reply_equal"] and r["stopped_alike"]) or r["near_tie"] for r in rows)}
 
 
 def usable_conversations(tokenizer) -> list[list[dict]]:

@@ -6,11 +6,11 @@ the HF template on probe conversations with sentinel contents (:func:`turn_forma
 
     header + for each message: prefix[role] + content + suffix[role] + (generation prompt after a last non-assistant)
 
-with the system message either a turn of its own (ChatML, Llama 3) or folded into the first user turn (Gemma). The
-format is accepted only if it reproduces the HF template exactly on every check conversation (system or not, one or
-several turns, ending with a user or an assistant message); a template that depends on more than that (Qwen3's,
-which renders the last assistant turn differently from earlier ones; templates with a default system prompt) is
-refused with the first conversation it renders differently (:class:`TemplateNotExpressible`). The Go template is
+with the system message a turn of its own (ChatML, Llama 3), one with a default content when the conversation brings
+none (SmolLM2, Qwen2.5), or folded into the first user turn (Gemma). The format is accepted only if it reproduces the
+HF template exactly on every check conversation (system or not, one or several turns, ending with a user or an
+assistant message); a template that depends on more than that (Qwen3's, which renders the last assistant turn
+differently from earlier ones) is refused with the first conversation it renders differently (:class:`TemplateNotExpressible`). The Go template is
 then emitted from the format (every literal a quoted Go string, so layout whitespace cannot leak into the prompt)
 and checked again by rendering it with :func:`render_go_template`, a small interpreter of the Go ``text/template``
 subset written here (range, if/else if, eq/ne/and/or/not, len, slice, variables), against the HF template.
@@ -46,11 +46,14 @@ class TurnFormat:
     system: str = "turn"  # "turn": a turn of its own; "first_user": content + separator before the first user's
     separator: str = ""
     bos_dropped: str = ""  # BOS text removed from the header (the tokenizer adds BOS itself)
+    default_system: str | None = None  # a system turn rendered when the conversation does not start with one
     roles: tuple[str, ...] = field(default=("system", "user", "assistant"))
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         """What the format renders (the header with any dropped BOS text restored: the HF template's text)."""
         out = [self.bos_dropped + self.header]
+        if self.default_system is not None and (not messages or messages[0]["role"] != "system"):
+            out.append(self.prefix["system"] + self.default_system + self.suffix["system"])
         system = next((m["content"] for m in messages if m["role"] == "system"), None) \
             if self.system == "first_user" else None
         first = True
@@ -137,15 +140,22 @@ def _system_variants(tokenizer, header, pre_u, suf_u, pre_a, suf_a, generation):
                          roles=("user", "assistant"))
         return
     i_s, i_u = with_system.index(_S), with_system.index(_U)
-    if with_system.startswith(header) and i_s < i_u:
-        pre_s = with_system[len(header):i_s]
-        between = with_system[i_s + len(_S):i_u]
-        if between.endswith(pre_u):  # system: a turn of its own
-            yield TurnFormat(**{**base, "prefix": {**base["prefix"], "system": pre_s},
-                                "suffix": {**base["suffix"], "system": between[:len(between) - len(pre_u)]}})
-        if with_system.startswith(header + pre_u + _S):  # system folded into the first user turn (Gemma)
-            yield TurnFormat(**{**base, "prefix": {**base["prefix"], "system": ""},
-                                "suffix": {**base["suffix"], "system": ""}}, system="first_user", separator=between)
+    if i_s > i_u:
+        return
+    between = with_system[i_s + len(_S):i_u]
+    suf_s = between[:len(between) - len(pre_u)] if between.endswith(pre_u) else None
+    if with_system.startswith(header) and suf_s is not None:  # system: a turn of its own
+        yield TurnFormat(**{**base, "prefix": {**base["prefix"], "system": with_system[len(header):i_s]},
+                            "suffix": {**base["suffix"], "system": suf_s}})
+    pre_s_all = with_system[:i_s]  # a default system turn when none is given (SmolLM2, Qwen2.5)
+    if suf_s is not None and header.startswith(pre_s_all) and header.endswith(suf_s) and \
+            len(header) >= len(pre_s_all) + len(suf_s):
+        yield TurnFormat(**{**base, "header": "", "prefix": {**base["prefix"], "system": pre_s_all},
+                            "suffix": {**base["suffix"], "system": suf_s}},
+                         default_system=header[len(pre_s_all):len(header) - len(suf_s)])
+    if with_system.startswith(header + pre_u + _S):  # system folded into the first user turn (Gemma)
+        yield TurnFormat(**{**base, "prefix": {**base["prefix"], "system": ""},
+                            "suffix": {**base["suffix"], "system": ""}}, system="first_user", separator=between)
 
 
 def _first_difference(tokenizer, fmt: TurnFormat) -> str | None:
@@ -188,6 +198,9 @@ def go_template(fmt: TurnFormat) -> str:
     lines += ["{{- range $i, $m := .Messages }}", "{{- $last := eq (len (slice $.Messages $i)) 1 }}"]
     if fmt.header:
         lines.append(f"{{{{- if eq $i 0 }}}}{{{{ {_go(fmt.header)} }}}}{{{{ end }}}}")
+    if fmt.default_system is not None:
+        lines.append(f'{{{{- if and (eq $i 0) (ne $m.Role "system") }}}}{{{{ {_go(fmt.prefix["system"])} }}}}'
+                     f'{{{{ {_go(fmt.default_system)} }}}}{{{{ {_go(fmt.suffix["system"])} }}}}{{{{ end }}}}')
     branch = "if"
     for role in ("system", "user", "assistant"):
         if role == "system" and fmt.system == "first_user":
@@ -202,7 +215,8 @@ def go_template(fmt: TurnFormat) -> str:
                      f"{{{{ {_go(fmt.suffix[role])} }}}}")
         branch = "else if"
     lines.append("{{- end }}")
-    lines.append(f'{{{{- if and $last (ne $m.Role "assistant") }}}}{{{{ {_go(fmt.generation)} }}}}{{{{ end }}}}')
+    if fmt.generation:
+        lines.append(f'{{{{- if and $last (ne $m.Role "assistant") }}}}{{{{ {_go(fmt.generation)} }}}}{{{{ end }}}}')
     lines.append("{{- end }}")
     return "\n".join(lines)
 

@@ -33,7 +33,7 @@ def _assert_float_entry(entry: dict) -> None:
     assert all(entry["tokenizer"]["stop_tokens_end_generation"].values())
     chats = entry["chat"]["conversations"]
     assert all(c["prompt_ids_equal"] for c in chats)
-    assert all(c["reply_equal"] and c["stopped_alike"] for c in chats)
+    assert all(c["reply_equal"] and c["stopped_alike"] for c in chats) and entry["chat"]["replies_alike"]
     assert sum(c["finish_reason"] == "stop" for c in chats) >= 2  # the taught replies end at <|im_end|> in llama.cpp
     assert entry["logits"]["max_abs_diff"] <= entry["logits"]["tolerance"]
     assert all(g["match"] for g in entry["generations"])
