@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmtune.export.llamacpp import GGUFExportError, llama_cpp_module, quiet_llama
+from llmtune.export.llamacpp import GGUFExportError, llama_cpp_module, silence_llama
 
 # max |gguf - merged| <= atol + rtol * max|merged logit|. f32: only the order of the sums differs. f16/bf16: the
 # weights (and, in llama.cpp's CPU matmul, the activations) rounded to 11 / 8 significant bits, 30 layers deep:
@@ -90,10 +90,10 @@ def load(path: Path, n_ctx: int = 1024, logits_all: bool = True):
         GGUFExportError: llama.cpp cannot load the file (its message).
     """
     llama_cpp = llama_cpp_module()
+    silence_llama()
     try:
-        with quiet_llama():
-            return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=min(n_ctx, 512), logits_all=logits_all,
-                                   n_threads=threads(), n_threads_batch=threads(), seed=0, verbose=False)
+        return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=min(n_ctx, 512), logits_all=logits_all,
+                               n_threads=threads(), n_threads_batch=threads(), seed=0, verbose=False)
     except (ValueError, RuntimeError) as err:
         raise GGUFExportError(f"llama.cpp cannot load {path}: {err}") from None
 

@@ -22,6 +22,7 @@ vocabulary); verification then checks that llama.cpp tokenizes test strings exac
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -278,30 +279,16 @@ def quantize(src: Path, dst: Path, qtype: str, threads: int | None = None) -> fl
     params.ftype = getattr(llama_cpp, _FTYPE_NAMES[qtype])
     params.nthread = threads or os.cpu_count() or 1
     t0 = time.perf_counter()
-    with quiet_llama():
-        status = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
+    silence_llama()
+    status = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
     if status != 0 or not dst.is_file():
         raise GGUFExportError(f"llama.cpp could not quantize {src} to {qtype} (status {status})")
     return time.perf_counter() - t0
 
 
-class quiet_llama:
-    """Silence llama.cpp's C-level logging (model loading prints hundreds of lines to stderr) inside the block."""
-
-    _callback = None
-
-    def __enter__(self):
-        import ctypes
-
-        llama_cpp = llama_cpp_module()
-        if quiet_llama._callback is None:
-            @ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
-            def _drop(level, text, user_data):  # noqa: ARG001 - llama.cpp's callback signature
-                return None
-
-            quiet_llama._callback = _drop
-        llama_cpp.llama_log_set(quiet_llama._callback, ctypes.c_void_p(0))
-        return self
-
-    def __exit__(self, *exc):
-        return False
+def silence_llama() -> None:
+    """Only llama.cpp's errors on stderr from now on (loading and quantizing log hundreds of INFO lines): the level
+    of llama-cpp-python's own ``llama-cpp-python`` logger, which its log callback obeys (as ``Llama(verbose=False)``
+    sets it)."""
+    llama_cpp_module()
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
