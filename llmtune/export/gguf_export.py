@@ -76,6 +76,52 @@ def merged_model_dir(path: Path) -> Path:
     return merged
 
 
+SPM_FILE = "tokenizer.model"
+
+
+def sentencepiece_model(path: Path, merged: Path) -> Path | None:
+    """The SentencePiece model of a merged model whose vocabulary is one (Mistral v0.1-0.3, Gemma, Llama 2): llama.cpp
+    converts such vocabularies from ``tokenizer.model``, which transformers 5 no longer writes with
+    ``save_pretrained``. Looked for in the merged directory, then in the base model's directory named by the run's
+    ``lineage.json`` (``base_model.path``: the hub snapshot or local directory training loaded). None when neither has
+    one (a byte-level BPE vocabulary needs none)."""
+    if (merged / SPM_FILE).is_file():
+        return merged / SPM_FILE
+    for lineage in (path / rd.LINEAGE, merged.parent / rd.LINEAGE):
+        if lineage.is_file():
+            base = (json.loads(lineage.read_text()).get("base_model") or {}).get("path")
+            if base and (Path(base) / SPM_FILE).is_file():
+                return Path(base) / SPM_FILE
+    return None
+
+
+def conversion_source(merged: Path, spm: Path | None, staging: Path) -> Path:
+    """The directory the converter reads: ``merged`` itself for a byte-level BPE vocabulary; for a SentencePiece one
+    a staging directory of links to the merged files plus ``tokenizer.model`` and a ``tokenizer_config.json`` with
+    ``added_tokens_decoder``: llama.cpp's SentencePiece path learns which added tokens are special (``<start_of_turn>``,
+    ...) only from that key, which transformers 5 writes into tokenizer.json's ``added_tokens`` instead (without it
+    llama.cpp would tokenize the chat template's special tokens as text)."""
+    if spm is None:
+        return merged
+    import shutil
+
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for f in merged.iterdir():
+        if f.is_file() and f.name not in (SPM_FILE, "tokenizer_config.json"):
+            (staging / f.name).symlink_to(f.resolve())
+    shutil.copyfile(spm, staging / SPM_FILE)
+    config_path = merged / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    tokenizer_json = merged / "tokenizer.json"
+    if "added_tokens_decoder" not in config and tokenizer_json.is_file():
+        keys = ("content", "lstrip", "normalized", "rstrip", "single_word", "special")
+        config["added_tokens_decoder"] = {str(t["id"]): {k: t[k] for k in keys if k in t}
+                                          for t in json.loads(tokenizer_json.read_text()).get("added_tokens", [])}
+    (staging / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return staging
+
+
 def export_gguf(path: str | Path, types: str | list[str], out_dir: str | Path | None = None, modelfile: bool = True,
                 max_new_tokens: int | None = None) -> dict:
     """Convert, quantize and verify; writes ``model-<TYPE>.gguf``, ``Modelfile`` and ``verification.json``.
@@ -147,11 +193,14 @@ def export_gguf(path: str | Path, types: str | list[str], out_dir: str | Path | 
     files = {t: out / f"model-{t}.gguf" for t in types}
     f16 = files.get("f16", out / ".model-f16.tmp.gguf")
     timings: dict = {}
-    conv = convert(merged, f16, "f16")
+    spm = sentencepiece_model(path, merged)
+    source = conversion_source(merged, spm, out / ".convert-source")
+    conv = convert(source, f16, "f16")
+    conv["sentencepiece_model"] = str(spm) if spm else None
     timings["convert_f16_s"] = conv.pop("seconds")
     for t in types:
         if t in FLOAT_TYPES and t != "f16":
-            timings[f"convert_{t}_s"] = convert(merged, files[t], t)["seconds"]
+            timings[f"convert_{t}_s"] = convert(source, files[t], t)["seconds"]
         elif t not in FLOAT_TYPES:
             timings[f"quantize_{t}_s"] = round(quantize(f16, files[t], t), 2)
 
@@ -190,6 +239,10 @@ def export_gguf(path: str | Path, types: str | list[str], out_dir: str | Path | 
         _log_entry(t, entry)
     if "f16" not in types:
         f16.unlink(missing_ok=True)
+    if source != merged:
+        import shutil
+
+        shutil.rmtree(source, ignore_errors=True)
 
     if fmt is not None:
         from llmtune.export.modelfile import go_template, modelfile_text

@@ -245,7 +245,10 @@ def convert(model_dir: Path, out_file: Path, outtype: str, threads: int = 1) -> 
             f"{info.get('pre_tokenizer_hash')} is not in its table, and tokenizer.json's splitting rules {describe_pretokenizer(model_dir)} "
             f"match none of the byte-level BPE pre-tokenizers llmtune can name by structure: {names}). A GGUF with "
             "a guessed pre-tokenizer would split text differently from the model's own tokenizer, so none is "
-            "written. If llama.cpp has a pre-tokenizer with these rules, add it to KNOWN_PRETOKENIZERS in "
+            "written. A SentencePiece vocabulary (Gemma, Mistral v0.1-0.3, Llama 2: a Metaspace / '▁' tokenizer.json) "
+            "converts from its tokenizer.model instead: put the base model's tokenizer.model into the merged "
+            "directory (llmtune finds it itself through the run's lineage.json when the base directory has it). If "
+            "llama.cpp has a pre-tokenizer with these rules, add it to KNOWN_PRETOKENIZERS in "
             "llmtune/export/llamacpp.py (verification then checks the tokenization); else use the merged "
             "safetensors model with transformers or vLLM.")
     if res.returncode != 0 or not out_file.is_file():

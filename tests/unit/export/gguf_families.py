@@ -95,3 +95,30 @@ def save_merged(path: Path, family: str = "llama", tokenizer=None, hidden: int =
     tokenizer.save_pretrained(path)
     (path / "verification.json").write_text(json.dumps({"passed": True, "note": "tiny test model"}))
     return path
+
+
+def make_tiny_spm_tokenizer(directory: Path, chat_template: str):
+    """A SentencePiece BPE vocabulary (as Gemma's and Mistral v0.1-0.3's are) trained offline on the tiny corpus:
+    ``directory`` gets ``tokenizer.model`` + ``tokenizer_config.json``; returns the HF tokenizer loaded from it (which
+    transformers 5 saves as tokenizer.json only)."""
+    import io
+
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    from llmtune.models.tiny import _CORPUS
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_CORPUS * 20), model_writer=model, vocab_size=600, model_type="bpe", byte_fallback=True,
+        user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], pad_id=0, eos_id=1, bos_id=2, unk_id=3,
+        character_coverage=1.0, split_digits=True, add_dummy_prefix=False, minloglevel=2)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "tokenizer.model").write_bytes(model.getvalue())
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "GemmaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "pad_token": "<pad>", "add_bos_token": True, "add_eos_token": False}))
+    tok = AutoTokenizer.from_pretrained(directory)
+    tok.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    tok.chat_template = chat_template
+    return tok

@@ -11,6 +11,7 @@ Skipped only when llama-cpp-python is absent (``scripts/setup.sh`` installs it, 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -200,3 +201,28 @@ def test_pipeline_export_step_writes_and_then_skips_gguf(tmp_path):
     mtime = (pipe.dir / "gguf" / "verification.json").stat().st_mtime
     assert _run_gguf(pipe, Console(quiet=True), {"name": "export"})["gguf"] == ["f16"]
     assert (pipe.dir / "gguf" / "verification.json").stat().st_mtime == mtime  # skipped
+
+
+def test_sentencepiece_gemma3_converts_from_the_base_tokenizer_model(tmp_path):
+    """A SentencePiece vocabulary (Gemma 3's kind): transformers 5 saves tokenizer.json only, llama.cpp converts such a
+    vocabulary from tokenizer.model; export takes the base's (lineage.json) and tells llama.cpp which added tokens are
+    special. Without it the export is refused, naming tokenizer.model."""
+    from gguf_families import make_tiny_spm_tokenizer
+    from test_modelfile import GEMMA3
+
+    tok = make_tiny_spm_tokenizer(tmp_path / "base", GEMMA3)
+    run = tmp_path / "run"
+    merged = save_merged(run / "merged", "gemma3", tokenizer=tok, steps=100)
+    assert not (merged / "tokenizer.model").exists()
+    with pytest.raises(GGUFExportError, match="tokenizer.model"):
+        export_gguf(run, "f16", out_dir=tmp_path / "refused", modelfile=False)
+    (run / "lineage.json").write_text(json.dumps({"base_model": {"path": str(tmp_path / "base")}}))
+    later = (run / "lineage.json").stat().st_mtime + 10  # the merged model is newer than the run: no re-export
+    os.utime(merged / "verification.json", (later, later))
+    report = export_gguf(run, "f16", out_dir=tmp_path / "gguf")
+    assert report["sentencepiece_model"] == str(tmp_path / "base" / "tokenizer.model")
+    entry = report["types"]["f16"]
+    assert entry["tokenizer"]["stop_tokens_end_generation"] == {"</s>": True, "<end_of_turn>": True}
+    _assert_float_entry(entry)
+    assert report["passed"] and report["modelfile"]["passed"]
+    assert not (tmp_path / "gguf" / ".convert-source").exists()
