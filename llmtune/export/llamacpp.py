@@ -48,8 +48,7 @@ _FTYPE_NAMES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q6_k": "LLAMA_FTYPE_MOSTLY_Q
 # llama.cpp's converter knows many more architectures; those convert too and are verified the same way.
 TESTED_ARCHITECTURES = {
     "LlamaForCausalLM": "Llama", "Qwen3ForCausalLM": "Qwen3", "MistralForCausalLM": "Mistral",
-    "Gemma3ForCausalLM": "Gemma 3", "Qwen3MoeForCausalLM": "Qwen3-MoE", "Phi3ForCausalLM": "Phi-3",
-    "Olmo2ForCausalLM": "OLMo 2", "GraniteForCausalLM": "Granite",
+    "Gemma3ForCausalLM": "Gemma 3", "Qwen3MoeForCausalLM": "Qwen3-MoE", "Olmo2ForCausalLM": "OLMo 2",
 }
 
 # Byte-level BPE pre-tokenizers llama.cpp implements, as tokenizer.json writes them (``trim_offsets`` does not
