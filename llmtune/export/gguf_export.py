@@ -195,54 +195,38 @@ def export_gguf(path: str | Path, types: str | list[str], out_dir: str | Path | 
     timings: dict = {}
     spm = sentencepiece_model(path, merged)
     source = conversion_source(merged, spm, out / ".convert-source")
-    conv = convert(source, f16, "f16")
-    conv["sentencepiece_model"] = str(spm) if spm else None
-    timings["convert_f16_s"] = conv.pop("seconds")
-    for t in types:
-        if t in FLOAT_TYPES and t != "f16":
-            timings[f"convert_{t}_s"] = convert(source, files[t], t)["seconds"]
-        elif t not in FLOAT_TYPES:
-            timings[f"quantize_{t}_s"] = round(quantize(f16, files[t], t), 2)
+    try:
+        conv = convert(source, f16, "f16")
+        conv["sentencepiece_model"] = str(spm) if spm else None
+        timings["convert_f16_s"] = conv.pop("seconds")
+        for t in types:
+            if t in FLOAT_TYPES and t != "f16":
+                timings[f"convert_{t}_s"] = convert(source, files[t], t)["seconds"]
+            elif t not in FLOAT_TYPES:
+                timings[f"quantize_{t}_s"] = round(quantize(f16, files[t], t), 2)
 
-    # -- verify each file in llama.cpp
-    report: dict = {
-        "merged_dir": str(merged), "out_dir": str(out), "architecture": arch, **conv, "llama_cpp": found,
-        "stop_tokens": tokenizer.convert_ids_to_tokens(stop_ids), "generation_tokens": gen_tokens,
-        "held_out_tokens": len(held), "perplexity_merged_fp32": hf_ppl, "types": {},
-    }
-    llm = gv.load(f16, n_ctx)
-    f16_held = gv.gguf_logits(llm, held)
-    report["perplexity_f16"] = gv.perplexity(f16_held, held)
-    del llm
-    for t in types:
-        t0 = time.perf_counter()
-        llm = gv.load(files[t], n_ctx)
-        entry = {"file": files[t].name, "bytes": files[t].stat().st_size,
-                 "tokenizer": gv.check_tokenizer(llm, tokenizer, stop_ids)}
-        if t in FLOAT_TYPES:
-            entry["logits"] = gv.logit_report([gv.gguf_logits(llm, x[0].tolist()) for x in inputs], ref_logits, t)
-            tolerance = entry["logits"]["tolerance"]
-            entry["generations"] = _compare(ref_gens, [gv.gguf_greedy(llm, x[0].tolist(), gen_tokens) for x in inputs],
-                                            tokenizer, tolerance)
-            entry["chat"] = gv.check_chat(llm, tokenizer, chat_gens, gen_tokens, stop_ids, tolerance)
-            entry["passed"] = (entry["tokenizer"]["passed"] and entry["chat"]["passed"] and entry["logits"]["passed"]
-                               and entry["chat"]["replies_alike"]  # the chat ends as the merged model's does
-                               and all(g["match"] or g["near_tie"] for g in entry["generations"]))
-        else:
-            entry["chat"] = gv.check_chat(llm, tokenizer, chat_gens, gen_tokens, stop_ids, 0.0)
-            entry["quantization"] = gv.quant_report(gv.gguf_logits(llm, held), f16_held, held, t)
-            entry["passed"] = entry["tokenizer"]["passed"] and entry["chat"]["passed"] and \
-                entry["quantization"]["passed"]
+        # -- verify each file in llama.cpp
+        report: dict = {
+            "merged_dir": str(merged), "out_dir": str(out), "architecture": arch, **conv, "llama_cpp": found,
+            "stop_tokens": tokenizer.convert_ids_to_tokens(stop_ids), "generation_tokens": gen_tokens,
+            "held_out_tokens": len(held), "perplexity_merged_fp32": hf_ppl, "types": {},
+        }
+        llm = gv.load(f16, n_ctx)
+        f16_held = gv.gguf_logits(llm, held)
+        report["perplexity_f16"] = gv.perplexity(f16_held, held)
         del llm
-        entry["verify_s"] = round(time.perf_counter() - t0, 2)
-        report["types"][t] = entry
-        _log_entry(t, entry)
-    if "f16" not in types:
-        f16.unlink(missing_ok=True)
-    if source != merged:
-        import shutil
+        ref = {"inputs": inputs, "logits": ref_logits, "gens": ref_gens, "chats": chat_gens, "held": held,
+               "f16_held": f16_held, "stop_ids": stop_ids, "gen_tokens": gen_tokens, "n_ctx": n_ctx}
+        for t in types:
+            report["types"][t] = _verify_file(t, files[t], tokenizer, ref)
 
-        shutil.rmtree(source, ignore_errors=True)
+    finally:  # the f16 reference (unless asked for) and the staging directory go, also after a failure
+        if "f16" not in types:
+            f16.unlink(missing_ok=True)
+        if source != merged:
+            import shutil
+
+            shutil.rmtree(source, ignore_errors=True)
 
     if fmt is not None:
         from llmtune.export.modelfile import go_template, modelfile_text
@@ -262,6 +246,33 @@ def export_gguf(path: str | Path, types: str | list[str], out_dir: str | Path | 
     (log.info if report["passed"] else log.error)("GGUF export %s: %s -> %s", out, ", ".join(
         f"{t} ({report['types'][t]['bytes'] / 2**20:.1f} MiB)" for t in types), "PASSED" if report["passed"] else "FAILED")
     return report
+
+
+def _verify_file(t: str, path: Path, tokenizer, ref: dict) -> dict:
+    """The checks of one GGUF (:mod:`~llmtune.export.gguf_verify`) against the merged model's answers ``ref``."""
+    from llmtune.export import gguf_verify as gv
+
+    t0 = time.perf_counter()
+    llm = gv.load(path, ref["n_ctx"])
+    entry = {"file": path.name, "bytes": path.stat().st_size,
+             "tokenizer": gv.check_tokenizer(llm, tokenizer, ref["stop_ids"])}
+    if t in FLOAT_TYPES:
+        entry["logits"] = gv.logit_report([gv.gguf_logits(llm, x[0].tolist()) for x in ref["inputs"]], ref["logits"], t)
+        tolerance = entry["logits"]["tolerance"]
+        greedy = [gv.gguf_greedy(llm, x[0].tolist(), ref["gen_tokens"]) for x in ref["inputs"]]
+        entry["generations"] = _compare(ref["gens"], greedy, tokenizer, tolerance)
+        entry["chat"] = gv.check_chat(llm, tokenizer, ref["chats"], ref["gen_tokens"], ref["stop_ids"], tolerance)
+        entry["passed"] = (entry["tokenizer"]["passed"] and entry["chat"]["passed"] and entry["logits"]["passed"]
+                           and entry["chat"]["replies_alike"]  # the chat ends as the merged model's does
+                           and all(g["match"] or g["near_tie"] for g in entry["generations"]))
+    else:
+        entry["chat"] = gv.check_chat(llm, tokenizer, ref["chats"], ref["gen_tokens"], ref["stop_ids"], 0.0)
+        entry["quantization"] = gv.quant_report(gv.gguf_logits(llm, ref["held"]), ref["f16_held"], ref["held"], t)
+        entry["passed"] = entry["tokenizer"]["passed"] and entry["chat"]["passed"] and entry["quantization"]["passed"]
+    del llm
+    entry["verify_s"] = round(time.perf_counter() - t0, 2)
+    _log_entry(t, entry)
+    return entry
 
 
 def _compare(reference, got, tokenizer, tolerance):
