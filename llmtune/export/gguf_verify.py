@@ -18,7 +18,7 @@ What a llama.cpp user sees, checked one by one (each check returns a JSON-ready 
 - quantized GGUFs: :func:`quant_report`: on a held-out text (:data:`HELD_OUT_TEXT`, in no training set), the share
   of positions whose top-1 token equals the f16 GGUF's and the perplexity of both (fails below/above
   :data:`QUANT_LIMITS`), and the mean KL divergence from the f16 GGUF's next-token distribution (a broken quantization is caught:
-  tests/unit/export/test_gguf.py corrupts one).
+  tests/unit/export/test_gguf_export.py corrupts one).
 """
 
 from __future__ import annotations

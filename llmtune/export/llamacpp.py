@@ -44,7 +44,7 @@ _FTYPE_NAMES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q6_k": "LLAMA_FTYPE_MOSTLY_Q
                 "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
                 "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
 
-# The families llmtune exports and tests (tests/unit/export/test_gguf.py, on tiny configs of transformers' classes).
+# The families llmtune exports and tests (tests/unit/export/test_gguf_export.py, on tiny configs of transformers' classes).
 # llama.cpp's converter knows many more architectures; those convert too and are verified the same way.
 TESTED_ARCHITECTURES = {
     "LlamaForCausalLM": "Llama", "Qwen3ForCausalLM": "Qwen3", "MistralForCausalLM": "Mistral",
