@@ -1,16 +1,20 @@
 """The request batcher (llmtune.rl.batcher) in front of the real hf engine on a tiny model: requests from many
 threads are sampled in batches, each caller gets the completion of its own prompt (the one a direct engine call
-gives), batches never mix sampling settings or policy versions, and the engine's errors reach every caller."""
+gives), batches never mix sampling settings or policy versions, and the engine's errors reach every caller; a request
+with its own seed draws the same completion whatever shares its batch, and the engine stays in one session while the
+batcher runs."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from llmtune.rl.batcher import RequestBatcher
-from llmtune.rl.types import SamplingParams
+from llmtune.rl.engines.base import RolloutEngine
+from llmtune.rl.types import Completion, SamplingParams
 from tests.unit.rl.test_hf_generation import engine_for, prompt_ids, tok, trained_policy  # noqa: F401 - fixture
 
 TEXTS = ["What is 2 + 3?", "Hi", "Tell me a long story about the sea, please.", "Why?", "Hello! How are you?",
@@ -82,3 +86,60 @@ def test_the_engines_error_reaches_every_caller_and_the_batcher_goes_on(tok, eng
             engine.generate([prompts[0]], greedy(tok))[0].token_ids
     with pytest.raises(RuntimeError, match="not running"):
         batcher.submit(prompts[0], greedy(tok))
+
+
+def sampled(tok, n=12):
+    return SamplingParams(max_new_tokens=n, stop_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),), temperature=0.9)
+
+
+def test_a_seeded_request_draws_the_same_completion_whatever_shares_its_batch(tok, engine):
+    """Batches form as requests arrive (timing); a request with its own seed is sampled from that seed only: alone,
+    or in the middle of a batch of others, it gets the same completion (hf: one generator per prompt)."""
+    prompts = prompt_ids(tok, TEXTS[:4])
+    with RequestBatcher(engine) as batcher:
+        alone = batcher.generate(prompts[0], sampled(tok), seed=7).token_ids
+        futures = batcher.submit_many([prompts[1], prompts[0], prompts[2]], sampled(tok), seeds=[1, 7, 2])
+        together = [f.result().token_ids for f in futures]
+        other = batcher.generate(prompts[0], sampled(tok), seed=8).token_ids
+    assert batcher.sizes == [1, 3, 1]  # submit_many queues its requests at once: one batch
+    assert together[1] == alone and other != alone
+
+
+class SessionEngine(RolloutEngine):
+    """Records the order of session enter/exit and generate calls."""
+
+    def __init__(self):
+        self.events = []
+
+    @contextlib.contextmanager
+    def session(self):
+        self.events.append("enter")
+        yield
+        self.events.append("exit")
+
+    def generate(self, prompts, sampling, budgets=None, keys=None, version=None, seeds=None):
+        self.events.append(("generate", len(prompts), seeds))
+        return [Completion([1], None, "stop", 0) for _ in prompts]
+
+    def sync(self, version):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_the_engine_stays_in_one_session_while_the_batcher_runs(tok):
+    """A colocated vLLM engine that sleeps between rollout batches must not sleep between the many calls of one
+    multi-turn batch: the batcher holds the engine's session from start to close. Seeds reach an engine that takes
+    them (and a batch without any goes without)."""
+    engine = SessionEngine()
+    engine.seeds_per_prompt = True
+    with RequestBatcher(engine, linger_s=0.5) as batcher:
+        batcher.submit_many([[1], [2]], greedy(tok), seeds=[3, None])[1].result()
+        batcher.generate([1], greedy(tok))
+    assert engine.events == ["enter", ("generate", 2, [3, None]), ("generate", 1, None), "exit"]
+
+
+def test_several_calls_in_flight_only_for_an_engine_in_another_process(tok, engine):
+    with pytest.raises(ValueError, match="workers must be 1 for an engine in this process"):
+        RequestBatcher(engine, workers=2)
