@@ -87,6 +87,7 @@ class RequestBatcher:
         self._pending: deque[Request] = deque()
         self._cond = threading.Condition()
         self._closed = False
+        self._held = 0  # held() blocks open: no new engine call starts
         self._threads: list[threading.Thread] = []
         self._session: contextlib.AbstractContextManager | None = None
         self.calls = 0
@@ -127,6 +128,20 @@ class RequestBatcher:
         if session is not None:
             session.__exit__(None, None, None)
 
+    @contextlib.contextmanager
+    def held(self):
+        """While inside, the engine threads start no new call (requests queue; a call already running goes on): many
+        callers submit, each on its own (the first turns of many rollouts), and an idle engine samples them as
+        one batch when the block ends."""
+        with self._cond:
+            self._held += 1
+        try:
+            yield self
+        finally:
+            with self._cond:
+                self._held -= 1
+                self._cond.notify_all()
+
     def submit(self, prompt_ids: list[int], sampling: SamplingParams, budget: int | None = None,
                key: int | None = None, version: int | None = None, seed: int | None = None) -> Future:
         """Queue one request; returns a future of its :class:`~llmtune.rl.types.Completion`.
@@ -166,8 +181,8 @@ class RequestBatcher:
         """The next batch: the oldest pending request and every pending one with its sampling and version (in
         submission order, at most ``max_batch``); None when closed and nothing is pending."""
         with self._cond:
-            while not self._pending:
-                if self._closed:
+            while not self._pending or (self._held and not self._closed):
+                if self._closed and not self._pending:
                     return None
                 self._cond.wait()
             if self.linger_s > 0:

@@ -262,7 +262,7 @@ def build_agent_loop(recipe, engine: RolloutEngine, tokenizer, tools, stop_ids: 
     cfg = recipe.agent
     parser, response_template = resolve_tool_parser(cfg.tool_parser, tokenizer)
     settings = AgentSettings(cfg.max_turns, cfg.max_tool_result_tokens, cfg.tool_timeout_s, parser, response_template,
-                             cfg.max_tool_calls, tuple(cfg.infrastructure_timeouts))
+                             cfg.max_tool_calls, tuple(cfg.infrastructure_timeouts), cfg.tool_threads, cfg.lockstep)
     turns = ToolTurns(tokenizer, tools.schemas, stop_ids)
     return AgentLoop(engine, tokenizer, turns, tools.functions, tools.environment, settings,
                      lambda messages: prompt_ids(tokenizer, messages, tools=tools.schemas),

@@ -179,6 +179,15 @@ class HFEngine(RolloutEngine):
     def sync(self, version: int) -> None:
         """Nothing to do: ``generate`` runs on the training model itself."""
 
+    @contextlib.contextmanager
+    def session(self):
+        """Many ``generate`` calls with the policy unchanged (a multi-turn rollout batch: the trainer waits for it):
+        the LoRA adapter is merged once for all of them (:func:`merged_lora`, 0.3 s a merge for SmolLM2-135M on a
+        CPU core) instead of once per call, and the original weights are put back at the end."""
+        layers = mergeable_lora_layers(self.policy.model, self.policy.adapter) if self.merge else None
+        with merged_lora(layers, self.policy.adapter) if layers else contextlib.nullcontext():
+            yield
+
     def close(self) -> None:
         """Nothing to free: the model is the trainer's."""
 
@@ -215,7 +224,7 @@ class HFEngine(RolloutEngine):
         with self.policy.enter() as model:
             was_training = model.training
             model.eval()
-            layers = mergeable_lora_layers(model, adapter) if self.merge else None
+            layers = mergeable_lora_layers(model, adapter) if self.merge else None  # None inside a session()
             merged = merged_lora(layers, adapter) if layers else contextlib.nullcontext()
             scope = adapter_scope(model, adapter) if adapter is not None else contextlib.nullcontext()
             try:

@@ -143,3 +143,23 @@ def test_the_engine_stays_in_one_session_while_the_batcher_runs(tok):
 def test_several_calls_in_flight_only_for_an_engine_in_another_process(tok, engine):
     with pytest.raises(ValueError, match="workers must be 1 for an engine in this process"):
         RequestBatcher(engine, workers=2)
+
+
+def test_the_hf_engine_merges_its_adapter_once_per_session(tok, engine, monkeypatch):
+    """Inside the batcher's session the LoRA adapter is merged once (not once per call): the same completions as
+    calls outside, and the frozen base weights put back bit for bit at the end."""
+    import torch
+
+    from llmtune.rl.engines import hf
+
+    merges = []
+    real = hf.merged_lora
+    monkeypatch.setattr(hf, "merged_lora", lambda *a: merges.append(1) or real(*a))
+    prompts = prompt_ids(tok, TEXTS[:3])
+    alone = [engine.generate([p], sampled(tok), seeds=[5])[0].token_ids for p in prompts]
+    merges.clear()
+    weights = {n: p.detach().clone() for n, p in engine.policy.model.named_parameters() if "base_layer" in n}
+    with RequestBatcher(engine) as batcher:
+        got = [batcher.generate(p, sampled(tok), seed=5).token_ids for p in prompts]  # three calls
+    assert got == alone and merges == [1] and batcher.calls == 3
+    assert all(torch.equal(p, weights[n]) for n, p in engine.policy.model.named_parameters() if n in weights)
