@@ -12,7 +12,8 @@ The work: B rollouts (GSM8K questions under the ``chatml_tools`` template), each
 final answer; ``agent.max_turns`` K + 1. Every turn samples exactly ``--tokens`` tokens for real (the engine's own
 seeded sampling at the batch the turn lands in); the bench's engine wrapper then appends the tool call
 ``lookup(rollout, turn)`` (K turns) or the stop token (the answer): SmolLM2 makes no tool call on its own, and a fixed
-number of sampled tokens makes both schedules do the same engine work. The tool sleeps its latency, fixed
+number of sampled tokens makes both schedules do the same engine work (sampled text that mentions a tool, which
+the policy writes once it has seen calls, is replaced by as many filler tokens: it would be read as a call). The tool sleeps its latency, fixed
 (``--latency``) or drawn per (rollout, turn) from an exponential distribution of the same mean (seeded: the same
 latencies in every run).
 
@@ -40,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from llmtune.rl.engines.base import RolloutEngine  # noqa: E402
+from llmtune.rl.engines.base import BackgroundEngine, RolloutEngine  # noqa: E402
 
 
 def lookup(rollout: int, turn: int) -> str:
@@ -67,6 +68,7 @@ class ToolTurnEngine(RolloutEngine):
         self.index = {tuple(p): b for b, p in enumerate(prompts)}
         self.width = {len(p) for p in prompts}
         self.calls: list[dict] = []
+        self.turn: dict[int, int] = {}  # rollout -> its turns served so far - 1 (cleared per run)
 
     seeds_per_prompt = True  # the batcher passes the per-turn seeds on
 
@@ -79,31 +81,49 @@ class ToolTurnEngine(RolloutEngine):
         from llmtune.rl.types import STOP, Completion
 
         start = time.perf_counter()
-        inner = replace(sampling, stop_token_ids=(-1,), max_new_tokens=self.tokens)  # exactly `tokens` tokens
+        no_stop = () if isinstance(self, BackgroundEngine) else (-1,)  # hf: () would mean the model's EOS
+        inner = replace(sampling, stop_token_ids=no_stop, max_new_tokens=self.tokens)  # exactly `tokens` tokens
         sampled = self.engine.generate(prompts, inner, [self.tokens] * len(prompts), keys=keys, version=version,
                                        **({"seeds": seeds} if seeds is not None else {}))
         served, out = [], []
         for ids, c in zip(prompts, sampled):
             b = self.rollout_of(ids)
-            turn = self.tok.decode(ids).count("<tool_response>")
+            turn = self.turn[b] = self.turn.get(b, -1) + 1  # its requests come one turn after another
             served.append((b, turn))
             tail = (self.tok("\n<tool_call>\n" + json.dumps({"name": "lookup", "arguments": {"rollout": b,
                                                                                            "turn": turn}})
                              + "\n</tool_call>", add_special_tokens=False)["input_ids"] if turn < self.turns else [])
-            out.append(Completion(list(c.token_ids) + tail + [self.stop], None, STOP, c.version))
+            ids = list(c.token_ids)
+            if "tool" in self.tok.decode(ids):  # the policy imitating the calls it has seen: not a call of its own
+                ids = self.tok(" a" * len(ids), add_special_tokens=False)["input_ids"][:len(ids)]
+            out.append(Completion(ids + tail + [self.stop], None, STOP, c.version))
         self.calls.append({"size": len(prompts), "seconds": time.perf_counter() - start, "served": served})
         return out
 
     def sync(self, version):
-        pass
+        self.engine.sync(version)
 
     def close(self):
-        pass
+        self.engine.close()
 
 
-def setup(tiny: bool, work: Path, batch: int, turns: int, tokens: int):
+class ToolTurnServer(ToolTurnEngine, BackgroundEngine):
+    """The same over the vLLM engine (in another process: several calls may be in flight)."""
+
+    def snapshot(self, version):
+        return self.engine.snapshot(version)
+
+    def push(self, snapshot):
+        self.engine.push(snapshot)
+
+    def session(self):
+        return self.engine.session()
+
+
+def setup(tiny: bool, work: Path, batch: int, turns: int, tokens: int, vllm: bool = False, workers: int = 1):
     """The policy (LoRA r16 on SmolLM2-135M or a tiny model), the tokenizer with the chatml_tools template, the
-    prompt rows and an AgentLoop factory."""
+    prompt rows and an AgentLoop factory; ``vllm``: the colocated vLLM engine instead of hf (``workers`` calls in
+    flight)."""
     import torch
     import transformers
     from bench_generation import _setup
@@ -131,12 +151,23 @@ def setup(tiny: bool, work: Path, batch: int, turns: int, tokens: int):
         messages = [{"role": "user", "content": f"What is {i} + {i % 7}?"}]
         rows.append({"input_ids": prompt_ids(tok, messages), "messages": json.dumps(messages), "prompt": "",
                      "reference": "", "index": i})
-    hf = HFEngine(Policy(policy.eval(), "default", lambda: 0), pad)
-    engine = ToolTurnEngine(hf, tok, [r["input_ids"] for r in rows], turns, tokens, stop)
+    handle = Policy(policy.eval(), "default", lambda: 0)
+    if vllm:
+        from llmtune.rl.engines.vllm_client import start_colocated
+        from llmtune.rl.engines.vllm_engine import VLLMEngine, VLLMSettings
+
+        settings = VLLMSettings(max_model_len=1024, max_lora_rank=16, dtype="float32", temperature=0.8,
+                                startup_timeout_s=900, request_timeout_s=900)
+        inner = VLLMEngine(start_colocated(Path(model_dir), settings, work), handle, settings, owns_process=True)
+        inner.sync(0)
+        engine = ToolTurnServer(inner, tok, [r["input_ids"] for r in rows], turns, tokens, stop)
+    else:
+        engine = ToolTurnEngine(HFEngine(handle, pad), tok, [r["input_ids"] for r in rows], turns, tokens, stop)
     turns_ids = ToolTurns(tok, schemas, [stop])
 
     def agent(lockstep: bool) -> AgentLoop:
-        settings = AgentSettings(turns + 1, 64, 600.0, "hermes", False, None, (), max(batch, 1), lockstep)
+        settings = AgentSettings(turns + 1, 64, 600.0, "hermes", False, None, (), max(batch, 1), lockstep,
+                                 engine_workers=workers)
         return AgentLoop(engine, tok, turns_ids, [lookup], None, settings,
                          lambda m: prompt_ids(tok, m, tools=schemas), 4096)
 
@@ -153,11 +184,12 @@ def run_case(engine, agent, rows, stop, latencies: list[list[float]], reps: int,
     for rep in range(reps):
         for schedule in (("lockstep", "overlap") if rep % 2 == 0 else ("overlap", "lockstep")):
             engine.calls.clear()
+            engine.turn.clear()
             loop = agent(schedule == "lockstep")
             start = time.perf_counter()
             out = loop.run(rows, sampling)
             seconds = time.perf_counter() - start
-            assert all(t.turns == turns + 1 and t.outcome.tool_calls == turns for t in out), \
+            assert all(t.turns == turns + 1 and t.finish_reason == "stop" for t in out), \
                 [(t.turns, t.outcome.tool_calls, t.finish_reason) for t in out]
             times[schedule].append(seconds)
             if schedule == "overlap":
@@ -194,10 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency", type=float, default=0.5, help="tool latency L (s); the variable case's mean")
     ap.add_argument("--reps", type=int, default=2, help="alternated run pairs per case")
     ap.add_argument("--cases", default="fixed,exponential", help="comma-separated: fixed, exponential")
+    ap.add_argument("--vllm", action="store_true", help="the colocated vLLM engine (CPU build) instead of hf")
+    ap.add_argument("--workers", type=int, default=1, help="vLLM: engine calls in flight at once")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args, _ = ap.parse_known_args(argv)
     work = Path(tempfile.mkdtemp(prefix="llmtune-bench-agent-"))
-    engine, agent, rows, stop = setup(args.tiny, work, args.batch, args.turns, args.tokens)
+    engine, agent, rows, stop = setup(args.tiny, work, args.batch, args.turns, args.tokens, args.vllm, args.workers)
     from llmtune.rl.types import SamplingParams
 
     engine.engine.generate([rows[0]["input_ids"]], SamplingParams(4, (stop,)))  # warm-up
@@ -214,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['ideal_s']:.2f} s | share {r['share']:.0%} | lock-step with concurrent tools (computed) "
               f"{r['lockstep_concurrent_tools_s']:.2f} s | engine calls {r['engine_calls']:.0f}, mean batch "
               f"{r['mean_batch']:.1f}", flush=True)
+    engine.close()
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     return 0 if all(math.isfinite(r["share"]) for r in results.values()) else 1

@@ -64,7 +64,9 @@ class AgentSettings:
     infrastructure_timeouts: tuple[str, ...] = ()  # tools whose timeout abstains (agent.infrastructure_timeouts)
     tool_threads: int = 32  # plain tool calls and environment set-ups running at once (agent.tool_threads)
     lockstep: bool = False  # one engine call per turn for all rollouts, tools one after another (agent.lockstep)
-    linger_s: float = 0.02  # an idle engine waits this long for more turns before it samples (RequestBatcher)
+    linger_s: float = 0.02  # an idle engine samples once no turn has come for this long (RequestBatcher) ...
+    linger_max_s: float = 0.25  # ... or this long after the first: tools that return together go together
+    engine_workers: int = 1  # engine calls in flight at once (RequestBatcher workers: an engine in another process)
 
 
 @dataclass
@@ -155,7 +157,8 @@ class AgentLoop:
         from llmtune.rl.batcher import RequestBatcher
 
         request = replace(sampling, seed=None)  # one setting for every turn (they batch); the seeds go per turn
-        with RequestBatcher(self.engine, linger_s=self.settings.linger_s) as batcher:
+        with RequestBatcher(self.engine, linger_s=self.settings.linger_s, linger_max_s=self.settings.linger_max_s,
+                            workers=self.settings.engine_workers) as batcher:
             with batcher.held():
                 tasks = [asyncio.ensure_future(self._advance(b, row, group, batcher, request, sampling.seed, version))
                          for b, (row, group) in enumerate(zip(rows, groups))]

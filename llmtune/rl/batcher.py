@@ -66,6 +66,9 @@ class RequestBatcher:
         max_batch: most requests per ``generate`` call (None: all that are pending and compatible).
         linger_s: after the first request arrives at an idle engine, wait this long for more before sampling (0:
             sample at once; the batches still grow while the engine is busy).
+        linger_max_s: with it, ``linger_s`` is a quiet gap instead: an idle engine samples once no request has come
+            for ``linger_s``, or ``linger_max_s`` after the first (requests that trickle in, a few milliseconds
+            apart, go together). None: ``linger_s`` after the first, as without.
         workers: engine calls in flight at once (threads); more than 1 only for an engine in another process
             (:class:`~llmtune.rl.engines.base.BackgroundEngine`: several vLLM servers).
 
@@ -77,13 +80,15 @@ class RequestBatcher:
         ValueError: ``workers`` > 1 for an engine that samples in this process (the hf engine: one model).
     """
 
-    def __init__(self, engine, max_batch: int | None = None, linger_s: float = 0.0, workers: int = 1):
+    def __init__(self, engine, max_batch: int | None = None, linger_s: float = 0.0, workers: int = 1,
+                 linger_max_s: float | None = None):
         from llmtune.rl.engines.base import BackgroundEngine
 
         if workers < 1 or (workers > 1 and not isinstance(engine, BackgroundEngine)):
             raise ValueError(f"workers must be 1 for an engine in this process (got {workers} for "
                              f"{type(engine).__name__}); several calls at once need an engine in another process")
         self.engine, self.max_batch, self.linger_s, self.workers = engine, max_batch, linger_s, workers
+        self.linger_max_s = linger_s if linger_max_s is None else max(linger_max_s, linger_s)
         self._pending: deque[Request] = deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -181,15 +186,21 @@ class RequestBatcher:
         """The next batch: the oldest pending request and every pending one with its sampling and version (in
         submission order, at most ``max_batch``); None when closed and nothing is pending."""
         with self._cond:
-            while not self._pending or (self._held and not self._closed):
-                if self._closed and not self._pending:
-                    return None
-                self._cond.wait()
-            if self.linger_s > 0:
-                deadline = self._pending[0].submitted + self.linger_s
-                while not self._closed and time.monotonic() < deadline and (
-                        self.max_batch is None or len(self._pending) < self.max_batch):
-                    self._cond.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            while True:
+                while not self._pending or (self._held and not self._closed):
+                    if self._closed and not self._pending:
+                        return None
+                    self._cond.wait()
+                if self.linger_s > 0:
+                    first = self._pending[0].submitted
+                    while self._pending and not self._closed and (
+                            self.max_batch is None or len(self._pending) < self.max_batch):
+                        deadline = min(self._pending[-1].submitted + self.linger_s, first + self.linger_max_s)
+                        if time.monotonic() >= deadline:
+                            break
+                        self._cond.wait(timeout=deadline - time.monotonic())
+                if self._pending:  # (another worker may have taken them while this one lingered)
+                    break
             first = self._pending[0]
             batch, rest = [], deque()
             for r in self._pending:

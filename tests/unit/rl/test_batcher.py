@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from llmtune.rl.batcher import RequestBatcher
-from llmtune.rl.engines.base import RolloutEngine
+from llmtune.rl.engines.base import BackgroundEngine, RolloutEngine
 from llmtune.rl.types import Completion, SamplingParams
 from tests.unit.rl.test_hf_generation import engine_for, prompt_ids, tok, trained_policy  # noqa: F401 - fixture
 
@@ -163,3 +164,57 @@ def test_the_hf_engine_merges_its_adapter_once_per_session(tok, engine, monkeypa
         got = [batcher.generate(p, sampled(tok), seed=5).token_ids for p in prompts]  # three calls
     assert got == alone and merges == [1] and batcher.calls == 3
     assert all(torch.equal(p, weights[n]) for n, p in engine.policy.model.named_parameters() if n in weights)
+
+
+def test_a_quiet_gap_gathers_requests_that_trickle_in(tok):
+    """linger_max_s makes linger_s a quiet gap: requests 0.4 s apart (a wave of tool results coming back one by one)
+    go together although the wave lasts longer than linger_s; linger_max_s still bounds the wait."""
+    def trickle(batcher, n):
+        futures = []
+        for i in range(n):
+            futures.append(batcher.submit([i + 1], greedy(tok)))
+            time.sleep(0.4)
+        return [f.result() for f in futures]
+
+    with RequestBatcher(SessionEngine(), linger_s=1.0, linger_max_s=30.0) as batcher:
+        trickle(batcher, 4)
+    assert batcher.sizes == [4]
+    with RequestBatcher(SessionEngine(), linger_s=1.0, linger_max_s=1.4) as batcher:
+        trickle(batcher, 6)  # 2.0 s of requests, at most 1.4 s of waiting
+    assert batcher.sizes[0] in (3, 4) and sum(batcher.sizes) == 6
+
+
+class SlowServer(SessionEngine, BackgroundEngine):
+    """An engine in another process (a stand-in): each call takes 0.3 s; records how many run at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.lock, self.running, self.most = threading.Lock(), 0, 0
+
+    def generate(self, prompts, sampling, budgets=None, keys=None, version=None, seeds=None):
+        with self.lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        time.sleep(0.3)
+        with self.lock:
+            self.running -= 1
+        return super().generate(prompts, sampling, budgets, keys, version, seeds)
+
+    def snapshot(self, version):
+        raise NotImplementedError
+
+    def push(self, snapshot):
+        raise NotImplementedError
+
+
+def test_several_workers_keep_several_calls_in_flight(tok):
+    """workers=2 on an engine in another process: two calls (versions 0 and 1: never one batch) run at once, each
+    caller gets its own completion; with a linger, a worker that finds the requests taken by the other goes back
+    to waiting."""
+    engine = SlowServer()
+    with RequestBatcher(engine, workers=2, linger_s=0.05, linger_max_s=0.2) as batcher:
+        futures = [batcher.submit([1], greedy(tok), version=v) for v in (0, 1, 0, 1)]
+        assert [f.result().token_ids for f in futures] == [[1]] * 4
+        more = batcher.submit_many([[2]] * 3, greedy(tok))
+        assert [f.result().token_ids for f in more] == [[1]] * 3
+    assert engine.most == 2 and sorted(batcher.sizes) == [2, 2, 3]
