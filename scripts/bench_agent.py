@@ -22,7 +22,9 @@ on-their-own (``--reps`` pairs; medians). The ideal: every rollout waits only fo
 rollouts overlapped: ``max over rollouts of (sum of the engine times of the calls its turns were sampled in + sum of
 its tool latencies)`` (generation time = the measured engine time of each call, at the batch size that occurred in
 the on-their-own run). Share = ideal / achieved. For reference, the lock-step time had it called the tools of a turn
-concurrently (computed: ``sum over turns of (the turn's engine time + its slowest tool)``). Results go to ``--out``.
+concurrently (computed: ``sum over turns of (the turn's engine time + its slowest tool)``), and the engine's busy
+time in the on-their-own run (the sum of its calls' seconds: one engine, so no schedule beats it). Results go to
+``--out``.
 """
 
 from __future__ import annotations
@@ -180,7 +182,7 @@ def run_case(engine, agent, rows, stop, latencies: list[list[float]], reps: int,
     LATENCIES[:] = latencies
     sampling = SamplingParams(4096, (stop,), temperature=0.8, seed=1)
     times = {"lockstep": [], "overlap": []}
-    ideal, concurrent, batches = [], [], []
+    ideal, concurrent, batches, busy = [], [], [], []
     for rep in range(reps):
         for schedule in (("lockstep", "overlap") if rep % 2 == 0 else ("overlap", "lockstep")):
             engine.calls.clear()
@@ -199,6 +201,7 @@ def run_case(engine, agent, rows, stop, latencies: list[list[float]], reps: int,
                         own[b] += call["seconds"]
                 ideal.append(max(own))
                 batches.append([c["size"] for c in engine.calls])
+                busy.append(sum(c["seconds"] for c in engine.calls))
             else:
                 per_turn = [c["seconds"] for c in engine.calls]  # one call per turn
                 slowest = [max(lat[t] for lat in latencies) for t in range(turns)]
@@ -212,6 +215,7 @@ def run_case(engine, agent, rows, stop, latencies: list[list[float]], reps: int,
             "ideal_s": statistics.median(ideal), "share": statistics.median(ideal) / achieved,
             "lockstep_concurrent_tools_s": statistics.median(concurrent),
             "engine_calls": statistics.median([len(r) for r in batches]), "mean_batch": statistics.mean(sizes),
+            "engine_busy_s": statistics.median(busy),
             "runs": times}
 
 
@@ -247,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['speedup']:.2f}x ({r['speedup_range'][0]:.2f}-{r['speedup_range'][1]:.2f}) | ideal "
               f"{r['ideal_s']:.2f} s | share {r['share']:.0%} | lock-step with concurrent tools (computed) "
               f"{r['lockstep_concurrent_tools_s']:.2f} s | engine calls {r['engine_calls']:.0f}, mean batch "
-              f"{r['mean_batch']:.1f}", flush=True)
+              f"{r['mean_batch']:.1f}, busy {r['engine_busy_s']:.2f} s", flush=True)
     engine.close()
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))

@@ -91,3 +91,19 @@ def test_async_rollouts_bench_tiny_runs_both_modes_on_one_server(tmp_path):
     assert len(sync["reward_mean"]) == len(asynchronous["reward_mean"]) == 4
     assert report["speedup"]["pairs"] == [sync["s_per_iteration"] / asynchronous["s_per_iteration"]]
     assert "GRPO s/iteration | sync" in proc.stdout
+
+
+@pytest.mark.slow
+def test_agent_bench_tiny_runs_both_schedules(tmp_path):
+    """scripts/bench_agent.py --tiny: both schedules do the same rollouts (4 turns each, 3 tool calls), and the
+    report holds the times, the ideal and the share (behaviour, not speed: the numbers are the docs')."""
+    out = tmp_path / "agent.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_agent.py"), "--tiny", "--reps", "1",
+                           "--batch", "4", "--latency", "0.05", "--out", str(out)], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())["results"]
+    assert set(report) == {"fixed", "exponential"}
+    for r in report.values():
+        assert len(r["runs"]["lockstep"]) == len(r["runs"]["overlap"]) == 1
+        assert 0 < r["ideal_s"] and 0 < r["share"] and r["engine_calls"] >= 4
