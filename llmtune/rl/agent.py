@@ -159,13 +159,15 @@ class AgentLoop:
         request = replace(sampling, seed=None)  # one setting for every turn (they batch); the seeds go per turn
         with RequestBatcher(self.engine, linger_s=self.settings.linger_s, linger_max_s=self.settings.linger_max_s,
                             workers=self.settings.engine_workers) as batcher:
-            with batcher.held():
-                tasks = [asyncio.ensure_future(self._advance(b, row, group, batcher, request, sampling.seed, version))
-                         for b, (row, group) in enumerate(zip(rows, groups))]
-                await asyncio.sleep(0)  # every task runs to its first wait: a turn submitted, or its set-up
+            tasks = []
             try:
+                with batcher.held():
+                    tasks = [asyncio.ensure_future(self._advance(b, row, group, batcher, request, sampling.seed,
+                                                                 version))
+                             for b, (row, group) in enumerate(zip(rows, groups))]
+                    await asyncio.sleep(0)  # every task runs to its first wait: a turn submitted, or its set-up
                 return list(await asyncio.gather(*tasks))
-            except BaseException:
+            except BaseException:  # an engine error, a tool's bug, the caller giving up: stop every rollout
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
@@ -207,6 +209,15 @@ class AgentLoop:
         except BaseException:
             future.cancel()
             raise
+
+    def close(self) -> None:
+        """Stop the event loop's thread and the tool threads (a tool still running is not waited for)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop = None
 
     def _tool_pool(self):
         """The threads that run plain tool calls and environment set-ups (``agent.tool_threads``), made once."""

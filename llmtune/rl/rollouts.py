@@ -238,9 +238,12 @@ class Rollouts:
             self.prefetch.drain()
 
     def close(self) -> None:
-        """Free the background sampler and the engine (never hiding the error that ended the run)."""
+        """Free the background sampler, the agent loop's threads and the engine (never hiding the error that ended
+        the run)."""
         if self.prefetch is not None:
             self.prefetch.close()
+        if self.agent is not None:
+            self.agent.close()
         try:
             self.engine.close()
         except Exception as exc:  # noqa: BLE001 - never hide the error that ended the run behind a failed close
