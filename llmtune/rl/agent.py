@@ -158,7 +158,7 @@ class AgentLoop:
 
         request = replace(sampling, seed=None)  # one setting for every turn (they batch); the seeds go per turn
         with RequestBatcher(self.engine, linger_s=self.settings.linger_s, linger_max_s=self.settings.linger_max_s,
-                            workers=self.settings.engine_workers) as batcher:
+                            workers=self.settings.engine_workers, session=True) as batcher:  # the policy is fixed
             tasks = []
             try:
                 with batcher.held():

@@ -17,8 +17,9 @@ server). Asyncio callers wrap the future: ``await asyncio.wrap_future(batcher.su
 Seeds: a request may carry its own ``seed``; an engine that samples each prompt from its own seed
 (:attr:`~llmtune.rl.engines.base.RolloutEngine.seeds_per_prompt`) then draws the same completion whatever else
 shares the batch (batch composition follows timing; the draws do not). Requests without a seed are sampled as the
-engine samples a batch (``sampling.seed``, else torch's global RNG). While the batcher runs, the engine is in one
-:meth:`~llmtune.rl.engines.base.RolloutEngine.session` (a colocated vLLM engine stays awake between calls).
+engine samples a batch (``sampling.seed``, else torch's global RNG). With ``session=True`` the engine is in one
+:meth:`~llmtune.rl.engines.base.RolloutEngine.session` while the batcher runs (hf: the adapter merged once; a
+colocated vLLM engine stays awake between calls): only while the policy does not change, as during a rollout batch.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ class RequestBatcher:
             apart, go together). None: ``linger_s`` after the first, as without.
         workers: engine calls in flight at once (threads); more than 1 only for an engine in another process
             (:class:`~llmtune.rl.engines.base.BackgroundEngine`: several vLLM servers).
+        session: hold the engine's ``session()`` from :meth:`start` to :meth:`close`. Only while nothing trains
+            the policy in between (the hf engine keeps the adapter merged into the weights for the session).
 
     Attributes:
         calls: ``generate`` calls made. sizes: the size of each (for metrics and tests). busy_s: seconds the engine
@@ -81,7 +84,7 @@ class RequestBatcher:
     """
 
     def __init__(self, engine, max_batch: int | None = None, linger_s: float = 0.0, workers: int = 1,
-                 linger_max_s: float | None = None):
+                 linger_max_s: float | None = None, session: bool = False):
         from llmtune.rl.engines.base import BackgroundEngine
 
         if workers < 1 or (workers > 1 and not isinstance(engine, BackgroundEngine)):
@@ -89,6 +92,7 @@ class RequestBatcher:
                              f"{type(engine).__name__}); several calls at once need an engine in another process")
         self.engine, self.max_batch, self.linger_s, self.workers = engine, max_batch, linger_s, workers
         self.linger_max_s = linger_s if linger_max_s is None else max(linger_max_s, linger_s)
+        self.session = session
         self._pending: deque[Request] = deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -107,12 +111,12 @@ class RequestBatcher:
         self.close()
 
     def start(self) -> None:
-        """Enter the engine's session and start the engine threads (idempotent)."""
+        """Start the engine threads (idempotent), in the engine's session with ``session``."""
         with self._cond:
             if self._threads:
                 return
             self._closed = False
-            if isinstance(self.engine, RolloutEngine):
+            if self.session and isinstance(self.engine, RolloutEngine):
                 self._session = self.engine.session()
                 self._session.__enter__()
             self._threads = [threading.Thread(target=self._run, name=f"llmtune-engine-{i}", daemon=True)
@@ -121,7 +125,7 @@ class RequestBatcher:
                 thread.start()
 
     def close(self) -> None:
-        """Finish the requests already submitted, then stop the threads and leave the engine's session; later
+        """Finish the requests already submitted, then stop the threads (and leave the engine's session); later
         submissions raise."""
         with self._cond:
             self._closed = True

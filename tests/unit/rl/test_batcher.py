@@ -131,14 +131,18 @@ class SessionEngine(RolloutEngine):
 
 def test_the_engine_stays_in_one_session_while_the_batcher_runs(tok):
     """A colocated vLLM engine that sleeps between rollout batches must not sleep between the many calls of one
-    multi-turn batch: the batcher holds the engine's session from start to close. Seeds reach an engine that takes
-    them (and a batch without any goes without)."""
+    multi-turn batch: with session=True the batcher holds the engine's session from start to close (never without
+    it). Seeds reach an engine that takes them (and a batch without any goes without)."""
     engine = SessionEngine()
     engine.seeds_per_prompt = True
-    with RequestBatcher(engine, linger_s=0.5) as batcher:
+    with RequestBatcher(engine, linger_s=0.5, session=True) as batcher:
         batcher.submit_many([[1], [2]], greedy(tok), seeds=[3, None])[1].result()
         batcher.generate([1], greedy(tok))
     assert engine.events == ["enter", ("generate", 2, [3, None]), ("generate", 1, None), "exit"]
+    engine.events.clear()
+    with RequestBatcher(engine) as batcher:  # no session unless asked: a batcher may outlive a policy update
+        batcher.generate([1], greedy(tok))
+    assert engine.events == [("generate", 1, None)]
 
 
 def test_several_calls_in_flight_only_for_an_engine_in_another_process(tok, engine):
@@ -160,7 +164,7 @@ def test_the_hf_engine_merges_its_adapter_once_per_session(tok, engine, monkeypa
     alone = [engine.generate([p], sampled(tok), seeds=[5])[0].token_ids for p in prompts]
     merges.clear()
     weights = {n: p.detach().clone() for n, p in engine.policy.model.named_parameters() if "base_layer" in n}
-    with RequestBatcher(engine) as batcher:
+    with RequestBatcher(engine, session=True) as batcher:
         got = [batcher.generate(p, sampled(tok), seed=5).token_ids for p in prompts]  # three calls
     assert got == alone and merges == [1] and batcher.calls == 3
     assert all(torch.equal(p, weights[n]) for n, p in engine.policy.model.named_parameters() if n in weights)
