@@ -58,14 +58,6 @@ class ScriptEngine(RolloutEngine):
     def close(self):
         pass
 
-    def turns_of(self, name: str) -> list[int]:
-        return [turn for batch in self.calls for n, turn, _ in batch if n == name]
-
-
-def tool(fn):
-    """A tool function for the tests (its docstring gives it a schema)."""
-    return fn
-
 
 def loop(tok, engine, tools, lockstep=False, tool_threads=32, timeout_s=10.0, environment=None):
     schemas = tool_schemas(list(tools), environment)
@@ -95,7 +87,6 @@ def test_a_fast_rollout_finishes_its_turns_while_a_slow_tool_still_runs(tok):
     (main before issue 40) "fast"'s second turn waits for "slow"'s tool: the tool gives up after 5 s."""
     fast_done = threading.Event()
 
-    @tool
     def quick(x: int) -> str:
         """Answer at once.
 
@@ -104,7 +95,6 @@ def test_a_fast_rollout_finishes_its_turns_while_a_slow_tool_still_runs(tok):
         """
         return "ok"
 
-    @tool
     def wait_for_fast(x: int) -> str:
         """Answer once the fast rollout is done.
 
@@ -130,7 +120,6 @@ def test_lockstep_waits_for_every_tool_of_the_turn(tok):
     another (the loop as it was before issue 40)."""
     ran = []
 
-    @tool
     def quick(x: int) -> str:
         """Record a call.
 
@@ -154,7 +143,6 @@ def test_async_tools_are_awaited_together_and_not_bounded_by_the_tool_threads(to
     awaited concurrently on the rollouts' event loop, even with a single tool thread."""
     state = {"in_flight": 0, "most": 0}
 
-    @tool
     async def gather(x: int) -> str:
         """Wait for the other calls.
 
@@ -181,7 +169,6 @@ def test_plain_tools_run_in_a_pool_of_tool_threads(tok):
     one does (in lock-step they ran one after another)."""
     lock, state = threading.Lock(), {"in_flight": 0, "most": 0}
 
-    @tool
     def busy(x: int) -> str:
         """Take a while.
 
@@ -242,7 +229,6 @@ def test_every_turn_is_seeded_by_its_rollout_and_turn_whatever_the_timing(tok):
     every (rollout, turn) does not, and it is turn_seed(batch seed, rollout, turn)."""
 
     def run(slow_name):
-        @tool
         def work(x: int) -> str:
             """Work.
 
@@ -269,7 +255,6 @@ def test_the_trajectories_are_the_lockstep_loops(tok):
     """Ids, loss masks, turns, finish reasons and outcomes (messages, calls, errors, per-turn rewards) of the same
     scripted rollouts: identical in both schedules."""
 
-    @tool
     def scored(x: int) -> ToolOutput:
         """Answer with a reward.
 
@@ -297,7 +282,6 @@ def test_the_trajectories_are_the_lockstep_loops(tok):
 def test_an_infrastructure_failure_ends_only_its_rollout(tok):
     from llmtune.rl.toolbox import InfrastructureError
 
-    @tool
     def fragile(x: int) -> str:
         """Fail for x = 0.
 
@@ -324,7 +308,6 @@ class Broken(ScriptEngine):
 
 
 def test_an_engine_error_or_a_tools_bug_reaches_the_caller_and_the_loop_goes_on(tok):
-    @tool
     def quick(x: int) -> str:
         """Answer at once.
 
@@ -333,7 +316,6 @@ def test_an_engine_error_or_a_tools_bug_reaches_the_caller_and_the_loop_goes_on(
         """
         return "ok"
 
-    @tool
     def buggy(x: int) -> ToolOutput:
         """Return a reward that is not a number.
 
