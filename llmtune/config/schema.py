@@ -665,6 +665,14 @@ class AgentConfig(Section):
         "tokenizer's own response template where it has one, else detected from the chat template.")
     environment_reward_weight: float = Field(1.0, description="Weight of the environment's reward(messages) in the "
                                              "total reward (when its class defines reward).")
+    tool_threads: int = Field(32, ge=1, description="Plain (def) tool calls and environment set-ups that run at once, "
+                              "per rank (a thread pool; async def tools are awaited on the rollouts' event loop "
+                              "instead and are not counted); more calls wait for a free thread.")
+    lockstep: bool = Field(False, description="Advance all rollouts together: one engine call per turn for every "
+                           "active rollout, their tools called one after another (every turn waits for the "
+                           "slowest tool of the batch). Off: each rollout's next turn is sampled as soon as its own "
+                           "tools return. On: the engine's batches are the same in every run (hf: reproducible bit "
+                           "for bit whatever the tools' timing); for comparisons and debugging.")
 
     @property
     def enabled(self) -> bool:
