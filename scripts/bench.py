@@ -6,6 +6,7 @@
     python scripts/bench.py --gpu     # Llama-3-8B shape (random init), 2,048-token rows, LoRA / QLoRA nf4 / DPO, bf16
     python scripts/bench.py --tiny    # tiny random Llama, a few steps: the same code path in well under a minute
     python scripts/bench.py --async-rollouts   # GRPO max_staleness 1 vs 0 on one rollout server (bench_async.py)
+    python scripts/bench.py --agent            # agent rollouts with slow tools: lock-step vs on their own (bench_agent.py)
 
 DPO pairs: HH-RLHF from ``--hh-pairs PATH`` (or ``$LLMTUNE_BENCH_HH_PAIRS``), else pairs built from GSM8K.
 
@@ -597,6 +598,8 @@ def main(argv: list[str] | None = None) -> int:
                     "vLLM engines side by side (scripts/bench_generation.py)")
     ap.add_argument("--async-rollouts", action="store_true", help="instead: GRPO with rollout.max_staleness 1 vs 0 "
                     "on one rollout server (scripts/bench_async.py)")
+    ap.add_argument("--agent", action="store_true", help="instead: multi-turn rollouts with slow tools, lock-step vs "
+                    "each rollout on its own vs the ideal (scripts/bench_agent.py)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -607,6 +610,11 @@ def main(argv: list[str] | None = None) -> int:
         from bench_async import main as async_main
 
         return async_main(["--tiny"] if args.tiny else [])
+    if args.agent:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_agent import main as agent_main
+
+        return agent_main(["--tiny"] if args.tiny else [])
     if args.generation:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from bench_generation import main as generation_main

@@ -16,20 +16,13 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from llmtune.config.openai_agent import OpenAIAgentConfig
+from llmtune.config.section import Section
 
 
 SEED_MAX = 2**32 - 1  # numpy.random.seed accepts 0 .. 2**32-1
-
-
-class Section(BaseModel):
-    """Base of every recipe section: unknown keys are errors (``extra='forbid'``), types are strict and numbers
-    finite."""
-
-    # strict: no bool -> number and no str -> number coercion (`learning_rate: yes` is an error, not 1.0);
-    # allow_inf_nan=False: `1.0e+400` (read as inf) and `.nan` are errors. YAML ints still fill float fields.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), strict=True,
-                              allow_inf_nan=False)
 
 
 class ModelConfig(Section):
@@ -621,34 +614,6 @@ class RolloutConfig(Section):
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
 
-class OpenAIAgentConfig(Section):
-    """An agent program of your own, trained as it is: run once per rollout against an OpenAI-compatible endpoint
-    in front of the rollout engine (its own base URL and key), its requests recorded as token ids, joined by ids or
-    split into segments (docs/agents-openai.md). Set function or command; agent.tools/environment stay empty."""
-
-    function: str | None = Field(
-        None, description="module:function or file.py:function (found in the working directory, then next to the "
-        "recipe), called once per rollout as fn(base_url, api_key, row, seed) in a thread of its own; returns the "
-        "rollout's reward (a number) or None (the reward: section then scores the final conversation).")
-    command: list[str] | None = Field(
-        None, description="An external program run once per rollout (argv list, e.g. [python, my_agent.py], run in "
-        "the working directory) with OPENAI_BASE_URL, OPENAI_API_KEY, LLMTUNE_ROW (the dataset row as JSON) and "
-        "LLMTUNE_SEED in its environment; the last line of its stdout is the reward, or empty for none (a non-zero "
-        "exit is an infrastructure failure).")
-    concurrency: int = Field(8, ge=1, description="Rollouts whose agents run at once (requests sampled in batches).")
-    timeout_s: float = Field(600.0, gt=0, description="Seconds one rollout's agent may run; past it the rollout is an "
-                             "infrastructure failure (it abstains, counted), a command is killed.")
-    host: str = Field("127.0.0.1", description="Address the endpoint listens on. Loopback by default; any other "
-                      "address exposes it beyond this host (every request still needs its rollout's key).")
-    port: int = Field(0, ge=0, le=65535, description="Port of the endpoint (0 = a free one).")
-    reward_weight: float = Field(1.0, description="Weight of the reward the agent returns (reward source `agent`) "
-                                 "in the total; None from the agent abstains.")
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.function or self.command)
-
-
 class AgentConfig(Section):
     """Multi-turn, tool-using rollouts of the online-RL stages (GRPO, PPO): the policy answers over several turns,
     calling tools (plain Python functions) or acting in an environment (a class, one fresh instance per rollout);
@@ -693,6 +658,14 @@ class AgentConfig(Section):
         "tokenizer's own response template where it has one, else detected from the chat template.")
     environment_reward_weight: float = Field(1.0, description="Weight of the environment's reward(messages) in the "
                                              "total reward (when its class defines reward).")
+    tool_threads: int = Field(32, ge=1, description="Plain (def) tool calls and environment set-ups that run at once, "
+                              "per rank (a thread pool; async def tools are awaited on the rollouts' event loop "
+                              "instead and are not counted); more calls wait for a free thread.")
+    lockstep: bool = Field(False, description="Advance all rollouts together: one engine call per turn for every "
+                           "active rollout, their tools called one after another (every turn waits for the "
+                           "slowest tool of the batch). Off: each rollout's next turn is sampled as soon as its own "
+                           "tools return. On: the engine's batches are the same in every run (hf: reproducible bit "
+                           "for bit whatever the tools' timing); for comparisons and debugging.")
     openai: OpenAIAgentConfig = Field(default_factory=OpenAIAgentConfig)
 
     @property

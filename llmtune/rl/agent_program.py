@@ -32,7 +32,7 @@ import os
 import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from llmtune.rl.types import SamplingParams, Trajectory
@@ -246,8 +246,8 @@ class OpenAIAgentLoop:
 
         Args:
             rows: B prompt rows. sampling: the run's settings (``max_new_tokens``: each segment's budget; greedy
-                for the evaluation; ``seed``: the rollouts' seeds, else torch's RNG, which the trainer seeds per
-                iteration). groups: (B,) group ids (a group's requests go to one server). version: the policy
+                for the evaluation; ``seed``: the batch's seed, else drawn from torch's RNG, which the trainer seeds
+                per iteration; request k of rollout b is seeded as the built-in loop's turn k). groups: (B,) group ids (a group's requests go to one server). version: the policy
                 version to sample with.
 
         Raises:
@@ -255,14 +255,15 @@ class OpenAIAgentLoop:
         """
         import torch
 
-        from llmtune.rl.agent import _row_columns
+        from llmtune.rl.agent import _row_columns, turn_seed
         from llmtune.rl.batcher import RequestBatcher
         from llmtune.rl.endpoint import Session
         from llmtune.rl.recorder import Recorder
 
         groups = list(range(len(rows))) if groups is None else list(groups)
-        gen = None if sampling.seed is None else torch.Generator().manual_seed(int(sampling.seed))
-        seeds = torch.randint(0, 2**31 - 1, (len(rows),), generator=gen).tolist()
+        seed = int(torch.randint(0, 2**31 - 1, ()).item()) if sampling.seed is None else int(sampling.seed)  # (as
+        # the built-in loop draws it: its turns' seeds, turn_seed(seed, b, t), are the requests')
+        seeds = [turn_seed(seed, b, -1) for b in range(len(rows))]  # the agent programs' own (turn -1: no turn's)
         endpoint = self._endpoint()
         errors: list[BaseException] = []
 
@@ -278,9 +279,10 @@ class OpenAIAgentLoop:
         def running() -> int:  # the agents that run now, or start as soon as a slot frees: each will send a request
             return min(self.settings.concurrency, len(rows) - finished[0])
 
-        with RequestBatcher(self.engine, linger_s=LINGER_S, expect=running) as batcher:
-            sessions = [Session(r, batcher.submit, sampling, version, g, s, self.reader, engine_failed)
-                        for r, g, s in zip(recorders, groups, seeds)]
+        with RequestBatcher(self.engine, linger_s=LINGER_S, expect=running, session=True) as batcher:  # (the policy
+            # is fixed while the agents run: hf merges the adapter once, a colocated vLLM engine sleeps once)
+            sessions = [Session(r, batcher.submit, replace(sampling, seed=None), version, g, seed, b, self.reader,
+                                engine_failed) for b, (r, g) in enumerate(zip(recorders, groups))]
             keys = [endpoint.register(session) for session in sessions]
 
             def one(b: int) -> tuple[float | None, str | None]:

@@ -9,19 +9,22 @@ one ``engine.generate`` call (requests that share their sampling settings and po
 next call). While the engine samples, new requests queue, so the batch size follows the load: one trajectory whose
 tool returned early is sampled at once, the ones whose tools return while it samples go together next.
 
-The engine is only ever called from the batcher's thread, one call at a time (the ``hf`` engine samples with the
-training model; vLLM's server batches concurrent HTTP requests itself, and gets them as one request here). Asyncio
-callers wrap the future: ``await asyncio.wrap_future(batcher.submit(...))``.
+The engine is only ever called from the batcher's threads: one call at a time by default (the ``hf`` engine samples
+with the training model; vLLM's server batches concurrent HTTP requests itself, and gets them as one request here),
+or ``workers`` calls at once for an engine in another process (several vLLM servers: a call waits for its slowest
+server). Asyncio callers wrap the future: ``await asyncio.wrap_future(batcher.submit(...))``.
 
-Seeds: a request may carry its own seed (``submit(..., seed=)``), so that what it samples does not depend on which
-other requests it happened to be batched with (an engine that seeds per prompt, vLLM, then gets ``seeds=``; the
-``hf`` engine draws every prompt of a batch from torch's one RNG and ignores them). Requests with seeds and requests
-without are never batched together; within a batch, the sampling settings' own ``seed`` is the first request's (all
-equal, like every other setting).
+Seeds: a request may carry its own ``seed``; an engine that samples each prompt from its own seed
+(:attr:`~llmtune.rl.engines.base.RolloutEngine.seeds_per_prompt`) then draws the same completion whatever else
+shares the batch (batch composition follows timing; the draws do not). Requests without a seed are sampled as the
+engine samples a batch (``sampling.seed``, else torch's global RNG). With ``session=True`` the engine is in one
+:meth:`~llmtune.rl.engines.base.RolloutEngine.session` while the batcher runs (hf: the adapter merged once; a
+colocated vLLM engine stays awake between calls): only while the policy does not change, as during a rollout batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -29,6 +32,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
+from llmtune.rl.engines.base import RolloutEngine
 from llmtune.rl.types import Completion, SamplingParams
 
 
@@ -40,9 +44,10 @@ class Request:
         prompt_ids: the token ids to continue. sampling: how (its ``max_new_tokens`` is the default budget).
         budget: this prompt's own token limit (a multi-turn rollout's remaining budget), None = the sampling's.
         key: requests of one key go to one server (an engine over several servers). version: the policy version
-            to sample with (None = the engine's current one). seed: this request's own seed (None = the engine
-            draws one: from ``sampling.seed`` and the request's position in its batch, or from torch's RNG).
+            to sample with (None = the engine's current one).
         future: resolved with the :class:`~llmtune.rl.types.Completion`, or with the engine's exception.
+        submitted: ``time.monotonic()`` at submission. seed: this prompt's own seed (engines that take one per
+            prompt), None = the engine's batch seeding.
     """
 
     prompt_ids: list[int]
@@ -50,9 +55,9 @@ class Request:
     budget: int | None = None
     key: int | None = None
     version: int | None = None
-    seed: int | None = None
     future: Future = field(default_factory=Future)
     submitted: float = field(default_factory=time.monotonic)
+    seed: int | None = None
 
 
 class RequestBatcher:
@@ -63,23 +68,44 @@ class RequestBatcher:
         max_batch: most requests per ``generate`` call (None: all that are pending and compatible).
         linger_s: after the first request arrives at an idle engine, wait this long for more before sampling (0:
             sample at once; the batches still grow while the engine is busy).
-        expect: ``fn() -> int``, how many requests the callers will have pending when they are all waiting (e.g.
-            the rollouts still running): once that many are pending the batch is sampled without lingering further,
-            so callers that run in step (their requests come back together, their tools return together) are one
-            ``generate`` call, and a slow one delays the others by ``linger_s`` at most. None: linger the whole
-            ``linger_s``. Call :meth:`wake` when it drops.
+        linger_max_s: with it, ``linger_s`` is a quiet gap instead: an idle engine samples once no request has come
+            for ``linger_s``, or ``linger_max_s`` after the first (requests that trickle in, a few milliseconds
+            apart, go together). None: ``linger_s`` after the first, as without.
+        expect: ``fn() -> int``, how many requests the callers will have pending once they all wait (callers this
+            batcher cannot hold, as :meth:`held` does: agent programs sending HTTP requests, counted by the
+            rollouts still running): a lingering batch is sampled as soon as that many are pending, never later
+            than the linger allows, so callers in step are one ``generate`` call without waiting out the linger.
+            None: linger as above. Call :meth:`wake` when the count drops (a caller finished).
+        workers: engine calls in flight at once (threads); more than 1 only for an engine in another process
+            (:class:`~llmtune.rl.engines.base.BackgroundEngine`: several vLLM servers).
+        session: hold the engine's ``session()`` from :meth:`start` to :meth:`close`. Only while nothing trains
+            the policy in between (the hf engine keeps the adapter merged into the weights for the session).
 
     Attributes:
-        calls: ``generate`` calls made. sizes: the size of each (for metrics and tests).
+        calls: ``generate`` calls made. sizes: the size of each (for metrics and tests). busy_s: seconds the engine
+            spent in ``generate`` calls (summed over workers).
+
+    Raises:
+        ValueError: ``workers`` > 1 for an engine that samples in this process (the hf engine: one model).
     """
 
-    def __init__(self, engine, max_batch: int | None = None, linger_s: float = 0.0,
+    def __init__(self, engine, max_batch: int | None = None, linger_s: float = 0.0, workers: int = 1,
+                 linger_max_s: float | None = None, session: bool = False,
                  expect: Callable[[], int] | None = None):
-        self.engine, self.max_batch, self.linger_s, self.expect = engine, max_batch, linger_s, expect
+        from llmtune.rl.engines.base import BackgroundEngine
+
+        if workers < 1 or (workers > 1 and not isinstance(engine, BackgroundEngine)):
+            raise ValueError(f"workers must be 1 for an engine in this process (got {workers} for "
+                             f"{type(engine).__name__}); several calls at once need an engine in another process")
+        self.engine, self.max_batch, self.linger_s, self.workers = engine, max_batch, linger_s, workers
+        self.linger_max_s = linger_s if linger_max_s is None else max(linger_max_s, linger_s)
+        self.session, self.expect = session, expect
         self._pending: deque[Request] = deque()
         self._cond = threading.Condition()
         self._closed = False
-        self._thread: threading.Thread | None = None
+        self._held = 0  # held() blocks open: no new engine call starts
+        self._threads: list[threading.Thread] = []
+        self._session: contextlib.AbstractContextManager | None = None
         self.calls = 0
         self.sizes: list[int] = []
         self.busy_s = 0.0
@@ -92,28 +118,50 @@ class RequestBatcher:
         self.close()
 
     def start(self) -> None:
-        """Start the engine thread (idempotent)."""
+        """Start the engine threads (idempotent), in the engine's session with ``session``."""
         with self._cond:
-            if self._thread is not None:
+            if self._threads:
                 return
             self._closed = False
-            self._thread = threading.Thread(target=self._run, name="llmtune-engine", daemon=True)
-            self._thread.start()
-
-    def wake(self) -> None:
-        """Re-check a lingering batch now (``expect`` dropped: a caller finished)."""
-        with self._cond:
-            self._cond.notify_all()
+            if self.session and isinstance(self.engine, RolloutEngine):
+                self._session = self.engine.session()
+                self._session.__enter__()
+            self._threads = [threading.Thread(target=self._run, name=f"llmtune-engine-{i}", daemon=True)
+                             for i in range(self.workers)]
+            for thread in self._threads:
+                thread.start()
 
     def close(self) -> None:
-        """Finish the requests already submitted, then stop the thread; later submissions raise."""
+        """Finish the requests already submitted, then stop the threads (and leave the engine's session); later
+        submissions raise."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-            thread = self._thread
-        if thread is not None:
+            threads, self._threads = self._threads, []
+        for thread in threads:
             thread.join()
-        self._thread = None
+        session, self._session = self._session, None
+        if session is not None:
+            session.__exit__(None, None, None)
+
+    def wake(self) -> None:
+        """Re-check a lingering batch now (``expect``'s count dropped: a caller finished)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def held(self):
+        """While inside, the engine threads start no new call (requests queue; a call already running goes on): many
+        callers submit, each on its own (the first turns of many rollouts), and an idle engine samples them as
+        one batch when the block ends."""
+        with self._cond:
+            self._held += 1
+        try:
+            yield self
+        finally:
+            with self._cond:
+                self._held -= 1
+                self._cond.notify_all()
 
     def submit(self, prompt_ids: list[int], sampling: SamplingParams, budget: int | None = None,
                key: int | None = None, version: int | None = None, seed: int | None = None) -> Future:
@@ -122,14 +170,28 @@ class RequestBatcher:
         Raises:
             RuntimeError: the batcher is closed (or was never started).
         """
-        request = Request([int(i) for i in prompt_ids], sampling, budget, key, version,
-                          None if seed is None else int(seed))
+        return self.submit_many([prompt_ids], sampling, None if budget is None else [budget],
+                                None if key is None else [key], version, None if seed is None else [seed])[0]
+
+    def submit_many(self, prompts: list[list[int]], sampling: SamplingParams, budgets: list[int] | None = None,
+                    keys: list[int] | None = None, version: int | None = None, seeds: list[int] | None = None
+                    ) -> list[Future]:
+        """Queue several requests at once (the arguments as ``engine.generate`` takes them; one per prompt): an idle
+        engine samples them as one batch (their order kept), never some alone because the engine thread woke
+        between two submissions.
+
+        Raises:
+            RuntimeError: the batcher is closed (or was never started).
+        """
+        requests = [Request([int(i) for i in p], sampling, None if budgets is None else budgets[b],
+                            None if keys is None else keys[b], version,
+                            seed=None if seeds is None else seeds[b]) for b, p in enumerate(prompts)]
         with self._cond:
-            if self._closed or self._thread is None:
+            if self._closed or not self._threads:
                 raise RuntimeError("the request batcher is not running")
-            self._pending.append(request)
+            self._pending.extend(requests)
             self._cond.notify_all()
-        return request.future
+        return [r.future for r in requests]
 
     def generate(self, prompt_ids: list[int], sampling: SamplingParams, budget: int | None = None,
                  key: int | None = None, version: int | None = None, seed: int | None = None) -> Completion:
@@ -137,25 +199,29 @@ class RequestBatcher:
         return self.submit(prompt_ids, sampling, budget, key, version, seed).result()
 
     def _take(self) -> list[Request] | None:
-        """The next batch: the oldest pending request and every pending one with its sampling and version, and a
-        seed of its own when it has one (in submission order, at most ``max_batch``); None when closed and nothing
-        is pending."""
+        """The next batch: the oldest pending request and every pending one with its sampling and version (in
+        submission order, at most ``max_batch``); None when closed and nothing is pending."""
         with self._cond:
-            while not self._pending:
-                if self._closed:
-                    return None
-                self._cond.wait()
-            if self.linger_s > 0:
-                deadline = self._pending[0].submitted + self.linger_s
-                while not self._closed and time.monotonic() < deadline and (
-                        self.max_batch is None or len(self._pending) < self.max_batch) and (
-                        self.expect is None or len(self._pending) < self.expect()):
-                    self._cond.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            while True:
+                while not self._pending or (self._held and not self._closed):
+                    if self._closed and not self._pending:
+                        return None
+                    self._cond.wait()
+                if self.linger_s > 0:
+                    first = self._pending[0].submitted
+                    while self._pending and not self._closed and (
+                            self.max_batch is None or len(self._pending) < self.max_batch) and (
+                            self.expect is None or len(self._pending) < self.expect()):
+                        deadline = min(self._pending[-1].submitted + self.linger_s, first + self.linger_max_s)
+                        if time.monotonic() >= deadline:
+                            break
+                        self._cond.wait(timeout=deadline - time.monotonic())
+                if self._pending:  # (another worker may have taken them while this one lingered)
+                    break
             first = self._pending[0]
             batch, rest = [], deque()
             for r in self._pending:
-                same = (r.sampling == first.sampling and r.version == first.version
-                        and (r.seed is None) == (first.seed is None))
+                same = r.sampling == first.sampling and r.version == first.version
                 if same and (self.max_batch is None or len(batch) < self.max_batch):
                     batch.append(r)
                 else:
@@ -175,17 +241,20 @@ class RequestBatcher:
             try:
                 budgets = [r.budget if r.budget is not None else r.sampling.max_new_tokens for r in batch]
                 keys = [r.key if r.key is not None else i for i, r in enumerate(batch)]
-                seeded = {"seeds": [r.seed for r in batch]} if batch[0].seed is not None else {}
+                seeded = any(r.seed is not None for r in batch) and isinstance(self.engine, RolloutEngine) \
+                    and self.engine.seeds_per_prompt
+                extra = {"seeds": [r.seed for r in batch]} if seeded else {}
                 completions = self.engine.generate([r.prompt_ids for r in batch], batch[0].sampling, budgets,
-                                                   keys=keys, version=batch[0].version, **seeded)
+                                                   keys=keys, version=batch[0].version, **extra)
             except BaseException as exc:  # noqa: BLE001 - the callers get the engine's error, the thread goes on
                 for r in batch:
                     r.future.set_exception(exc)
                 continue
             finally:
-                self.busy_s += time.monotonic() - start
-                self.calls += 1
-                self.sizes.append(len(batch))
+                with self._cond:
+                    self.busy_s += time.monotonic() - start
+                    self.calls += 1
+                    self.sizes.append(len(batch))
             if len(completions) != len(batch):
                 error = RuntimeError(f"the engine answered {len(completions)} completions for {len(batch)} prompts")
                 for r in batch:

@@ -10,7 +10,9 @@ warns: the keys are then all that protects it). A rollout's key is revoked when 
 
 A request is checked (:mod:`llmtune.rl.openai_api`), rendered and joined by ids (:mod:`llmtune.rl.recorder`),
 sampled through the :class:`llmtune.rl.batcher.RequestBatcher` (every request of every rollout in batches, each with
-a seed of its own: the rollout's seed, the request's number and the choice), read for tool calls with the run's
+a seed of its own: the built-in loop's seed of that turn (:func:`llmtune.rl.agent.turn_seed` of the batch's seed, the
+rollout and the request's number), so the engines that seed per prompt (hf, vLLM) draw what the built-in loop draws
+for the same ids, whatever shares the batch), read for tool calls with the run's
 parser and answered in OpenAI's format. The engine's failure is answered 500 and reported to the rollout side,
 which stops the run with it.
 """
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
+from llmtune.rl.agent import turn_seed
 from llmtune.rl.openai_api import (APIError, Choice, assistant_message, completion_body, finish_reason, message_key,
                                    parse_request, stream_events)
 from llmtune.rl.recorder import Recorder
@@ -92,14 +95,19 @@ class Session:
     Args:
         recorder: the rollout's :class:`~llmtune.rl.recorder.Recorder`. submit: the batcher's ``submit``.
         sampling: the run's sampling settings (the rollout's). version: the policy version to sample with. group:
-            the rollout's group (its requests go to one server). seed: the rollout's seed. reader: :class:`Reader`.
+            the rollout's group (its requests go to one server). seed: the rollout batch's seed; rollout: this
+            rollout's index in the batch: request k's seed is :func:`llmtune.rl.agent.turn_seed` (seed, rollout,
+            k - 1), the seed of the built-in loop's turn k (a choice i > 0 of ``n``: a hash of that and i).
+            reader: :class:`Reader`.
         on_engine_error: called with the engine's exception (the rollout side stops the run with it).
     """
 
     def __init__(self, recorder: Recorder, submit: Callable, sampling: SamplingParams, version: int | None,
-                 group: int, seed: int, reader: Reader, on_engine_error: Callable[[BaseException], None]):
+                 group: int, seed: int, rollout: int, reader: Reader,
+                 on_engine_error: Callable[[BaseException], None]):
         self.recorder, self.submit, self.sampling, self.version = recorder, submit, sampling, version
-        self.group, self.seed, self.reader, self.on_engine_error = group, seed, reader, on_engine_error
+        self.group, self.seed, self.rollout, self.reader = group, seed, rollout, reader
+        self.on_engine_error = on_engine_error
 
     def complete(self, body) -> tuple[dict | None, list[bytes] | None]:
         """Answer one chat-completions request: ``(JSON body, None)`` or ``(None, server-sent events)``.
@@ -110,8 +118,9 @@ class Session:
         s = self.sampling
         request = parse_request(body, 0.0 if s.greedy else s.temperature, 1.0 if s.greedy else s.top_p)
         prepared = self.recorder.prepare(request)
+        seed = turn_seed(self.seed, self.rollout, prepared.number - 1)  # the built-in loop's turn: the same draws
         futures = [self.submit(prepared.prompt_ids, s, budget=prepared.room, key=self.group, version=self.version,
-                               seed=(self.seed + 1_000_003 * prepared.number + 7919 * i) % 2**31)
+                               seed=seed if i == 0 else turn_seed(seed, -1, i))
                    for i in range(request.n)]
         try:
             completions = [f.result() for f in futures]

@@ -244,13 +244,12 @@ class Rollouts:
             self.prefetch.drain()
 
     def close(self) -> None:
-        """Free the background sampler and the engine (never hiding the error that ended the run)."""
+        """Free the background sampler, the agent loop's threads and the engine (never hiding the error that ended
+        the run)."""
         if self.prefetch is not None:
             self.prefetch.close()
-        from llmtune.rl.agent_program import OpenAIAgentLoop
-
-        if isinstance(self.agent, OpenAIAgentLoop):
-            self.agent.close()  # the endpoint
+        if self.agent is not None:
+            self.agent.close()
         try:
             self.engine.close()
         except Exception as exc:  # noqa: BLE001 - never hide the error that ended the run behind a failed close
@@ -272,7 +271,7 @@ def build_agent_loop(recipe, engine: RolloutEngine, tokenizer, tools, stop_ids: 
     cfg = recipe.agent
     parser, response_template = resolve_tool_parser(cfg.tool_parser, tokenizer)
     settings = AgentSettings(cfg.max_turns, cfg.max_tool_result_tokens, cfg.tool_timeout_s, parser, response_template,
-                             cfg.max_tool_calls, tuple(cfg.infrastructure_timeouts))
+                             cfg.max_tool_calls, tuple(cfg.infrastructure_timeouts), cfg.tool_threads, cfg.lockstep)
     turns = ToolTurns(tokenizer, tools.schemas, stop_ids)
     return AgentLoop(engine, tokenizer, turns, tools.functions, tools.environment, settings,
                      lambda messages: prompt_ids(tokenizer, messages, tools=tools.schemas),

@@ -128,11 +128,37 @@ def test_a_greedy_rollout_has_the_built_in_loops_token_ids(parts):
         assert [m["content"] for m in b.outcome.messages] == [m["content"] for m in a.outcome.messages]
 
 
+def test_sampled_rollouts_draw_what_the_built_in_loop_draws_on_a_fixed_seed(parts):
+    """Sampled at temperature 1 with one seed: request k of rollout b is seeded as the built-in loop's turn k of
+    rollout b (hf, seeded per prompt), so the example's agent samples the built-in loop's ids wherever the two agents
+    act alike; another seed draws other ids."""
+    tok, policy = parts
+    engine = hf_engine(tok, policy)
+    built_in, stop = loop(tok, engine)
+    sampling = SamplingParams(96, tuple(stop), temperature=1.0, seed=1234)
+    expected = built_in.run([row(tok)] * 4, sampling)
+    agents, _ = endpoint_loop(tok, engine, shipped_agent(), concurrency=4)
+    try:
+        got = agents.run([row(tok)] * 4, sampling)
+        other = agents.run([row(tok)] * 4, SamplingParams(96, tuple(stop), temperature=1.0, seed=99))
+    finally:
+        agents.close()
+    first = [t.completion_ids[:t.loss_mask.index(0) if 0 in t.loss_mask else None] for t in expected]
+    assert [t.completion_ids[:len(f)] for t, f in zip(got, first)] == first  # every first answer
+    assert len({tuple(t.completion_ids) for t in expected}) > 1  # four rollouts, four seeds
+    alike = [(a, b) for a, b in zip(expected, got) if a.outcome.tool_calls == b.outcome.tool_calls
+             and not a.outcome.tool_errors]  # (a malformed call: the two agents differ on purpose)
+    assert alike
+    for a, b in alike:
+        assert (b.prompt_ids, b.completion_ids, b.loss_mask) == (a.prompt_ids, a.completion_ids, a.loss_mask)
+    assert [t.completion_ids for t in other] != [t.completion_ids for t in got]
+
+
 @needs_vllm
 def test_vllm_greedy_rollouts_equal_the_built_in_loops_and_seeds_do_not_depend_on_batching(parts, vllm_engine):
     """vLLM: the greedy rollout equals the built-in loop's; sampled at temperature 1, the engine's log-probs cover
-    exactly the sampled tokens (NaN on the context), and each request's own seed makes a rollout's samples the same
-    whether it runs alone or beside others (concurrency 1 vs 4)."""
+    exactly the sampled tokens (NaN on the context), each request's own seed makes a rollout's samples the same
+    whether it runs alone or beside others (concurrency 1 vs 4), and they are the built-in loop's on that seed."""
     tok, policy = parts
     built_in, stop = loop(tok, vllm_engine)
     [a] = built_in.run([row(tok)], greedy(stop))
@@ -146,6 +172,9 @@ def test_vllm_greedy_rollouts_equal_the_built_in_loops_and_seeds_do_not_depend_o
     finally:
         agents.close()
     assert (b.prompt_ids, b.completion_ids, b.loss_mask) == (a.prompt_ids, a.completion_ids, a.loss_mask)
+    alike = [(x, y) for x, y in zip(built_in.run([row(tok)] * 4, sampling), together)
+             if x.outcome.tool_calls == y.outcome.tool_calls and not x.outcome.tool_errors]
+    assert alike and all(x.completion_ids == y.completion_ids for x, y in alike)
     assert [t.completion_ids for t in together] == [t.completion_ids for t in alone]
     assert len({tuple(t.completion_ids) for t in together}) > 1  # four rollouts, four seeds
     for t in together:

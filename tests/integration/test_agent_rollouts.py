@@ -94,13 +94,61 @@ class KeyRecorder:
 
 def test_every_turn_of_a_trajectory_goes_to_its_groups_server(parts):
     """Over several servers, a prompt's key picks its server (tests/unit/rl/test_server_routing.py): every turn of
-    a trajectory carries its group as key, so all its turns (and its group's) are served by one server."""
+    a trajectory carries its group as key, so all its turns (and its group's) are served by one server. (The first
+    turns are one batch; later turns are batched as their tools return.)"""
     tok, policy = parts
     recorder = KeyRecorder(hf_engine(tok, policy))
     agent, stop = loop(tok, recorder)
     trajectories = agent.run([row(tok)] * 3, SamplingParams(96, tuple(stop), greedy=True), groups=[4, 4, 9])
     assert [t.turns for t in trajectories] == [2, 2, 2]
+    assert recorder.keys[0] == [4, 4, 9] and sorted(sum(recorder.keys[1:], [])) == [4, 4, 9]
+    agent.settings.lockstep = True
+    recorder.keys.clear()
+    agent.run([row(tok)] * 3, SamplingParams(96, tuple(stop), greedy=True), groups=[4, 4, 9])
     assert recorder.keys == [[4, 4, 9], [4, 4, 9]]
+
+
+def slow_calculator(latencies):
+    """The calculator, each call after its own latency (drawn in order from ``latencies``)."""
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression and return its value.
+
+        Args:
+            expression: numbers with + - * / // % ** and parentheses, e.g. "(12 * 7 + 3) / 2".
+        """
+        time.sleep(next(latencies))
+        return "5"
+
+    return calculator
+
+
+def test_rollouts_on_their_own_are_the_lockstep_rollouts_and_a_seed_fixes_them_whatever_the_timing(parts):
+    """The real hf engine, 6 rollouts: greedy, the trajectories of both schedules are the same token for token;
+    sampled (temperature 1.5: the turns differ between rollouts), a seed gives the same trajectories in two runs
+    whose tools take other times (the engine's batches differ), another seed other ones."""
+    import itertools
+    import random
+
+    tok, policy = parts
+    engine = hf_engine(tok, policy)
+    rows = [row(tok)] * 6
+
+    def run(schedule, sampling, latency_seed):
+        rng = random.Random(latency_seed)
+        latencies = (rng.choice([0.0, 0.05, 0.3]) for _ in itertools.count())
+        agent, _ = loop(tok, engine, tools=(slow_calculator(latencies),))
+        agent.settings.lockstep = schedule == "lockstep"
+        out = agent.run(rows, sampling)
+        return [(t.completion_ids, t.loss_mask, t.turns, t.finish_reason) for t in out]
+
+    stop = (tok.convert_tokens_to_ids("<|im_end|>"),)
+    greedy = SamplingParams(96, stop, greedy=True)
+    assert run("lockstep", greedy, 0) == run("overlap", greedy, 1)
+    sampled = SamplingParams(96, stop, temperature=1.5, seed=7)
+    first, second = run("overlap", sampled, 2), run("overlap", sampled, 3)
+    assert first == second
+    assert len({tuple(t[0]) for t in first}) > 1  # the rollouts differ from each other
+    assert run("overlap", SamplingParams(96, stop, temperature=1.5, seed=8), 2) != first
 
 
 def tool(fn_body: str, name: str = "calculator", params: str = "expression: str"):

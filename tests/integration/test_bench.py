@@ -101,3 +101,19 @@ def test_async_rollouts_bench_tiny_runs_both_modes_on_one_server(tmp_path):
     assert report["ideal_speedup"] == pytest.approx((S + T) / max(S, T)) and 1 <= report["ideal_speedup"] <= 2
     assert report["share_of_ideal"] == pytest.approx(report["speedup"]["median"] / report["ideal_speedup"])
     assert yaml.safe_load((tmp_path / "grpo_async.yaml").read_text())["grpo"]["num_iterations"] == 2  # balanced
+
+
+@pytest.mark.slow
+def test_agent_bench_tiny_runs_both_schedules(tmp_path):
+    """scripts/bench_agent.py --tiny: both schedules do the same rollouts (4 turns each, 3 tool calls), and the
+    report holds the times, the ideal and the share (behaviour, not speed: the numbers are the docs')."""
+    out = tmp_path / "agent.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_agent.py"), "--tiny", "--reps", "1",
+                           "--batch", "4", "--latency", "0.05", "--out", str(out)], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())["results"]
+    assert set(report) == {"fixed", "exponential"}
+    for r in report.values():
+        assert len(r["runs"]["lockstep"]) == len(r["runs"]["overlap"]) == 1
+        assert 0 < r["ideal_s"] and 0 < r["share"] and r["engine_calls"] >= 4
