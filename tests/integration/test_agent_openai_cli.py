@@ -107,8 +107,9 @@ def test_ppo_trains_an_agent_programs_segments(agents):
 
 @pytest.mark.slow
 def test_a_run_with_an_agent_program_resumes_exactly(agents):
-    """One agent at a time (concurrency 1): the hf engine draws every request from the RNG the trainer seeds per
-    iteration, in a fixed order, so a resumed run samples what the uninterrupted one sampled."""
+    """Every request draws from its own seed (the built-in loop's turn seed, from the seed the trainer draws per
+    iteration), so a resumed run samples what the uninterrupted one sampled; one agent at a time (concurrency 1),
+    so that no engine call pads a prompt to another width (which moves a logit by float rounding)."""
     assert main(["grpo", str(program(agents, "whole_prog", concurrency=1))]) == 0
     run = agents / "whole_prog"
     rollouts = [r for r in read_jsonl(run / "metrics.jsonl") if "agent/requests" in r]
