@@ -144,6 +144,12 @@ def _snippet(base: dict, adapter_ref: str, head: str, kind: str, quantization: d
         if quantized:
             body += ["base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)  # norms in fp32, "
                      "as trained"]
+            if quantization["config"].get("load_in_4bit"):  # llmtune.models.quant: the CPU repack computes in bf16
+                body += ["for module in base.modules():  # on a CPU with AVX-512 BF16, bitsandbytes would run 4-bit "
+                         "layers in bf16 at inference",
+                         '    if hasattr(module, "support_avx512bf16_for_cpu"):  # whatever the compute dtype: '
+                         "keep it, as trained",
+                         "        module.support_avx512bf16_for_cpu = False"]
         body += [f'model = PeftModel.from_pretrained(base, "{adapter_ref}")',
                  f'tokenizer = AutoTokenizer.from_pretrained("{adapter_ref}")']
     imports = ["import torch", f"from transformers import {auto}, AutoTokenizer"

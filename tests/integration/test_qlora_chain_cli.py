@@ -155,12 +155,20 @@ def test_exported_model_and_adapter_reproduce_the_trained_dpo_model_outside_llmt
                              bnb_4bit_compute_dtype=torch.float32)  # as the adapter's card says
     assert "bnb_4bit_quant_type='nf4', bnb_4bit_use_double_quant=True" in (run / "exported_adapter" /
                                                                            "README.md").read_text()
-    base = AutoModelForCausalLM.from_pretrained(ws["model"], quantization_config=bnb, dtype=torch.float32)
-    plain = PeftModel.from_pretrained(base, run / "exported_adapter").eval()
+    card = (run / "exported_adapter" / "README.md").read_text()
+    assert "module.support_avx512bf16_for_cpu = False" in card  # the card's fp32 route on AVX-512 BF16 CPUs
+
+    def plain_base():  # as the card loads it: without the card's loop, bitsandbytes computes these layers in bf16
+        base = AutoModelForCausalLM.from_pretrained(ws["model"], quantization_config=bnb, dtype=torch.float32)
+        for module in base.modules():  # on a CPU with AVX-512 BF16 (1.5e-3 off the trained log-probs measured)
+            if hasattr(module, "support_avx512bf16_for_cpu"):
+                module.support_avx512bf16_for_cpu = False
+        return base
+
+    plain = PeftModel.from_pretrained(plain_base(), run / "exported_adapter").eval()
     assert eval_logps(ws, plain) == pytest.approx(trained, abs=1e-3)
-    without_sft = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(ws["model"], quantization_config=bnb, dtype=torch.float32),
-        run / "adapter").eval()  # the DPO adapter alone misses the SFT adapter under it: another model
+    without_sft = PeftModel.from_pretrained(plain_base(), run / "adapter").eval()  # the DPO adapter alone misses
+    # the SFT adapter under it: another model
     assert abs(eval_logps(ws, without_sft)[0] - trained[0]) > 1e-2
 
 

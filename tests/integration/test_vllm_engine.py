@@ -322,8 +322,10 @@ def test_unreachable_server():
 
 def test_vllm_missing(monkeypatch, tmp_path, model_dir):
     monkeypatch.setenv("LLMTUNE_VLLM_PYTHON", str(tmp_path / "no-such-python"))
-    with pytest.raises(RolloutEngineError, match="vLLM is not installed: `bash scripts/setup.sh`"):
+    with pytest.raises(RolloutEngineError, match=r"vLLM is not installed: LLMTUNE_VLLM_PYTHON=\S*no-such-python is not "
+                                                 r"a file\. `bash scripts/setup.sh` sets it up") as err:
         start_colocated(model_dir, VLLMSettings(), tmp_path)
+    assert err.value.exit_code == 1  # a setup problem, not an engine that is down (69)
 
 
 def test_server_killed_mid_run(server, model_dir):  # last: it stops the module's server

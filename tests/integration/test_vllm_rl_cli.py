@@ -208,13 +208,15 @@ def test_the_real_server_lets_no_one_in(workspace, server, capfd):
             client._request("POST", "/adapter", body)
         assert refused.value.code == 400
     assert client.health()["version"] == version and "intruder" not in client.health()["adapters"]
-    # a trainer with the wrong secret: exit 69, one error line naming the fix, nothing trained
+    # a trainer with the wrong secret: exit 1 (a configuration problem a retry cannot fix, not 69), one error line
+    # naming the fix, nothing trained
     (workspace / "wrong_secret").write_text("not-the-servers-secret")
     recipe = rl_recipe(workspace, "wrong_secret_run", "grpo", url, max_steps=2)
     code = main(["grpo", str(recipe), f"rollout.vllm.secret_file={workspace / 'wrong_secret'}"])
     err = capfd.readouterr().err
     lines = re.findall(r"error: [^\r\n]*", err)
-    assert code == 69 and len(lines) == 1 and "refused this trainer's secret" in lines[0], err[-3000:]
+    assert code == 1 and len(lines) == 1 and "refused this trainer's secret" in lines[0], err[-3000:]
+    assert not (workspace / "wrong_secret_run" / "adapter").exists()
     assert "the-shared-secret" not in err and "not-the-servers-secret" not in err  # never printed
 
 

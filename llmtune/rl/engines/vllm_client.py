@@ -80,11 +80,15 @@ class EngineNotInstalledError(RolloutEngineError):
 
 
 def not_installed_error() -> RolloutEngineError:
+    """The error for a vLLM that :func:`vllm_python` did not find, naming what it looked at: the file
+    ``$LLMTUNE_VLLM_PYTHON`` names when that is set (and missing), else every venv of :func:`vllm_venv_candidates`."""
+    explicit = os.environ.get("LLMTUNE_VLLM_PYTHON")
+    where = (f"LLMTUNE_VLLM_PYTHON={explicit} is not a file" if explicit else
+             "looked for " + " and ".join(str(v / "bin" / "python") for v in vllm_venv_candidates()))
     return EngineNotInstalledError(
-        "rollout.engine: vllm, but vLLM is not installed: looked for "
-        + " and ".join(str(v / "bin" / "python") for v in vllm_venv_candidates())
-        + ". `bash scripts/setup.sh` sets it up in .venv-vllm beside .venv (or set LLMTUNE_VLLM_PYTHON to a python "
-        "with vllm, LLMTUNE_VLLM_VENV to its venv), or use rollout.engine: hf")
+        f"rollout.engine: vllm, but vLLM is not installed: {where}. `bash scripts/setup.sh` sets it up in .venv-vllm "
+        "beside .venv (or set LLMTUNE_VLLM_PYTHON to a python with vllm, LLMTUNE_VLLM_VENV to its venv), "
+        "or use rollout.engine: hf")
 
 
 class VLLMClient:

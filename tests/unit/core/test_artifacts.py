@@ -149,3 +149,19 @@ def test_push_to_hub_creates_the_repo_and_uploads_the_folder(tmp_path, monkeypat
     FakeApi.fail = True
     with pytest.raises(artifacts.HubUploadError, match=r"uploading .* to me/model failed: ConnectionError.*login"):
         artifacts.push_to_hub(tmp_path, "me/model")
+
+
+def test_a_qlora_card_loads_the_4bit_base_as_trained_and_parses():
+    """The snippet of a QLoRA adapter quantizes the base with the run's BitsAndBytesConfig and turns off
+    bitsandbytes' bf16 CPU repack (llmtune.models.quant), which would compute the 4-bit layers in bf16 on AVX-512
+    BF16 CPUs whatever the compute dtype; an 8-bit base has no such path."""
+    import re
+
+    base = {"name_or_path": "org/base"}
+    for bits, expected in (("load_in_4bit", True), ("load_in_8bit", False)):
+        quantization = {"config": {bits: True, "bnb_4bit_compute_dtype": "float32"}, "dtype": "float32"}
+        card = "\n".join(artifacts.usage_snippet(base, "org/adapter", "causal_lm", "adapter", quantization=quantization))
+        code = re.search(r"```python\n(.*?)```", card, re.S).group(1)
+        compile(code, "card", "exec")
+        assert ("module.support_avx512bf16_for_cpu = False" in code) is expected, bits
+        assert f"BitsAndBytesConfig({bits}=True" in code and "quantization_config=bnb" in code

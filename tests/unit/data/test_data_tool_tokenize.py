@@ -124,3 +124,15 @@ def test_cache_key_changes_with_the_tools_column(tool_tok, write, cfg):
     b = write("b.jsonl", [{"messages": TWO_ROUNDS, "tools": [other]}])
     keys = {cache_key("sft", cfg(p, chat_template="chatml_tools"), tool_tok, ".", {}) for p in (a, b)}
     assert len(keys) == 2 and None not in keys
+
+
+def test_a_template_that_drops_the_called_tools_name_is_refused(tok, write, cfg):
+    """Issue 39: a template that writes a call's arguments but not which tool it calls passed the probe (the name is
+    in the schemas anyway); SFT tool data and agent rollouts would train calls the model cannot attribute."""
+    nameless = CHATML_TOOLS.replace("""{"name": "' + call['name'] + '", "arguments": """, """{"arguments": """)
+    assert nameless != CHATML_TOOLS
+    tok.chat_template = nameless
+    assert tool_render_problem(tok) == "the chat template does not render the names of the called tools"
+    path = write("tools.jsonl", [{"messages": TWO_ROUNDS, "tools": [CALC]}])
+    with pytest.raises(DataError, match="does not render the names of the called tools"):
+        build_sft_data(cfg(path, max_length=2048), tok)

@@ -88,6 +88,15 @@ def test_a_template_without_tools_is_refused_naming_the_fix():
         check_tool_template(tok, TOOLS, stop_token_ids(tok), render_ids(tok))
 
 
+def test_a_template_that_drops_the_called_tools_name_is_refused():
+    tok = tiny()
+    tok.chat_template = BUILTIN_TEMPLATES["chatml_tools"].replace(
+        """{"name": "' + call['name'] + '", "arguments": """, """{"arguments": """)
+    assert tok.chat_template != BUILTIN_TEMPLATES["chatml_tools"]
+    with pytest.raises(RecipeError, match="does not render the names of the called tools"):
+        check_tool_template(tok, TOOLS, stop_token_ids(tok), render_ids(tok))
+
+
 def test_a_template_that_rewrites_history_is_refused():
     """Qwen3-style: an earlier assistant turn's <think> block is stripped once later turns follow."""
     tok = tiny()
