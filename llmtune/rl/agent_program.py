@@ -247,8 +247,8 @@ class OpenAIAgentLoop:
         Args:
             rows: B prompt rows. sampling: the run's settings (``max_new_tokens``: each segment's budget; greedy
                 for the evaluation; ``seed``: the batch's seed, else drawn from torch's RNG, which the trainer seeds
-                per iteration; request k of rollout b is seeded as the built-in loop's turn k). groups: (B,) group ids (a group's requests go to one server). version: the policy
-                version to sample with.
+                per iteration; request k of rollout b is seeded as the built-in loop's turn k). groups: (B,) group
+                ids (a group's requests go to one server). version: the policy version to sample with.
 
         Raises:
             whatever the engine raised (the run stops: a rollout engine's failure is never an agent's).

@@ -12,8 +12,8 @@ A request is checked (:mod:`llmtune.rl.openai_api`), rendered and joined by ids 
 sampled through the :class:`llmtune.rl.batcher.RequestBatcher` (every request of every rollout in batches, each with
 a seed of its own: the built-in loop's seed of that turn (:func:`llmtune.rl.agent.turn_seed` of the batch's seed, the
 rollout and the request's number), so the engines that seed per prompt (hf, vLLM) draw what the built-in loop draws
-for the same ids, whatever shares the batch), read for tool calls with the run's
-parser and answered in OpenAI's format. The engine's failure is answered 500 and reported to the rollout side,
+for the same ids, whatever shares the batch), read for tool calls with the run's parser and answered in OpenAI's
+format. The engine's failure is answered 500 and reported to the rollout side,
 which stops the run with it.
 """
 
