@@ -114,8 +114,10 @@ class TreasureHunt:
     rooms one after another, reading each note, and answer ``#### <treasure>`` (``llmtune.rewards:gsm8k_reward``
     checks it against the row's reference).
 
-    ``reset`` takes the row's ``rooms`` column: ``{room name: note}`` (a note is ``"Go to room <name>."`` or
-    ``"The treasure is <number>."``, :mod:`llmtune.data.agent_tasks`).
+    ``reset`` takes the row's ``rooms`` column: ``{room name: note}`` (a note names the next room, possibly with a
+    decoy: ``"Go to room <name>."``, ``"Room <decoy> is a trap. Go to room <name>."``; or, in the last room of a
+    route, ``"The treasure is <number>."``: :mod:`llmtune.data.agent_tasks`). ``enter`` finds a room by its name with
+    surrounding spaces and case ignored; any other name is an error the model reads (it can try again).
     """
 
     def reset(self, rooms: dict) -> None:
@@ -132,6 +134,11 @@ class TreasureHunt:
         Args:
             room: the room's name, e.g. "Kalo".
         """
-        if room not in self.rooms:
+        name = room.strip()
+        found = self.rooms.get(name) or self._by_lower().get(name.lower())
+        if found is None:
             raise ValueError(f"there is no room named {room!r}")
-        return self.rooms[room]
+        return found
+
+    def _by_lower(self) -> dict:
+        return {name.lower(): note for name, note in self.rooms.items()}

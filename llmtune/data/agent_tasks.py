@@ -5,8 +5,8 @@ Two tasks that a small model cannot do without its tool, each a file in ``llmtun
 regenerates them and compares) read in two views:
 
 * ``agent-multiply.jsonl.gz``: ``{question, answer, expression}``, products with 4- to 6-digit answers (SmolLM2-135M
-  does not get one right in its head). Rows 0-1999 ask for the product of two numbers in plain words (``"What is
-  347 times 829?"``, six phrasings); rows 2000-3999 are word problems whose answer is the product of the THREE
+  does not get one right in its head). Rows 0-1999 ask for the product of two numbers, half in plain words
+  (``"What is 347 times 829?"``), half as word problems with two numbers (:data:`TWO_FACTORS`, twelve phrasings); rows 2000-3999 are word problems whose answer is the product of the THREE
   numbers they give (``"A box holds 12 rows of 34 pencils. How many pencils are in 56 boxes?"``, eight templates):
   a model that learned to multiply the two numbers of a plain request must learn to find all three.
   ``builtin:multiply`` is the RL view (question -> prompt, answer -> reference: ``llmtune.rewards:gsm8k_reward``);
@@ -65,6 +65,9 @@ THREE_FACTORS = ("A box holds {a} rows of {b} pencils. How many pencils are in {
 SYLLABLES = ("ka", "lo", "mi", "ru", "te", "vo", "zan", "pel", "dor", "fi", "gra", "hu", "jes", "nor", "qui", "sab",
              "tam", "ul", "wen", "yor", "bex", "cy", "dal", "esh")
 GO_TO, TREASURE = "Go to room {}.", "The treasure is {}."
+FORKS = ("Go to room {next}, not room {decoy}.", "Room {decoy} is a trap. Go to room {next}.",
+         "Skip room {decoy}; the path goes on to room {next}.", "Room {next} is next. Keep out of room {decoy}.",
+         "Avoid room {decoy}. Take the door to room {next}.", "The way on is room {next}; room {decoy} is a dead end.")
 
 
 def multiply_rows(n: int = 2 * ROWS_PER_RANGE, seed: int = MULTIPLY_SEED) -> list[dict]:
@@ -97,34 +100,58 @@ def multiply_rows(n: int = 2 * ROWS_PER_RANGE, seed: int = MULTIPLY_SEED) -> lis
 
 
 def rooms_rows(n: int = 2 * ROWS_PER_RANGE, seed: int = ROOMS_SEED) -> list[dict]:
-    """The rows of ``agent-rooms.jsonl.gz``: ``{question, answer, rooms}``.
+    """The rows of ``agent-rooms.jsonl.gz``: ``{question, answer, rooms, path}``.
 
     Args:
-        n: rows; the first :data:`ROWS_PER_RANGE` have 1 or 2 rooms (alternating), the rest 3.
+        n: rows; the first :data:`ROWS_PER_RANGE` are hunts through 1 or 2 rooms (alternating) whose notes say
+            ``"Go to room <next>."``; the rest go through 3 rooms whose first two notes are forks (:data:`FORKS`): they
+            name the next room and a decoy, whose branch is as long as the rest of the path (plain notes) and ends
+            with a false treasure, so that every route takes 3 rooms and only the right one finds the treasure.
         seed: the generator's seed.
 
     Returns:
-        ``n`` rows; room names are two :data:`SYLLABLES` (distinct within a row), the treasure is in 1000-9999, no
-        (first room, treasure) twice; ``rooms`` lists the rooms in the order of the hunt.
+        ``n`` rows; room names are two :data:`SYLLABLES` (distinct within a row), treasures are in 1000-9999 (the
+        false ones differ from the true one), no (first room, treasure) twice; ``path`` lists the rooms of the
+        right route, ``rooms`` maps every room (decoys included) to its note.
     """
     rng = random.Random(seed)
     seen: set[tuple[str, int]] = set()
     rows = []
     while len(rows) < n:
-        hops = 1 + len(rows) % 2 if len(rows) < ROWS_PER_RANGE else 3
+        forks = len(rows) >= ROWS_PER_RANGE
+        hops = 3 if forks else 1 + len(rows) % 2
         names: list[str] = []
-        while len(names) < hops:
-            name = (rng.choice(SYLLABLES) + rng.choice(SYLLABLES)).capitalize()
-            if name not in names:
-                names.append(name)
+
+        def room() -> str:
+            while True:
+                name = (rng.choice(SYLLABLES) + rng.choice(SYLLABLES)).capitalize()
+                if name not in names:
+                    names.append(name)
+                    return name
+
+        path = [room() for _ in range(hops)]
         treasure = rng.randint(1000, 9999)
-        if (names[0], treasure) in seen:
+        if (path[0], treasure) in seen:
             continue
-        seen.add((names[0], treasure))
-        rooms = {name: GO_TO.format(names[k + 1]) if k + 1 < hops else TREASURE.format(treasure)
-                 for k, name in enumerate(names)}
-        rows.append({"question": f"Find the treasure. Start in room {names[0]}.", "answer": str(treasure),
-                     "rooms": rooms})
+        seen.add((path[0], treasure))
+        rooms = {}
+        for k, name in enumerate(path[:-1]):
+            if not forks:
+                rooms[name] = GO_TO.format(path[k + 1])
+                continue
+            decoy = room()
+            rooms[name] = rng.choice(FORKS).format(next=path[k + 1], decoy=decoy)
+            for _ in range(hops - k - 2):  # the decoy's branch: as many rooms as the rest of the path
+                after = room()
+                rooms[decoy] = GO_TO.format(after)
+                decoy = after
+            false = treasure
+            while false == treasure:
+                false = rng.randint(1000, 9999)
+            rooms[decoy] = TREASURE.format(false)
+        rooms[path[-1]] = TREASURE.format(treasure)
+        rows.append({"question": f"Find the treasure. Start in room {path[0]}.", "answer": str(treasure),
+                     "rooms": rooms, "path": path})
     return rows
 
 
@@ -177,31 +204,33 @@ def calculator_conversation(row: dict) -> dict:
 
 
 def rooms_conversation(row: dict) -> dict:
-    """A ``{question, answer, rooms}`` row as a conversation with :class:`~llmtune.tools.TreasureHunt`
-    (``builtin:rooms-tools``): user = the question; then per room one ``enter`` call (the room the question or the
-    last note names) answered by the environment itself; then ``#### <treasure>``.
+    """A ``{question, answer, rooms, path}`` row as a conversation with :class:`~llmtune.tools.TreasureHunt`
+    (``builtin:rooms-tools``): user = the question; then one ``enter`` call per room of the right route (``path``),
+    each answered by the environment itself; then ``#### <treasure>``.
 
     Returns:
         A ``messages`` row ``{"messages": [...], "tools": [the enter schema]}``.
 
     Raises:
-        RowError: a field missing, a note that names no room in ``rooms`` or repeats one, or a treasure other than
-            ``answer``.
+        RowError: a field missing; a route that does not start in the question's room, a note that does not name the
+            route's next room, or a last note other than the row's treasure.
     """
     question, answer, rooms = _text(row, "question"), _text(row, "answer"), _text(row, "rooms", dict)
+    path = row.get("path")
+    if not isinstance(path, list) or not path or not question.endswith(f" room {path[0]}."):
+        raise RowError("broken hunt", f"field 'path' must list the rooms of the route from the question's room, got "
+                       f"{path!r}")
     env = TreasureHunt()
     env.reset(rooms=rooms)
     messages: list[dict] = [{"role": "user", "content": question}]
-    room = question.rsplit(" ", 1)[-1].rstrip(".")
-    for _ in range(len(rooms)):
+    for k, room in enumerate(path):
         try:
             note = env.enter(room)
         except ValueError as exc:
             raise RowError("broken hunt", f"room {room!r}: {exc}") from None
+        if k + 1 < len(path) and path[k + 1] not in re.findall(r"[Rr]oom (\w+)", note):
+            raise RowError("broken hunt", f"the note of room {room!r} ({note!r}) does not name room {path[k + 1]!r}")
         messages += [_call("enter", {"room": room}), {"role": "tool", "name": "enter", "content": note}]
-        if not note.startswith("Go to room "):
-            break
-        room = note.removeprefix("Go to room ").rstrip(".")
     if note != TREASURE.format(answer):
         raise RowError("broken hunt", f"the hunt ends with {note!r}, not the treasure {answer}")
     messages.append({"role": "assistant", "content": f"#### {answer}"})

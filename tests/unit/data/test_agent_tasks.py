@@ -76,24 +76,41 @@ def test_hand_checked_rows_and_the_reward_of_right_and_wrong_answers():
     assert gsm8k_reward([""] * 4, ["#### 164424", "#### 164,424", "#### 2418", "The answer is 164424"],
                         [reference] * 4) == [1.0, 1.0, 0.0, 0.0]
     hunt = rooms_rows()[ROWS_PER_RANGE + 1]
-    assert hunt == {"question": "Find the treasure. Start in room Grajes.", "answer": "9046",
-                    "rooms": {"Grajes": "Go to room Quicy.", "Quicy": "Go to room Kaesh.",
-                              "Kaesh": "The treasure is 9046."}}
-    assert gsm8k_reward([""] * 3, ["#### 9046", "#### Kaesh", ""], [hunt["answer"]] * 3) == [1.0, 0.0, 0.0]
+    assert hunt == {"question": "Find the treasure. Start in room Fidal.", "answer": "2215",
+                    "rooms": {"Fidal": "Go to room Ulbex, not room Vohu.", "Vohu": "Go to room Bexka.",
+                              "Bexka": "The treasure is 5547.",  # the decoy's branch: as long, a false treasure
+                              "Ulbex": "Room Wenlo is a trap. Go to room Zanbex.", "Wenlo": "The treasure is 9304.",
+                              "Zanbex": "The treasure is 2215."},
+                    "path": ["Fidal", "Ulbex", "Zanbex"]}
+    assert gsm8k_reward([""] * 3, ["#### 2215", "#### 5547", ""], [hunt["answer"]] * 3) == [1.0, 0.0, 0.0]
 
 
-def test_rooms_rows_one_or_two_rooms_then_three_every_hunt_once():
+def test_rooms_rows_plain_hunts_then_forks_whose_every_route_takes_three_rooms():
     rows = rooms_rows()
     assert len(rows) == N
-    assert [len(r["rooms"]) for r in rows[:4]] == [1, 2, 1, 2]
-    assert {len(r["rooms"]) for r in rows[ROWS_PER_RANGE:]} == {3}
-    starts = [(r["question"], r["answer"]) for r in rows]
-    assert len(set(starts)) == N  # no (first room, treasure) twice: the ranges share no hunt
-    for row in rows:
-        notes = list(row["rooms"].values())
-        assert notes[-1] == f"The treasure is {row['answer']}." and 1000 <= int(row["answer"]) <= 9999
-        assert all(n.startswith("Go to room ") for n in notes[:-1])
-        assert row["question"] == f"Find the treasure. Start in room {next(iter(row['rooms']))}."
+    assert [len(r["path"]) for r in rows[:4]] == [1, 2, 1, 2]
+    assert {len(r["path"]) for r in rows[ROWS_PER_RANGE:]} == {3}
+    assert len({(r["question"], r["answer"]) for r in rows}) == N  # no hunt twice: the ranges share none
+    for i, row in enumerate(rows):
+        assert row["question"] == f"Find the treasure. Start in room {row['path'][0]}."
+        assert row["rooms"][row["path"][-1]] == f"The treasure is {row['answer']}." and 1000 <= int(row["answer"])
+        routes = walk(row["rooms"], row["path"][0])
+        treasures = [r[-1] for r in routes]
+        assert treasures.count(f"The treasure is {row['answer']}.") == 1  # one route finds it
+        if i < ROWS_PER_RANGE:
+            assert routes == [[row["rooms"][r] for r in row["path"]]] and "not" not in str(row["rooms"])
+        else:  # two forks on the route (a decoy's branch has none): three routes, each through three rooms
+            assert len(routes) == 3 and {len(r) for r in routes} == {3}
+            assert len(set(treasures)) == 3 and all(t.startswith("The treasure is ") for t in treasures)
+
+
+def walk(rooms: dict, room: str) -> list[list[str]]:
+    """Every route from ``room``: the notes read along it, a fork taking either room it names."""
+    note = rooms[room]
+    if note.startswith("The treasure is "):
+        return [[note]]
+    names = re.findall(r"[Rr]oom (\w+)", note)
+    return [[note, *route] for name in names for route in walk(rooms, name)]
 
 
 def test_calculator_conversation_calls_once_and_answers_with_the_calculator_s_result():
@@ -112,17 +129,20 @@ def test_calculator_conversation_calls_once_and_answers_with_the_calculator_s_re
         calculator_conversation({"question": "q", "answer": "1"})
 
 
-def test_rooms_conversation_is_the_environment_s_own_answers_room_by_room():
+def test_rooms_conversation_takes_the_right_route_with_the_environment_s_own_answers():
     hunt = rooms_rows()[ROWS_PER_RANGE + 1]
     messages = rooms_conversation(hunt)["messages"]
     assert [m["role"] for m in messages] == ["user"] + ["assistant", "tool"] * 3 + ["assistant"]
     entered = [m["tool_calls"][0]["function"]["arguments"]["room"] for m in messages if m.get("tool_calls")]
-    assert entered == ["Grajes", "Quicy", "Kaesh"]
-    assert [m["content"] for m in messages if m["role"] == "tool"] == list(hunt["rooms"].values())
-    assert messages[-1] == {"role": "assistant", "content": "#### 9046"}
+    assert entered == ["Fidal", "Ulbex", "Zanbex"]
+    assert [m["content"] for m in messages if m["role"] == "tool"] == [
+        "Go to room Ulbex, not room Vohu.", "Room Wenlo is a trap. Go to room Zanbex.", "The treasure is 2215."]
+    assert messages[-1] == {"role": "assistant", "content": "#### 2215"}
     assert rooms_conversation(hunt)["tools"] == [get_json_schema(TreasureHunt.enter)]
-    with pytest.raises(RowError, match="there is no room named 'Quicy'"):
-        rooms_conversation({**hunt, "rooms": {"Grajes": "Go to room Quicy.", "Kaesh": "The treasure is 9046."}})
+    with pytest.raises(RowError, match="there is no room named 'Ulbex'"):
+        rooms_conversation({**hunt, "rooms": {"Fidal": "Go to room Ulbex, not room Vohu."}})
+    with pytest.raises(RowError, match="does not name room 'Zanbex'"):
+        rooms_conversation({**hunt, "path": ["Fidal", "Vohu", "Zanbex"]})
     with pytest.raises(RowError, match="not the treasure 1"):
         rooms_conversation({**hunt, "answer": "1"})
 
@@ -131,8 +151,9 @@ def test_treasure_hunt_environment_knows_only_its_rooms():
     env = TreasureHunt()
     env.reset(rooms={"Kalo": "Go to room Mite.", "Mite": "The treasure is 1234."})
     assert env.enter("Kalo") == "Go to room Mite." and env.enter("Mite") == "The treasure is 1234."
-    with pytest.raises(ValueError, match="there is no room named 'kalo'"):
-        env.enter("kalo")
+    assert env.enter(" mite") == env.enter("MITE ") == "The treasure is 1234."  # spaces and case do not matter
+    with pytest.raises(ValueError, match="there is no room named 'Kal'"):
+        env.enter("Kal")
 
 
 def test_builtin_views_give_sft_conversations_and_rl_prompts_with_references_and_rooms(tok, cfg):
@@ -157,3 +178,5 @@ def test_builtin_views_give_sft_conversations_and_rl_prompts_with_references_and
     assert set(raw_columns(row)["rooms"].values()) >= {f"The treasure is {row['reference']}."}
     tools = read_source(DatasetConfig(path="builtin:rooms-tools", max_samples=4), 0)
     assert [sum(bool(m.get("tool_calls")) for m in r["messages"]) for r in tools.rows] == [1, 2, 1, 2]
+    forks = read_source(DatasetConfig(path="builtin:rooms-tools", skip_rows=ROWS_PER_RANGE), 0)
+    assert len(forks.rows) == ROWS_PER_RANGE and not forks.bad  # every fork hunt has its right route
