@@ -6,6 +6,7 @@
     python scripts/bench.py --gpu     # Llama-3-8B shape (random init), 2,048-token rows, LoRA / QLoRA nf4 / DPO, bf16
     python scripts/bench.py --tiny    # tiny random Llama, a few steps: the same code path in well under a minute
     python scripts/bench.py --async-rollouts   # GRPO max_staleness 1 vs 0 on one rollout server (bench_async.py)
+    python scripts/bench.py --agent            # agent rollouts with slow tools: lock-step vs on their own (bench_agent.py)
 
 DPO pairs: HH-RLHF from ``--hh-pairs PATH`` (or ``$LLMTUNE_BENCH_HH_PAIRS``), else pairs built from GSM8K.
 
@@ -401,12 +402,11 @@ def trl_gsm8k_reward(prompts, completions, reference, **kwargs) -> list[float]:
     return gsm8k_reward(prompts, completions, reference)
 
 
-def llmtune_prompt_order(trainer_cls, n_rows: int, seed: int, iterations: int, per_iteration: int) -> list[int]:
-    """The prompt rows llmtune's online-RL trainer draws in iterations 0 .. iterations-1 (one process), in order."""
-    from types import SimpleNamespace
+def llmtune_prompt_order(n_rows: int, seed: int, iterations: int, per_iteration: int) -> list[int]:
+    """The prompt rows llmtune's online RL draws in iterations 0 .. iterations-1 (one process), in order."""
+    from llmtune.rl.rollouts import prompt_indices
 
-    me = SimpleNamespace(prompts=range(n_rows), args=SimpleNamespace(seed=seed, process_index=0, world_size=1))
-    return [i for it in range(iterations) for i in trainer_cls.prompt_indices(me, it, per_iteration)]
+    return [i for it in range(iterations) for i in prompt_indices(n_rows, seed, it, per_iteration)]
 
 
 def run_trl_grpo(recipe, tokenizer, rows, model, out: Path, probe: RolloutProbe) -> None:
@@ -418,10 +418,9 @@ def run_trl_grpo(recipe, tokenizer, rows, model, out: Path, probe: RolloutProbe)
 
     from llmtune.core.distributed import batch_layout
     from llmtune.models import build_lora_config
-    from llmtune.rl.trainer import OnlineRLTrainer
 
     t, g, r = recipe.train, recipe.grpo, recipe.rollout
-    order = llmtune_prompt_order(OnlineRLTrainer, len(rows), t.seed, t.max_steps, g.rollout_batch_size // g.num_generations)
+    order = llmtune_prompt_order(len(rows), t.seed, t.max_steps, g.rollout_batch_size // g.num_generations)
     ids_of: dict[str, list[int]] = {}
     for i in order:
         ids = list(rows[i]["input_ids"])
@@ -599,6 +598,8 @@ def main(argv: list[str] | None = None) -> int:
                     "vLLM engines side by side (scripts/bench_generation.py)")
     ap.add_argument("--async-rollouts", action="store_true", help="instead: GRPO with rollout.max_staleness 1 vs 0 "
                     "on one rollout server (scripts/bench_async.py)")
+    ap.add_argument("--agent", action="store_true", help="instead: multi-turn rollouts with slow tools, lock-step vs "
+                    "each rollout on its own vs the ideal (scripts/bench_agent.py)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -609,6 +610,11 @@ def main(argv: list[str] | None = None) -> int:
         from bench_async import main as async_main
 
         return async_main(["--tiny"] if args.tiny else [])
+    if args.agent:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_agent import main as agent_main
+
+        return agent_main(["--tiny"] if args.tiny else [])
     if args.generation:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from bench_generation import main as generation_main

@@ -11,8 +11,17 @@ Runs alternate sync, async, async, sync ... (``--reps`` pairs). Per run: the med
 of one iteration, sampling + training, evaluations excluded; the first iteration left out: nothing was sampled ahead
 of it), the engine's busy share (``rollout/sample_s`` / ``iteration_s``), the trainer's wait for rollouts
 (``rollout/wait_s``), the staleness of what was trained, and the reward curves: ``reward_mean`` of every iteration's
-rollouts and ``eval_reward`` (greedy answers to held-out questions) every ``--eval-every`` steps. Printed: ``speed-up
-= sync s/iteration / async s/iteration`` per alternated pair (median, min-max). Results go to ``--out`` (JSON).
+rollouts and ``eval_reward`` (greedy answers to held-out questions) every ``--eval-every`` steps.
+
+The ideal, from the synchronous runs: an iteration there is sampling (``S``: ``rollout/sample_s``, the engine's wall
+time for the batch) then everything else (``T = iteration_s - S``: the rollout forwards, the optimizer steps, the
+weight push). Overlapped perfectly, an iteration takes ``max(S, T)``, so the ideal speed-up is ``(S + T) / max(S, T)``
+(at most 2x, at S = T). Printed: the achieved ``speed-up = sync s/iteration / async s/iteration`` per alternated
+pair (median, min-max), the ideal, and the achieved share of the ideal. Results go to ``--out`` (JSON).
+
+Shapes (``--shape``): ``default`` (16 completions x 48 tokens, one optimizer step per rollout batch: sampling is
+~80% of a synchronous iteration on CPU cores, so the ideal is ~1.25x) and ``balanced`` (the same rollouts trained on
+for ``grpo.num_iterations`` passes, chosen so that T is within 20% of S: the ideal is ~1.8x or more).
 """
 
 from __future__ import annotations
@@ -41,7 +50,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def recipe(work: Path, tiny: bool, steps: int, eval_every: int, url: str, max_new_tokens: int, dtype: str) -> Path:
+def recipe(work: Path, tiny: bool, steps: int, eval_every: int, url: str, max_new_tokens: int, dtype: str,
+           passes: int = 1) -> Path:
     if tiny:
         from llmtune.models.tiny import save_tiny_model
 
@@ -55,14 +65,15 @@ def recipe(work: Path, tiny: bool, steps: int, eval_every: int, url: str, max_ne
         "data": {"datasets": [{"path": "builtin:gsm8k", "max_samples": 300}], "max_length": 512,
                  "max_prompt_length": 256, "val_size": 16},
         "adapter": {"lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.0},
-        "grpo": {"num_generations": 4, "rollout_batch_size": 16, "epsilon_high": 0.28},
+        "grpo": {"num_generations": 4, "rollout_batch_size": 16, "epsilon_high": 0.28, "num_iterations": passes},
         "rollout": {"engine": "vllm", "max_new_tokens": max_new_tokens, "eval_max_new_tokens": max_new_tokens,
                     "temperature": 0.8,
                     "vllm": {"mode": "server", "url": url, "secret_file": str(work / "secret"), "dtype": dtype,
                              "request_timeout_s": 1800}},
-        "train": {"micro_batch_size": 4, "global_batch_size": 16, "max_steps": steps, "learning_rate": 2e-4,
-                  "lr_scheduler": "constant", "eval_batch_size": 16, "eval_steps": eval_every,
-                  "save_steps": steps, "seed": 0},
+        # steps and eval_every count iterations; an iteration is `passes` optimizer steps
+        "train": {"micro_batch_size": 4, "global_batch_size": 16, "max_steps": steps * passes, "learning_rate": 2e-4,
+                  "lr_scheduler": "constant", "eval_batch_size": 16, "eval_steps": eval_every * passes,
+                  "save_steps": steps * passes, "seed": 0},
         "output": {"dir": str(work / "runs" / "unused")},
     }
     path = work / "grpo_async.yaml"
@@ -117,8 +128,12 @@ def run(work: Path, recipe_path: Path, staleness: int, tag: str, core: int | Non
     # iteration_s[k]: iteration k; the batch sampled during it: k's own (sync), k + 1's (async, sampled ahead)
     busy = [s / i for s, i in zip(sample_s[1:] if staleness else sample_s, iteration_s)][1:]
     steady = iteration_s[1:]  # iteration 0 samples its own batch first in both modes
+    # sync: S = the iteration's own sampling, T = the rest of it (iteration 0 left out as above)
+    train_s = [i - s for i, s in zip(iteration_s, sample_s)] if not staleness else []
     result = {
         "staleness": staleness, "wall_s": time.perf_counter() - start,
+        "S": statistics.median(sample_s[1:len(iteration_s)]) if not staleness and len(iteration_s) > 1 else None,
+        "T": statistics.median(train_s[1:]) if len(train_s) > 1 else None,
         "s_per_iteration": statistics.median(steady) if steady else None, "iteration_s": iteration_s,
         "sample_s": sample_s, "engine_busy_share": statistics.median(busy) if busy else None,
         "wait_s": [r["rollout/wait_s"] for r in rows if "rollout/wait_s" in r],
@@ -137,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--cpu", action="store_true", help="SmolLM2-135M (default)")
     mode.add_argument("--tiny", action="store_true", help="tiny random model (minutes)")
     ap.add_argument("--reps", type=int, default=2, help="alternated (sync, async) pairs (default 2)")
+    ap.add_argument("--shape", choices=["default", "balanced"], default="default",
+                    help="default: one optimizer step per rollout batch; balanced: --passes passes over it")
+    ap.add_argument("--passes", type=int, default=None, help="grpo.num_iterations of the balanced shape (default 3: "
+                    "T within 20%% of S for SmolLM2-135M on one core each; the bench prints whether it is)")
     ap.add_argument("--steps", type=int, default=None, help="iterations per run (default 10; tiny 6)")
     ap.add_argument("--eval-every", type=int, default=5, help="held-out eval every N steps")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="completion tokens (default 48; tiny 16)")
@@ -159,10 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     dtype = args.engine_dtype or ("float32" if args.tiny else "bfloat16")
-    path = recipe(work, args.tiny, steps, args.eval_every, url, tokens, dtype)
+    passes = (args.passes or 3) if args.shape == "balanced" else 1
+    path = recipe(work, args.tiny, steps, args.eval_every, url, tokens, dtype, passes)
     env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
            "engine_core": engine_core, "trainer_core": trainer_core, "steps": steps, "max_new_tokens": tokens,
-           "engine_dtype": dtype,
+           "engine_dtype": dtype, "shape": args.shape, "passes": passes,
            "command": " ".join(["python", "scripts/bench_async.py", *(argv if argv is not None else sys.argv[1:])])}
     print(f"bench async rollouts: {args.reps} alternated pair(s); {env}", flush=True)
     server = start_server(work, path, port, engine_core)
@@ -171,19 +191,27 @@ def main(argv: list[str] | None = None) -> int:
         runs: dict[int, list[dict]] = {0: [], 1: []}
         for rep in range(args.reps):
             for staleness in ((0, 1) if rep % 2 == 0 else (1, 0)):  # A B, then B A
-                runs[staleness].append(run(work, path, staleness, f"rep{rep}", trainer_core, args.timeout))
+                # max_staleness counts optimizer steps: one iteration ahead = `passes` steps
+                runs[staleness].append(run(work, path, staleness * passes, f"rep{rep}", trainer_core, args.timeout))
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(60)
     speedups = [s["s_per_iteration"] / a["s_per_iteration"] for s, a in zip(runs[0], runs[1])]
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    S = med([r["S"] for r in runs[0] if r["S"] is not None] or [float("nan")])
+    T = med([r["T"] for r in runs[0] if r["T"] is not None] or [float("nan")])
+    ideal = (S + T) / max(S, T)
     report = {"env": env, "runs": {"sync": runs[0], "async": runs[1]},
               "speedup": {"median": statistics.median(speedups), "min": min(speedups), "max": max(speedups),
                           "pairs": speedups},
-              "load_average": os.getloadavg()}
-    med = lambda xs: statistics.median(xs)  # noqa: E731
-    print(f"\nGRPO s/iteration | sync {med([r['s_per_iteration'] for r in runs[0]]):.2f} | async (max_staleness 1) "
+              "S": S, "T": T, "ideal_speedup": ideal, "share_of_ideal": statistics.median(speedups) / ideal,
+              "balanced": abs(S - T) <= 0.2 * max(S, T), "load_average": os.getloadavg()}
+    print(f"\nGRPO s/iteration | sync {med([r['s_per_iteration'] for r in runs[0]]):.2f} | async (max_staleness {passes}) "
           f"{med([r['s_per_iteration'] for r in runs[1]]):.2f} | speed-up {report['speedup']['median']:.2f}x "
           f"(pairs {min(speedups):.2f}-{max(speedups):.2f})")
+    print(f"sync iteration = sampling S {S:.2f} s + the rest T {T:.2f} s ({'balanced' if report['balanced'] else 'not balanced'}: "
+          f"|S - T| {'<=' if report['balanced'] else '>'} 20%) | ideal speed-up (S + T) / max(S, T) = {ideal:.2f}x | "
+          f"achieved {report['speedup']['median']:.2f}x = {report['share_of_ideal']:.0%} of the ideal")
     print(f"engine busy share | sync {med([r['engine_busy_share'] for r in runs[0]]):.0%} | async "
           f"{med([r['engine_busy_share'] for r in runs[1]]):.0%}")
     for name, rs in (("sync", runs[0]), ("async", runs[1])):

@@ -106,6 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of a merged model, write ONE peft adapter equal to the whole adapter chain on the "
                    "original base (LoRA updates concatenated along the rank; exact) into RUN_DIR/exported_adapter "
                    "(or --out), verified with plain PeftModel.from_pretrained against llmtune's chain model")
+    e.add_argument("--gguf", default=None, metavar="TYPE[,TYPE]",
+                   help="also write GGUF files for llama.cpp / Ollama / LM Studio from the verified merged model "
+                   "(RUN_DIR/merged, exported first if missing; RUN_DIR may also be a pipeline or merged directory): "
+                   "model-TYPE.gguf for each of f16, bf16, f32, q8_0, q6_k, q5_k_m, q4_k_m, q4_0, plus an Ollama "
+                   "Modelfile and verification.json (llama.cpp vs the merged model: tokenization, chat prompt ids, "
+                   "f16 logits and greedy generations, quantized top-1 agreement and perplexity vs f16) into "
+                   "RUN_DIR/gguf (or --out); exits 1 if a check fails")
+    e.add_argument("--no-modelfile", action="store_true",
+                   help="with --gguf: write no Ollama Modelfile (for a chat template Ollama cannot express)")
     pl = sub.add_parser(
         "pipeline",
         help="run a list of steps (any stage, on-policy pairs) into one directory, then export",
@@ -185,6 +194,9 @@ def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from llmtune.utils import limit_heap_retention
+
+    limit_heap_retention()  # freed CPU tensors go back to the system (glibc would keep them: docs/performance.md)
     # transformers 5 renamed gradient checkpointing; peft still calls the old names on every step.
     warnings.filterwarnings("ignore", message=".*is deprecated and will be removed in v6.*", category=FutureWarning)
     args = parse_command_line(argv)
@@ -198,6 +210,15 @@ def main(argv: list[str] | None = None) -> int:
 
             return validate_command(args.recipe, [*args.overrides, *launch_overrides(args)], stage=args.stage,
                                     example=args.example)
+        if args.command == "export" and args.gguf and args.adapter:
+            print("error: --gguf and --adapter are different exports (GGUF files of the merged model, or one peft "
+                  "adapter); run them as two commands", file=sys.stderr)
+            return EXIT_ERROR
+        if args.command == "export" and args.gguf:
+            from llmtune.export.gguf_export import export_gguf
+
+            report = export_gguf(args.run_dir, args.gguf, out_dir=args.out, modelfile=not args.no_modelfile)
+            return 0 if report["passed"] else 1
         if args.command == "export" and args.adapter:
             from llmtune.export.adapter import export_adapter
 

@@ -54,8 +54,10 @@ class ModelConfig(Section):
         "auto",
         description="dtype the base weights are loaded in; auto = bf16/fp16 when precision asks for it, else fp32.",
     )
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"] = Field(
-        "sdpa", description="Attention kernel passed to transformers."
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3",
+                                 "flex_attention"] = Field(
+        "auto", description="Attention kernel passed to transformers; auto = sdpa where the model supports it, else "
+        "eager (gpt-oss); a kernel the model cannot run is an error naming those it can."
     )
     trust_remote_code: bool = Field(False, description="Allow model code from the hub (off by default).")
     load_in_4bit: bool = Field(False, description="QLoRA: quantize the frozen base to 4 bit with bitsandbytes.")
@@ -145,7 +147,7 @@ class DataConfig(Section):
     )
     padding_free: bool = Field(
         True, description="SFT: run each micro-batch as one sequence of its rows without padding, attention row by "
-        "row (needs model.attn_implementation: sdpa, else transformers' packed-sequence mask). DPO: the prompt of a "
+        "row (with sdpa attention; other kernels use transformers' packed-sequence mask). DPO: the prompt of a "
         "pair is computed once for chosen and rejected (sdpa/eager). Same losses either way."
     )
     max_samples: int | None = Field(None, ge=1, description="Use at most this many rows after mixing.")
@@ -196,7 +198,12 @@ class AdapterConfig(Section):
     lora_alpha: float = Field(32.0, gt=0, description="LoRA alpha; the update is scaled by alpha/r (alpha/sqrt(r) with rsLoRA).")
     lora_dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input, in [0, 1).")
     target_modules: Annotated[list[str], Field(min_length=1)] | str = Field(
-        "all-linear", description="Module names to adapt, or all-linear (every linear layer except the output head)."
+        "all-linear", description="Module names to adapt, or all-linear (every linear map except the output head: "
+        "linear layers, and MoE experts and routers stored as parameters; docs/models.md lists them per family)."
+    )
+    exclude_modules: list[str] = Field(
+        default_factory=list, description="Modules left out of target_modules (a module name or its dotted suffix), "
+        "e.g. the MoE router: [router] (gpt-oss, Granite-MoE) or [mlp.gate] (Qwen3-MoE, Mixtral)."
     )
     modules_to_save: list[str] = Field(
         default_factory=list, description="Modules trained in full and saved with the adapter (e.g. lm_head, score)."
@@ -412,6 +419,13 @@ class PPOConfig(Section):
     score_clip: float | None = Field(None, gt=0, description="Clip (normalised) scores to [-score_clip, score_clip].")
     missing_eos_penalty: float | None = Field(None, description="Added to the score of a response that did not end "
                                               "with EOS within rollout.max_new_tokens (e.g. -1.0); null = none.")
+    overlong_buffer_tokens: int | None = Field(
+        None, ge=0, description="Soft overlong penalty added to the score (DAPO, Yu et al. 2025, Eq. 13; as "
+        "grpo.overlong_buffer_tokens): L_cache, the last tokens before rollout.max_new_tokens over which it grows "
+        "linearly from 0 to -overlong_penalty_factor; a multi-turn rollout cut by agent.max_turns gets the full "
+        "penalty. 0 = off; null = off, except with agent: (then max_new_tokens / 5).")
+    overlong_penalty_factor: float = Field(1.0, ge=0, description="The soft overlong penalty at max_new_tokens "
+                                           "(DAPO and verl: 1.0).")
     value_model: Literal["adapter"] = Field("adapter", description="adapter = a value head on its own LoRA adapter "
                                             "over the policy's base (one base in memory).")
     init_value_from_reward: bool = Field(True, description="Initialise the value adapter and head from the reward "
@@ -468,8 +482,10 @@ class GRPOConfig(Section):
     overlong_buffer_tokens: int | None = Field(
         None, ge=0, description="DAPO overlong reward shaping (Yu et al. 2025, Eq. 13): L_cache, the last tokens "
         "before max_new_tokens over which the penalty grows linearly from 0 to -overlong_penalty_factor (completion "
-        "length counts its end-of-turn token, as verl's DAPO reward manager); null or 0 = off. Logged as "
-        "rewards/overlong_penalty_mean.")
+        "length counts its end-of-turn token, as verl's DAPO reward manager); a multi-turn rollout cut by "
+        "agent.max_turns gets the full penalty. The penalised completions stay in the loss (unless "
+        "mask_truncated_completions). 0 = off; null = off, except with agent: (then max_new_tokens / 5, DAPO's "
+        "proportion). Logged as rewards/overlong_penalty_mean.")
     overlong_penalty_factor: float = Field(1.0, ge=0, description="DAPO overlong reward shaping: the penalty at "
                                            "max_new_tokens (DAPO and verl: 1.0).")
     loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = Field(
@@ -496,8 +512,23 @@ class GRPOConfig(Section):
                               "iterations.")
 
 
-# rollout.max_new_tokens when null: each online-RL stage's own default (completion / response tokens)
+# rollout.max_new_tokens when null: each online-RL stage's own default (completion / response tokens), and with
+# agent: one budget for a whole multi-turn rollout (turns, tool results, template tokens)
 ROLLOUT_MAX_NEW_TOKENS = {"ppo": 64, "grpo": 128}
+AGENT_MAX_NEW_TOKENS = 512
+AGENT_TOOL_RESULT_TOKENS = 256  # agent.max_tool_result_tokens null: a quarter of the budget, at most this
+AGENT_OVERLONG_FRACTION = 5  # overlong_buffer_tokens null with agent: max_new_tokens // this (DAPO: 4096 of 20480)
+
+
+def default_max_new_tokens(stage: str | None, agent: bool) -> int:
+    """``rollout.max_new_tokens`` when null: the stage's single-turn default, or with ``agent:`` the whole-rollout
+    budget :data:`AGENT_MAX_NEW_TOKENS`."""
+    return AGENT_MAX_NEW_TOKENS if agent else ROLLOUT_MAX_NEW_TOKENS.get(stage, 128)
+
+
+def default_tool_result_tokens(budget: int) -> int:
+    """``agent.max_tool_result_tokens`` when null: a quarter of the rollout budget, at most 256 (at least 1)."""
+    return max(1, min(AGENT_TOOL_RESULT_TOKENS, budget // 4))
 
 
 class VLLMConfig(Section):
@@ -575,7 +606,8 @@ class RolloutConfig(Section):
     top_k: int = Field(0, ge=0, description="Top-k sampling of the rollouts (0 = off).")
     max_new_tokens: int | None = Field(
         None, ge=1, description="Longest sampled completion in tokens; one that reaches it without the end-of-turn "
-        "token is truncated (truncated_fraction). null = the stage's default (ppo 64, grpo 128).")
+        "token is truncated (truncated_fraction). null = the stage's default (ppo 64, grpo 128; with agent: 512, one "
+        "budget for the whole multi-turn rollout).")
     eval_max_new_tokens: int | None = Field(None, ge=1, description="Longest greedy eval completion in tokens "
                                             "(null = max_new_tokens).")
     seed: int | None = Field(None, ge=0, le=SEED_MAX, description="Seed of the sampling; null = train.seed. The "
@@ -608,16 +640,39 @@ class AgentConfig(Section):
                                     "method is a reward source (reward name `environment`).")
     max_turns: int = Field(4, ge=1, description="Assistant turns per trajectory at most; a turn that calls a tool "
                            "at the cap ends the trajectory (finish reason `turns`).")
-    max_tool_result_tokens: int = Field(256, ge=1, description="Tokens of one tool result at most (a longer one is "
-                                        "cut, and says so, before it reaches the model; counted).")
+    max_tool_calls: int | None = Field(None, ge=0, description="Tool calls per trajectory at most; a call beyond it "
+                                       "is not run and the model reads `Error: tool call limit reached` (counted as "
+                                       "tool_errors.over_limit); null = no cap besides max_turns.")
+    max_tool_result_tokens: int | None = Field(
+        None, ge=1, description="Tokens of one tool result at most (a longer one is cut, and says so, before it "
+        "reaches the model; counted); null = a quarter of rollout.max_new_tokens, at most 256.")
     tool_timeout_s: float = Field(10.0, gt=0, description="Seconds one tool call may take; past it the model gets "
-                                  "a timeout error as the tool result (counted).")
+                                  "a timeout error as the tool result (counted), unless the tool is in "
+                                  "infrastructure_timeouts.")
+    infrastructure_timeouts: list[str] = Field(
+        default_factory=list, description="Tools (by name; an environment's methods too) whose timeout is the "
+        "infrastructure's fault, not the model's: the rollout ends (finish `error`) and abstains from the reward "
+        "instead of the model reading a timeout error and being scored.")
+    tool_call_cost: float = Field(0.0, ge=0, description="Reward shaping: subtracted from a rollout's reward per tool "
+                                  "call (logged as rewards/tool_cost_mean, never part of the task reward).")
+    well_formed_call_reward: float = Field(
+        0.0, ge=0, description="Reward shaping: added times the share of the rollout's tool calls that were well "
+        "formed (parsed, a known tool, arguments that fit its schema); a share, so more calls never earn more; 0 "
+        "without calls (logged as rewards/well_formed_calls_mean, never part of the task reward).")
     tool_parser: Literal["auto", "hermes", "llama3", "mistral"] = Field(
         "auto", description="How tool calls are read from a turn: hermes (<tool_call>{json}</tool_call>: Qwen2.5/3, "
         "Hermes, chatml_tools), llama3 (a JSON object with name/parameters), mistral ([TOOL_CALLS][...]); auto = the "
         "tokenizer's own response template where it has one, else detected from the chat template.")
     environment_reward_weight: float = Field(1.0, description="Weight of the environment's reward(messages) in the "
                                              "total reward (when its class defines reward).")
+    tool_threads: int = Field(32, ge=1, description="Plain (def) tool calls and environment set-ups that run at once, "
+                              "per rank (a thread pool; async def tools are awaited on the rollouts' event loop "
+                              "instead and are not counted); more calls wait for a free thread.")
+    lockstep: bool = Field(False, description="Advance all rollouts together: one engine call per turn for every "
+                           "active rollout, their tools called one after another (every turn waits for the "
+                           "slowest tool of the batch). Off: each rollout's next turn is sampled as soon as its own "
+                           "tools return. On: the engine's batches are the same in every run (hf: reproducible bit "
+                           "for bit whatever the tools' timing); for comparisons and debugging.")
 
     @property
     def enabled(self) -> bool:
@@ -702,9 +757,21 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _stage_max_new_tokens(self):
-        """Fill ``rollout.max_new_tokens: null`` with the stage's default, so every reader gets an int."""
-        if self.rollout.max_new_tokens is None and self.stage in ROLLOUT_MAX_NEW_TOKENS:
-            self.rollout.max_new_tokens = ROLLOUT_MAX_NEW_TOKENS[self.stage]
+        """Fill ``rollout.max_new_tokens: null`` with the stage's default (with ``agent:``, the whole-rollout budget),
+        and with ``agent:`` ``agent.max_tool_result_tokens: null`` and the stage's ``overlong_buffer_tokens: null``
+        with theirs, so every reader gets an int (and recipe.resolved.yaml shows it)."""
+        if self.stage not in ROLLOUT_MAX_NEW_TOKENS:
+            return self
+        agent = self.agent.enabled
+        if self.rollout.max_new_tokens is None:
+            self.rollout.max_new_tokens = default_max_new_tokens(self.stage, agent)
+        if agent:
+            budget = self.rollout.max_new_tokens
+            if self.agent.max_tool_result_tokens is None:
+                self.agent.max_tool_result_tokens = default_tool_result_tokens(budget)
+            section = getattr(self, self.stage)
+            if section.overlong_buffer_tokens is None:
+                section.overlong_buffer_tokens = max(1, budget // AGENT_OVERLONG_FRACTION)
         return self
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from llmtune.config.schema import ROLLOUT_MAX_NEW_TOKENS, Recipe
+from llmtune.config.schema import Recipe, default_max_new_tokens
 from llmtune.config.surface import surface_problems
 from llmtune.errors import LlmtuneError
 from llmtune.utils import dotted_get
@@ -175,8 +175,6 @@ def cross_field_problems(doc: dict) -> list[tuple[str, str]]:
                          "or a row count)"))
     if dotted_get(doc, "train.early_stopping_patience") and not dotted_get(doc, "data.val_size"):
         problems.append(("train.early_stopping_patience", "early stopping needs a validation split (data.val_size > 0)"))
-    if dotted_get(doc, "data.packing") is True and dotted_get(doc, "model.attn_implementation", "sdpa") == "eager":
-        problems.append(("data.packing", "packing needs sdpa/flash/flex attention to isolate rows; eager cannot"))
     if dotted_get(doc, "stage") == "ppo":
         problems += ppo_problems(doc)
     if dotted_get(doc, "stage") == "grpo":
@@ -359,7 +357,8 @@ def _rollout_sequence_tokens(doc: dict) -> tuple[int, str] | None:
     prompt = dotted_get(doc, prompt_key, 1024)
     new = dotted_get(doc, "rollout.max_new_tokens")
     if new is None:
-        new = ROLLOUT_MAX_NEW_TOKENS.get(dotted_get(doc, "stage"), 128)
+        agent = bool(dotted_get(doc, "agent.tools")) or bool(dotted_get(doc, "agent.environment"))
+        new = default_max_new_tokens(dotted_get(doc, "stage"), agent)
     evaluation = dotted_get(doc, "rollout.eval_max_new_tokens")
     if not all(isinstance(v, int) for v in (prompt, new)) or not isinstance(evaluation, (int, type(None))):
         return None
@@ -379,8 +378,8 @@ def agent_problems(doc: dict) -> list[tuple[str, str]]:
                  "trains on fixed data: remove the agent section")]
     problems = []
     budget = dotted_get(doc, "rollout.max_new_tokens")
-    budget = ROLLOUT_MAX_NEW_TOKENS.get(stage, 128) if budget is None else budget
-    cap = dotted_get(doc, "agent.max_tool_result_tokens", 256)
+    budget = default_max_new_tokens(stage, True) if budget is None else budget
+    cap = dotted_get(doc, "agent.max_tool_result_tokens")  # null = a quarter of the budget: always fits
     if isinstance(budget, int) and isinstance(cap, int) and cap >= budget:
         problems.append(("agent.max_tool_result_tokens", f"{cap} is not below rollout.max_new_tokens ({budget}), the "
                          "budget of the WHOLE trajectory (every sampled turn, tool result and template token after the "
@@ -388,9 +387,21 @@ def agent_problems(doc: dict) -> list[tuple[str, str]]:
     return problems
 
 
+def overlong_problems(doc: dict, stage: str) -> list[tuple[str, str]]:
+    """``<stage>.overlong_buffer_tokens`` fits in ``rollout.max_new_tokens``."""
+    buffer, longest = dotted_get(doc, f"{stage}.overlong_buffer_tokens"), dotted_get(doc, "rollout.max_new_tokens")
+    agent = bool(dotted_get(doc, "agent.tools")) or bool(dotted_get(doc, "agent.environment"))
+    longest = default_max_new_tokens(stage, agent) if longest is None else longest
+    if isinstance(buffer, int) and isinstance(longest, int) and buffer > longest:
+        return [(f"{stage}.overlong_buffer_tokens", f"{buffer} is more than rollout.max_new_tokens ({longest}): the "
+                 "penalty window lies inside the completion length; use at most max_new_tokens (DAPO: 4096 of "
+                 "20480)")]
+    return []
+
+
 def ppo_problems(doc: dict) -> list[tuple[str, str]]:
     """PPO's batch arithmetic and reward source (see ``PPOConfig``)."""
-    problems: list[tuple[str, str]] = []
+    problems: list[tuple[str, str]] = overlong_problems(doc, "ppo")
     has_run = bool(dotted_get(doc, "reward.from_run"))
     has_fn = bool(dotted_get(doc, "reward.function")) or bool(dotted_get(doc, "reward.functions"))
     if has_run == has_fn:
@@ -428,12 +439,7 @@ def grpo_problems(doc: dict) -> list[tuple[str, str]]:
         problems.append(("grpo.scale_rewards", f"{scale!r} applies to advantage_estimator grpo only; {estimator} has "
                          "its own normalisation (rloo: none, reinforce_plus_plus: the rollout batch's std): remove "
                          "the key"))
-    buffer, longest = dotted_get(doc, "grpo.overlong_buffer_tokens"), dotted_get(doc, "rollout.max_new_tokens")
-    longest = ROLLOUT_MAX_NEW_TOKENS["grpo"] if longest is None else longest
-    if isinstance(buffer, int) and isinstance(longest, int) and buffer > longest:
-        problems.append(("grpo.overlong_buffer_tokens", f"{buffer} is more than rollout.max_new_tokens ({longest}): the "
-                         "penalty window lies inside the completion length; use at most max_new_tokens (DAPO: "
-                         "4096 of 20480)"))
+    problems += overlong_problems(doc, "grpo")
     group, rollout = dotted_get(doc, "grpo.num_generations", 4), dotted_get(doc, "grpo.rollout_batch_size", 16)
     glob, mu = dotted_get(doc, "train.global_batch_size", 8), dotted_get(doc, "grpo.num_iterations", 1)
     if not all(isinstance(v, int) and v > 0 for v in (group, rollout, glob, mu)):

@@ -2,7 +2,7 @@
 
 Convention of Kaplan et al. 2020 / Chowdhury et al. 2022 (PaLM, appendix B): matrix multiplies only, recomputation
 (gradient checkpointing) NOT counted, so MFU compares setups doing the same model work. Per processed token with
-``N`` = weights of every linear layer (LM head included), ``N_t`` = trainable ones among them, ``L`` layers,
+``N`` = weights of every linear layer (LM head included; of MoE experts, the ones a token is routed to), ``N_t`` = trainable ones among them, ``L`` layers,
 ``d`` hidden size and ``T`` tokens per sequence: forward ``2N + 4 L T d`` (attention scores and values), backward
 through the activations the same again, plus ``2 N_t`` for the weight gradients; a frozen reference forward
 (DPO) adds one more forward; PPO's value model (a second adapter on the same base, without the LM head) adds one more
@@ -22,15 +22,24 @@ GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "
 
 
 def linear_weights(model: torch.nn.Module) -> tuple[int, int]:
-    """(all, trainable) weights of the 2-D matrix-multiply parameters of ``model`` (LoRA factors included)."""
+    """(all, trainable) weights of the matrix-multiply parameters of ``model`` that one token goes through: every
+    2-D one (LoRA factors included) and, of MoE experts stacked in a 3-D parameter (experts, in, out), the
+    ``num_experts_per_tok`` experts a token is routed to."""
+    config = getattr(getattr(model, "policy", model), "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    top_k = int(getattr(text, "num_experts_per_tok", 1) or 1)
     total = trainable = 0
     for p in model.parameters():
         shape = getattr(p, "ds_shape", p.shape)  # DeepSpeed ZeRO-3 keeps the full shape there
         if len(shape) == 2:
             n = getattr(p, "ds_numel", p.numel())
             n = n * 2 if hasattr(p, "quant_state") else n  # bitsandbytes 4-bit packs two weights per byte
-            total += n
-            trainable += n if p.requires_grad else 0
+        elif len(shape) == 3:  # (experts, in, out): the routed experts only
+            n = min(top_k, shape[0]) * shape[1] * shape[2]
+        else:
+            continue
+        total += n
+        trainable += n if p.requires_grad else 0
     inner = getattr(model, "policy", model)  # online RL: the peft policy inside llmtune.rl.model.PolicyModel
     embeddings = getattr(inner, "get_input_embeddings", lambda: None)()
     if embeddings is not None and getattr(embeddings, "weight", None) is not None:

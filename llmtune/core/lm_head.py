@@ -44,7 +44,7 @@ def next_token_targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return keep, shifted[trained]
 
 
-def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers ``*ForCausalLM`` inside DDP / DeepSpeed (``.module``) and peft (``get_base_model``)."""
     inner = getattr(model, "module", model)
     return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
@@ -61,7 +61,7 @@ def _slices_by_mask(model_class: type) -> bool:
 
 def supports_masked_head(model: torch.nn.Module) -> bool:
     """True when ``model(..., logits_to_keep=<(B, T) bool>)`` returns the (N, V) logits of the masked positions."""
-    return _slices_by_mask(type(_causal_lm(model)))
+    return _slices_by_mask(type(causal_lm(model)))
 
 
 def masked_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], keep: torch.Tensor) -> torch.Tensor:
@@ -169,6 +169,27 @@ def per_token_logps(
 
 # ---- preference pairs: the prompt computed once for chosen and rejected ---------------------------------------------
 SHARED_PROMPT_ATTENTION = ("sdpa", "eager")  # kernels that take a custom 4-D mask (flash varlen does not)
+
+
+def sliding_window(config) -> int | None:
+    """The sliding window (tokens) of the model's windowed attention layers, or None when every layer attends to the
+    whole sequence: Gemma 3 / gpt-oss / Qwen3 mark their windowed layers in ``layer_types``, Mistral / Phi-3 /
+    Mixtral window every layer when ``sliding_window`` is set."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return None
+    return int(window) if isinstance(window, int) and window > 0 else None
+
+
+def shares_prompts(lm: torch.nn.Module, longest: int) -> bool:
+    """Whether sequences of up to ``longest`` tokens can be packed with shared prompts on ``lm``
+    (:func:`pack_shared_prompts`): its attention kernel takes a custom 4-D mask, and no sliding window is shorter
+    than the sequences (a custom mask replaces the model's windowed one; within the window both are the same)."""
+    window = sliding_window(lm.config)
+    return getattr(lm.config, "_attn_implementation", None) in SHARED_PROMPT_ATTENTION and (
+        window is None or longest <= window)
 
 
 def pack_shared_prompts(groups: list[tuple[torch.Tensor, list[torch.Tensor]]], dtype: torch.dtype
@@ -290,17 +311,17 @@ def pair_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
                share_prompt: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(B,) chosen and (B,) rejected fp32 log-probs of a (2B, T) pair batch, summed over their trained tokens.
 
-    With ``share_prompt`` (and an attention kernel that takes a 4-D mask) the prompt of each pair is computed once
-    (:func:`shared_prompt_rows`); otherwise, or when the batch does not allow it, the 2B rows are run as they are.
+    With ``share_prompt`` (and an attention kernel that takes a 4-D mask, no sliding window shorter than the pairs:
+    :func:`shares_prompts`) the prompt of each pair is computed once (:func:`shared_prompt_rows`); otherwise, or when the batch does not allow it, the 2B rows are run as they are.
     Either way the LM head runs only where a completion token is predicted.
     """
     if batch["input_ids"].shape[0] % 2:
         raise ValueError(f"pair_logps needs a (2B, T) batch of chosen then rejected rows; got "
                          f"{batch['input_ids'].shape[0]} rows (use sequence_logps for unpaired rows)")
     n = batch["input_ids"].shape[0] // 2
-    shared, lm = None, _causal_lm(model)
+    shared, lm = None, causal_lm(model)
     attention = getattr(lm.config, "_attn_implementation", None)
-    if share_prompt and attention in SHARED_PROMPT_ATTENTION:
+    if share_prompt and shares_prompts(lm, int(batch["attention_mask"].sum(-1).max())):
         shared = shared_prompt_rows(batch, torch.bool if attention == "sdpa" else lm.dtype)
     if shared is None:
         sums = sequence_logps(model, batch, batch["labels"])

@@ -135,20 +135,25 @@ def activation_elements_per_token(model: torch.nn.Module, seq_len: int, autocast
     """
     from llmtune.core.fused import fused_mlps, recomputed_norms
 
-    config = model.config
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     h = config.hidden_size
     heads = getattr(config, "num_attention_heads", 1) or 1
-    h_kv = (getattr(config, "num_key_value_heads", None) or heads) * getattr(config, "head_dim", h // heads)
+    h_kv = (getattr(config, "num_key_value_heads", None) or heads) * (getattr(config, "head_dim", None) or h // heads)
     i = getattr(config, "intermediate_size", 4 * h) or 4 * h
     layers = _decoder_layers(model)
     fused = bool(layers and fused_mlps(layers[0]))
-    norm_outputs = 2 * h - (min(recomputed_norms(layers[0]), 2) * h if layers else 0)  # recomputed: not kept
+    norms = max(_hidden_norms(layers[0], h), 2) if layers else 2  # Gemma 3: 4 (before and after attention and MLP)
+    norm_outputs = norms * h - (min(recomputed_norms(layers[0]), norms) * h if layers else 0)  # recomputed: not kept
     _, rank, _, dropped = _lora_modules(layers[0]) if layers else (0, 0, 0, 0)
     mlp = (2 if fused else 4) * i  # gate, up (+ silu(gate) and the product; fused: recomputed, core.recompute)
+    experts, top_k = _moe_shape(config)
+    if experts:  # each token's top-k experts: their input, gate/up, activation, product and output; the router
+        i = getattr(config, "moe_intermediate_size", None) or i
+        mlp = top_k * (2 * h + 4 * i) + 2 * experts
     if autocast:  # fp32 copies of the norm inputs, norm outputs, q, out; k, v; MLP; a dropped input and its mask
-        per_layer = 2 * 2 * h + norm_outputs + 2 * h + 2 * h_kv + mlp + dropped * 1.5
+        per_layer = norms * 2 * h + norm_outputs + 2 * h + 2 * h_kv + mlp + dropped * 1.5
     else:  # norm inputs and outputs, q, out; k, v; MLP; a dropped input and its mask (1 byte: ~1/4 at fp32)
-        per_layer = 2 * h + norm_outputs + 2 * h + 2 * h_kv + mlp + dropped * 1.25
+        per_layer = norms * h + norm_outputs + 2 * h + 2 * h_kv + mlp + dropped * 1.25
     per_layer += rank  # LoRA A outputs
     attention = getattr(config, "_attn_implementation", None)
     if attention == "eager":
@@ -156,6 +161,34 @@ def activation_elements_per_token(model: torch.nn.Module, seq_len: int, autocast
     elif attention == "llmtune_sdpa_varlen":  # padding-free rows: o_proj's input is a concatenated copy
         per_layer += h
     return float(per_layer), float(h)
+
+
+def _hidden_norms(layer: torch.nn.Module, h: int) -> int:
+    """Norm modules of a decoder layer over the hidden state (weight of ``h`` elements; not Qwen3's per-head q/k
+    norms)."""
+    return sum(1 for m in layer.modules() if "norm" in type(m).__name__.lower()
+               and getattr(getattr(m, "weight", None), "numel", lambda: 0)() == h)
+
+
+def _moe_shape(config) -> tuple[int, int]:
+    """(routed experts, experts per token) of a MoE config; (0, 0) for a dense model."""
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        experts = getattr(config, key, None)
+        if isinstance(experts, int) and experts > 1:
+            return experts, int(getattr(config, "num_experts_per_tok", 1) or 1)
+    return 0, 0
+
+
+def adapted_expert_bytes(layer: torch.nn.Module) -> int:
+    """Bytes of the weights one decoder layer adapts as parameters (MoE experts and router, peft's ``ParamWrapper``):
+    each forward materialises ``W + scale * B @ A`` for the whole expert stack and the backward keeps it, one copy per
+    layer per forward, however few tokens (0 for a dense model)."""
+    total = 0
+    for module in layer.modules():
+        if type(module).__name__ == "ParamWrapper":
+            param = module.get_param()
+            total += getattr(param, "ds_numel", param.numel()) * param.element_size()
+    return total
 
 
 def max_sequence_tokens(recipe, data_kind: str) -> tuple[int, int]:
@@ -217,7 +250,9 @@ def estimate_training_memory(model: torch.nn.Module, recipe, data_kind: str, zer
     activations = int(tokens * act_bytes * n_layers * per_layer * passes)
     if autocast and layers:  # autocast's half copies of the LoRA factors, kept for the backward of each layer
         activations += n_layers * 2 * sum(p.numel() for p in layers[0].parameters() if p.requires_grad)
-    activations_ckpt = int(tokens * act_bytes * (n_layers * per_layer_ckpt * passes + per_layer))
+    merged = adapted_expert_bytes(layers[0]) if layers else 0  # per layer, whatever the tokens (MoE experts)
+    activations += n_layers * merged * passes
+    activations_ckpt = int(tokens * act_bytes * (n_layers * per_layer_ckpt * passes + per_layer)) + merged
     head_rows = rows * (recipe.rollout.max_new_tokens or 0) if data_kind == "prompt" else tokens
     copies = 2 if data_kind == "prompt" else 1  # RL: logits / temperature + the softmax buffer (lm_head.py)
     head = int(head_rows * vocab * 4 * copies + tokens * act_bytes * h)  # + the final norm's input

@@ -46,12 +46,25 @@ def varlen_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     kwargs = {k: v for k, v in kwargs.items() if k != "is_causal"}
+    window = kwargs.get("sliding_window") or None  # this layer's window (Mistral, Gemma 3, ...; None: full causal)
     outs = [
-        sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, dropout=dropout,
-                               scaling=scaling, is_causal=True, **kwargs)[0]
+        sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
+                               window_mask(e - s, window, query.device), dropout=dropout, scaling=scaling,
+                               is_causal=True, **kwargs)[0]
         for s, e in zip(bounds, bounds[1:])
     ]
     return torch.cat(outs, dim=1), None
+
+
+def window_mask(length: int, window: int | None, device=None) -> torch.Tensor | None:
+    """(1, 1, length, length) bool mask of causal attention within a sliding window (query i sees key j when
+    ``0 <= i - j < window``, transformers' ``sliding_window_overlay``), or None when the row fits the window (plain
+    causal attention is then the same)."""
+    if window is None or length <= window:
+        return None
+    i = torch.arange(length, device=device)
+    distance = i[:, None] - i[None, :]
+    return ((distance >= 0) & (distance < window))[None, None]
 
 
 def register() -> str:
@@ -62,6 +75,32 @@ def register() -> str:
     AttentionInterface.register(ATTENTION, varlen_sdpa_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)  # padded batches get SDPA's mask as before
     return ATTENTION
+
+
+@torch.no_grad()
+def isolates_packed_rows(model: torch.nn.Module) -> bool:
+    """Whether ``model`` keeps the rows of a packed (1, L) sequence apart when it gets their ``position_ids`` and no
+    attention mask (what padding-free batches and ``data.packing`` rely on), asked of the model itself: the logits of
+    the second of two 3-token rows, packed, against that row alone (two forwards of <= 6 tokens). SDPA models run
+    ``llmtune_sdpa_varlen`` (always True); other kernels rely on transformers finding the rows from the position
+    ids, which some model code does not do (gpt-oss builds its masks without them).
+
+    Args:
+        model: the loaded ``PreTrainedModel`` (not partitioned by ZeRO-3: its forward needs whole weights).
+    """
+    vocab = int(getattr(model.config.get_text_config(), "vocab_size", 8) or 8)
+    device = next(model.parameters()).device
+    ids = (torch.arange(6, device=device) * 7 + 3).remainder(vocab)[None]  # (1, 6): two rows of 3 tokens
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2]], device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, 3:].float()
+        alone = model(input_ids=ids[:, 3:], position_ids=positions[:, 3:], use_cache=False).logits[0].float()
+    finally:
+        model.train(was_training)
+    scale = float(alone.abs().max()) or 1.0
+    return bool(torch.allclose(packed, alone, rtol=1e-2, atol=1e-3 * scale))
 
 
 def use_varlen_attention(model: torch.nn.Module) -> bool:
@@ -81,6 +120,9 @@ def use_varlen_attention(model: torch.nn.Module) -> bool:
 class PaddingFreeCollator:
     """Concatenate the rows of a micro-batch into one (1, L) sequence with per-row ``position_ids``.
 
+    ``padded``: a padding collator to use instead (set once the model is known not to keep packed rows apart,
+    :func:`isolates_packed_rows`); None = padding-free.
+
     Args:
         rows: dicts with ``input_ids`` and ``labels`` (T_i,), lists or 1-D tensors (rows already packed by
             ``data.packing`` carry their own ``position_ids`` and are concatenated as they are).
@@ -95,7 +137,11 @@ class PaddingFreeCollator:
         ValueError: empty batch, or a row whose labels and ids differ in length.
     """
 
+    padded = None
+
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if self.padded is not None:
+            return self.padded(rows)
         if not rows:
             raise ValueError("PaddingFreeCollator got an empty batch")
         ids, labels, positions, index = [], [], [], []

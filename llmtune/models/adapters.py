@@ -118,30 +118,106 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
         model.enable_input_require_grads()
 
 
-def build_lora_config(adapter: AdapterConfig, task_type: str = "CAUSAL_LM") -> LoraConfig:
+def build_lora_config(adapter: AdapterConfig, task_type: str = "CAUSAL_LM", model: nn.Module | None = None
+                      ) -> LoraConfig:
     """The peft ``LoraConfig`` for a recipe's ``adapter:`` section (no bias training).
 
-    ``target_modules: all-linear`` adapts every linear layer except the output head (peft excludes ``lm_head``
-    and, for ``SEQ_CLS``, the ``score`` head, which peft trains in full as a module to save).
+    ``target_modules: all-linear`` adapts every linear map of the model except the output head
+    (:func:`all_linear_targets`, given ``model``): the ``nn.Linear`` layers as peft's ``all-linear`` finds them (peft
+    excludes ``lm_head`` and, for ``SEQ_CLS``, the ``score`` head, which peft trains in full as a module to save),
+    and the weights that are not ``nn.Linear`` layers (MoE experts stored as 3-D parameters, MoE routers) through
+    peft's ``target_parameters``. ``adapter.exclude_modules`` leaves modules out (e.g. the router). peft cannot put
+    dropout in front of a parameter (its ``ParamWrapper``): with parameter targets the config has
+    ``lora_dropout=0`` and :func:`attach_adapter` gives the linear layers ``adapter.lora_dropout`` itself.
     LoRA scaling is ``lora_alpha / lora_r``, or ``lora_alpha / sqrt(lora_r)`` with ``use_rslora``.
 
     Args:
         adapter: the recipe's ``adapter:`` section.
         task_type: ``CAUSAL_LM`` or ``SEQ_CLS`` (a base with a score head, see :func:`task_type_of`).
+        model: the base model (plain or already peft-wrapped) ``all-linear`` is resolved on; None passes
+            ``all-linear`` to peft as it is (its ``nn.Linear`` layers only).
     """
     from peft import LoraConfig, TaskType
 
+    targets, parameters, exclude = adapter.target_modules, None, list(adapter.exclude_modules) or None
+    if targets == "all-linear" and model is not None:
+        targets, parameters = all_linear_targets(model, task_type, adapter.exclude_modules)
+        exclude = None  # applied above, to the parameters too (peft's exclude_modules does not see those)
     return LoraConfig(
         task_type=TaskType(task_type),
         r=adapter.lora_r,
         lora_alpha=adapter.lora_alpha,
-        lora_dropout=adapter.lora_dropout,
-        target_modules=adapter.target_modules,
+        lora_dropout=0.0 if parameters else adapter.lora_dropout,
+        target_modules=targets,
+        target_parameters=parameters or None,
+        exclude_modules=exclude,
         modules_to_save=list(adapter.modules_to_save) or None,
         use_dora=adapter.use_dora,
         use_rslora=adapter.use_rslora,
         bias="none",
     )
+
+
+def matches_module(name: str, entries: Sequence[str]) -> bool:
+    """Whether module ``name`` is one of ``entries`` or ends with ``.<entry>`` (peft's rule for a list of names, as
+    in ``exclude_modules``)."""
+    return any(name == e or name.endswith("." + e) for e in entries)
+
+
+def all_linear_targets(model: nn.Module, task_type: str = "CAUSAL_LM", exclude: Sequence[str] = ()
+                       ) -> tuple[list[str], list[str]]:
+    """What ``target_modules: all-linear`` adapts on ``model``: ``(module names, parameter names)``.
+
+    Modules: peft's own ``all-linear`` resolution (every ``nn.Linear``/``Conv1D`` except the output head, and for
+    ``SEQ_CLS`` the classifier head), as full names. Parameters: :func:`parameter_targets`. Names matching
+    ``exclude`` (module name or dotted suffix) are left out of both.
+
+    Args:
+        model: the base model (plain, or peft-wrapped: ``base_layer`` wrappers are looked through).
+        task_type: ``CAUSAL_LM`` or ``SEQ_CLS``.
+        exclude: ``adapter.exclude_modules``.
+    """
+    import copy
+
+    from peft import LoraConfig, TaskType
+    from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    probe = _maybe_include_all_linear_layers(copy.copy(LoraConfig(target_modules="all-linear",
+                                                                   task_type=TaskType(task_type))), base)
+    modules = sorted(n for n in probe.target_modules if not matches_module(n, exclude))
+    return modules, parameter_targets(base, exclude)
+
+
+def parameter_targets(model: nn.Module, exclude: Sequence[str] = ()) -> list[str]:
+    """The weights of ``model`` that are linear maps but not ``nn.Linear`` layers, for peft's ``target_parameters``:
+    every 2-D or 3-D parameter outside linear, embedding and norm layers: MoE experts stored as stacked 3-D
+    parameters (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) and router weights (``mlp.router.weight``,
+    ``mlp.gate.weight``); biases and 1-D parameters (gpt-oss's attention sinks) are not. Names are relative to their
+    decoder layer (the same in every layer; peft matches name suffixes). Works on a model built on the ``meta``
+    device (no peft import: ``llmtune validate`` calls it).
+
+    Args:
+        model: a transformers model (plain, or with peft layers: their ``base_layer`` wrappers are looked through).
+        exclude: module names or dotted suffixes to leave out (``adapter.exclude_modules``).
+    """
+    import torch
+
+    skip = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.LayerNorm)
+    found = set()
+    for name, owner in model.named_modules():
+        if isinstance(owner, skip) or hasattr(owner, "base_layer") or "norm" in type(owner).__name__.lower() \
+                or "lora_" in name or type(owner).__name__ == "Conv1D":
+            continue
+        plain = name.replace(".base_layer", "")  # a module wrapped by peft's ParamWrapper
+        if matches_module(plain, exclude):
+            continue
+        for param_name, param in owner.named_parameters(recurse=False):
+            if param.dim() in (2, 3) and not param_name.endswith("bias"):
+                parts = f"{plain}.{param_name}".split(".")
+                layer = next((i for i, p in enumerate(parts) if p.isdigit()), None)  # model.layers.<i>.<rest>
+                found.add(".".join(parts[layer + 1:] if layer is not None else parts))
+    return sorted(found)
 
 
 def task_type_of(model: nn.Module) -> str:
@@ -217,8 +293,14 @@ def attach_adapter(
     else:
         from peft import get_peft_model
 
+        config = build_lora_config(adapter, task_type_of(model), model)
+        if config.target_parameters and adapter.use_dora:
+            raise ModelLoadError(
+                f"adapter.use_dora: DoRA cannot adapt weights stored as parameters (peft's ParamWrapper), and "
+                f"target_modules: all-linear adapts {', '.join(config.target_parameters)} of this model (MoE experts "
+                "and router). Set adapter.use_dora: false, or list the linear layers in adapter.target_modules")
         try:
-            result = get_peft_model(model, build_lora_config(adapter, task_type_of(model)))
+            result = get_peft_model(model, config)
         except ValueError as err:
             raise ModelLoadError(
                 f"adapter.target_modules={adapter.target_modules!r} / adapter.modules_to_save="
@@ -226,6 +308,8 @@ def attach_adapter(
                 f"{', '.join(_linear_module_names(model))} (or use all-linear)."
             ) from err
 
+        if config.target_parameters and adapter.lora_dropout:
+            set_linear_dropout(result, adapter.lora_dropout)
         if frozen_chain:
             stack_frozen_adapters(result, frozen_chain)
         share_lora_inputs_under_autocast(result)
@@ -243,6 +327,23 @@ def attach_adapter(
         ", gradient checkpointing (non-reentrant)" if checkpointing_enabled(result) else "",
     )
     return result
+
+
+def set_linear_dropout(model: nn.Module, p: float) -> int:
+    """Give every LoRA linear layer of ``model`` dropout ``p`` on its input (peft's config holds 0 when the adapter
+    also targets parameters, see :func:`build_lora_config`); parameter wrappers keep none. Returns the layers set."""
+    import torch
+    from peft.tuners.lora.layer import ParamWrapper
+
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "lora_dropout") and hasattr(module, "lora_A") and not isinstance(module, ParamWrapper):
+            for name in list(module.lora_dropout.keys()):
+                module.lora_dropout[name] = torch.nn.Dropout(p)
+                count += 1
+    logger.info("lora_dropout %g on the %d LoRA linear layers (none on the adapted parameters: peft cannot drop out "
+                "their input)", p, count)
+    return count
 
 
 # ---- one saved input per LoRA layer under autocast ---------------------------------------------------------------
@@ -296,16 +397,19 @@ def frozen_adapter_names(model: nn.Module) -> list[str]:
     return sorted(found, key=lambda n: int(n[len(FROZEN):]))
 
 
-def _frozen_config(adapter_dir: Path, modules: set[str], task_type):
+def _frozen_config(adapter_dir: Path, modules: set[str], task_type, wrappers: set[str] = frozenset()):
     """The saved adapter's LoraConfig made to load frozen: its exact module names as targets (only those ``modules``
-    has), no dropout (the adapter is a constant of the base), no ``modules_to_save``; and its LoRA tensors."""
+    has; its ``target_parameters`` as saved, whose tensors sit under the parameter wrappers ``wrappers``), no dropout
+    (the adapter is a constant of the base), no ``modules_to_save``; and its LoRA tensors."""
     from peft import LoraConfig
     from safetensors.torch import load_file
 
     config = LoraConfig.from_pretrained(str(adapter_dir))
     weights = load_file(str(adapter_dir / "adapter_model.safetensors"))
     prefix = "base_model.model."
-    targets = {k.removeprefix(prefix).split(".lora_")[0] for k in weights if "lora_" in k}
+    owners = {k.removeprefix(prefix).split(".lora_")[0] for k in weights if "lora_" in k}
+    parameters = {o for o in owners if o in wrappers} if config.target_parameters else set()
+    targets = owners - parameters
     missing = sorted(t for t in targets if t not in modules)
     if missing:
         logger.info("frozen adapter %s: %d module(s) not in this model are left out (e.g. %s)", adapter_dir,
@@ -314,7 +418,8 @@ def _frozen_config(adapter_dir: Path, modules: set[str], task_type):
     config.target_modules, config.exclude_modules = kept, None
     config.layers_to_transform = config.layers_pattern = None
     config.lora_dropout, config.modules_to_save, config.task_type, config.inference_mode = 0.0, None, task_type, True
-    lora = {k: v for k, v in weights.items() if "lora_" in k and k.removeprefix(prefix).split(".lora_")[0] in kept}
+    loaded = set(kept) | parameters
+    lora = {k: v for k, v in weights.items() if "lora_" in k and k.removeprefix(prefix).split(".lora_")[0] in loaded}
     return config, lora
 
 
@@ -342,11 +447,13 @@ def stack_frozen_adapters(model: nn.Module, chain: Sequence[dict]) -> list[str]:
     trainable = {name for name, param in model.named_parameters() if param.requires_grad}
     task_type = model.peft_config[model.active_adapter].task_type
     modules = {name.removeprefix("base_model.model.") for name, _ in model.named_modules()}
+    wrappers = {name.removeprefix("base_model.model.") for name, m in model.named_modules()
+                if type(m).__name__ == "ParamWrapper"}  # MoE experts / routers adapted as parameters
     names = []
     for index, entry in enumerate(chain):
         name, path = f"{FROZEN}{index}", Path(entry["path"])
         try:
-            config, lora = _frozen_config(path, modules, task_type)
+            config, lora = _frozen_config(path, modules, task_type, wrappers)
             PeftModel.add_adapter(model, name, config)  # the base class: no classifier modules_to_save for SEQ_CLS
             result = set_peft_model_state_dict(model, lora, adapter_name=name)
         except Exception as err:  # noqa: BLE001 - any peft/safetensors failure is "this adapter does not load here"

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from llmtune.config.schema import ModelConfig, Recipe
+from llmtune.models.attention import attention_problem, model_class
 from llmtune.models.load import resolve_model_source
 from llmtune.utils import get_logger
 
@@ -37,8 +38,8 @@ def read_model_config(cfg: ModelConfig) -> Any | None:
     return None
 
 
-def module_names(config: Any, head: str = "causal_lm", trust_remote_code: bool = False) -> list[str]:
-    """Every module name of the model ``config`` describes, from a model built on the meta device (no memory)."""
+def meta_model(config: Any, head: str = "causal_lm", trust_remote_code: bool = False):
+    """The model ``config`` describes, built on the meta device (no memory, no weights)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -47,10 +48,90 @@ def module_names(config: Any, head: str = "causal_lm", trust_remote_code: bool =
         if head == "score":  # one score: set on a copy of the config (transformers 5's generic sequence-classification
             config = copy.deepcopy(config)  # classes take no num_labels argument in from_config)
             config.num_labels = 1
-            model = AutoModelForSequenceClassification.from_config(config, **kwargs)
-        else:
-            model = AutoModelForCausalLM.from_config(config, **kwargs)
-    return [name for name, _ in model.named_modules() if name]
+            return AutoModelForSequenceClassification.from_config(config, **kwargs)
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+
+
+def module_names(config: Any, head: str = "causal_lm", trust_remote_code: bool = False) -> list[str]:
+    """Every module name of the model ``config`` describes, from a model built on the meta device (no memory)."""
+    return [name for name, _ in meta_model(config, head, trust_remote_code).named_modules() if name]
+
+
+def num_experts(config: Any) -> int:
+    """Routed experts per MoE layer of the model ``config`` describes (0 for a dense model)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = getattr(text, key, None)
+        if isinstance(value, int) and value > 1:
+            return value
+    return 0
+
+
+def adapted_parameters(recipe: Recipe, model) -> list[str]:
+    """The parameters (MoE experts, routers) the recipe's adapter adapts on ``model`` (a meta model is enough):
+    ``all-linear``'s parameter targets (:func:`llmtune.models.adapters.parameter_targets`), none for a module list."""
+    from llmtune.models.adapters import parameter_targets
+
+    adapter = recipe.adapter
+    if adapter.type != "lora" or adapter.target_modules != "all-linear":
+        return []
+    return parameter_targets(model, adapter.exclude_modules)
+
+
+def parameter_adapter_problems(recipe: Recipe, model, stage: str | None = None) -> list[tuple[str, str]]:
+    """What cannot work with the adapter's parameter targets (MoE experts and routers) on ``model``: DoRA (peft
+    adapts parameters with plain LoRA only), ``rollout.engine: vllm`` (vLLM serves no LoRA on MoE experts here:
+    docs/models.md), and ``adapter.exclude_modules`` entries that match nothing."""
+    from llmtune.models.adapters import matches_module
+
+    problems = []
+    adapter = recipe.adapter
+    names = [n for n, _ in model.named_modules() if n]
+    for i, entry in enumerate(adapter.exclude_modules):
+        if not any(matches_module(n, [entry]) for n in names):
+            problems.append((f"adapter.exclude_modules.{i}", f"{entry!r} matches no module of the model"
+                             f"{_did_you_mean(entry, _leaves(names))}"))
+    parameters = adapted_parameters(recipe, model)
+    if parameters and adapter.use_dora:
+        problems.append(("adapter.use_dora", f"DoRA cannot adapt weights stored as parameters (peft's ParamWrapper), "
+                         f"and all-linear adapts {', '.join(parameters)} of this model (MoE experts and router). Set "
+                         f"adapter.use_dora: false, or leave them out: adapter.exclude_modules: "
+                         f"[{', '.join(sorted({p.rsplit('.', 1)[0] for p in parameters}))}]"))
+    if stage in ("ppo", "grpo") and recipe.rollout.engine == "vllm":
+        problems += vllm_model_problems(recipe, model.config, parameters)
+    return problems
+
+
+def vllm_model_problems(recipe: Recipe, config: Any, parameters: list[str] | None = None) -> list[tuple[str, str]]:
+    """What the vLLM rollout engine cannot serve of this model and adapter: LoRA on MoE experts and routers stored as
+    parameters (vLLM loads expert LoRA in its own per-expert layouts; measured with vLLM 0.32: it refuses the
+    Qwen3-MoE and Granite-MoE adapters), and any MoE model with LoRA on vLLM's CPU build (its LoRA MoE kernel is
+    Triton, GPU only), when the engine is colocated on a machine without CUDA. ``parameters``: the adapted
+    parameters (read from a meta model of ``config`` when None)."""
+    experts = num_experts(config)
+    if not experts or recipe.adapter.type != "lora":
+        return []
+    if parameters is None:
+        try:
+            model = meta_model(config, trust_remote_code=recipe.model.trust_remote_code)
+            parameters = adapted_parameters(recipe, model)
+        except Exception:  # noqa: BLE001 - not buildable here: the engine reports what it cannot load
+            parameters = []
+    problems = []
+    model_type = getattr(config, "model_type", "?")
+    if parameters:
+        groups = ", ".join(sorted({p.rsplit(".", 1)[0] for p in parameters}))
+        problems.append(("rollout.engine", f"vLLM cannot serve this adapter: all-linear adapts the MoE experts and "
+                         f"router of {model_type} ({', '.join(parameters)}), which vLLM does not load as a LoRA "
+                         f"adapter. Use rollout.engine: hf, or leave them out of the adapter: "
+                         f"adapter.exclude_modules: [{groups}] (docs/models.md)"))
+    import torch
+
+    if recipe.rollout.vllm.mode == "colocate" and not torch.cuda.is_available():
+        problems.append(("rollout.engine", f"vLLM's CPU build cannot sample from a MoE model ({model_type}, "
+                         f"{experts} experts) with a LoRA adapter: its LoRA MoE kernel needs a GPU (Triton). Use "
+                         "rollout.engine: hf on this machine"))
+    return problems
 
 
 def _leaves(names: list[str]) -> list[str]:
@@ -93,33 +174,47 @@ def model_fit_problems(recipe: Recipe, tokenizer, head: str = "causal_lm", stage
                        config: Any | None = None, check_vocab: bool = True) -> list[tuple[str, str]]:
     """Recipe values that cannot work with this model, as ``(dotted key, message)``.
 
-    Checks the longest sequence against the model's position limit (:func:`position_problems`), the
+    Checks the longest sequence against the model's position limit (:func:`position_problems`), the attention kernel
+    against those the model class can run (:func:`llmtune.models.attention.attention_problem`), the
     tokenizer's size against the embedding rows (``vocab_size``: a larger id is an IndexError at the first
-    forward; ``check_vocab=False`` for a ``from_run`` chain, whose adapters may resize the embeddings), and the
-    adapter module names (:func:`adapter_name_problems`). Reads the config only.
+    forward; ``check_vocab=False`` for a ``from_run`` chain, whose adapters may resize the embeddings), the
+    adapter module names (:func:`adapter_name_problems`) and its MoE parameter targets against DoRA and the vLLM
+    engine (:func:`parameter_adapter_problems`). Reads the config only (the model is built on the meta device).
     """
     config = config if config is not None else read_model_config(recipe.model)
     if config is None:
         return []
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     problems = position_problems(recipe, config, stage)
+    attention = attention_problem(recipe.model.attn_implementation, config, head)
+    if attention:
+        problems.append(("model.attn_implementation", attention))
+    if head == "score" and model_class(config, "score") is None and model_class(config) is not None:
+        problems.append(("model.name_or_path", f"{getattr(config, 'model_type', '?')} models have no sequence-"
+                         "classification class in transformers (AutoModelForSequenceClassification), so they cannot "
+                         f"carry a reward model's score head (stage {stage or 'rm'}); train the reward model on a "
+                         "family that has one (docs/models.md)"))
     rows = getattr(text, "vocab_size", None)
     if check_vocab and tokenizer is not None and isinstance(rows, int) and len(tokenizer) > rows:
         problems.append(("model.name_or_path", f"the tokenizer has {len(tokenizer)} tokens but the model's embedding "
                          f"has {rows} rows (vocab_size): token ids >= {rows} would fail the first forward with an "
                          "IndexError. Use the tokenizer that belongs to this model (a chat template must not need "
                          "new tokens)"))
-    if recipe.adapter.type == "lora" and (recipe.adapter.target_modules != "all-linear"
-                                          or recipe.adapter.modules_to_save):
+    adapter = recipe.adapter
+    if adapter.type == "lora":
         try:
-            names = module_names(config, head, recipe.model.trust_remote_code)
+            model = meta_model(config, head, recipe.model.trust_remote_code)
         except Exception as err:  # noqa: BLE001 - an architecture we cannot build empty: peft reports at attach
             log.warning("adapter.target_modules / modules_to_save not checked against the module names of %s: it "
                         "cannot be built on the meta device here (%s: %s). Training is not affected; peft still "
                         "stops when no module matches at all, but a misspelled entry among valid ones goes unnoticed",
                         recipe.model.name_or_path, type(err).__name__, err)
         else:
-            problems += adapter_name_problems(recipe, names)
+            if adapter.target_modules != "all-linear" or adapter.modules_to_save:
+                problems += adapter_name_problems(recipe, [name for name, _ in model.named_modules() if name])
+            problems += parameter_adapter_problems(recipe, model, stage)
+    elif stage in ("ppo", "grpo") and recipe.rollout.engine == "vllm":
+        problems += vllm_model_problems(recipe, config, [])
     return problems
 
 

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from llmtune.models.attention import resolve_attention
 from llmtune.models.errors import ModelLoadError
 from llmtune.models.weight_files import check_weight_files, pickle_checkpoint_message
 
@@ -50,10 +51,6 @@ CONVERSION_MARKER = "llmtune_conversion.json"
 
 # Files fetched for a hub id: configs, weights, tokenizer. Optimizer states, ONNX/TF/Flax/GGUF copies and
 # other extras found in many repos are skipped. ``*.bin`` is only fetched when the repo has no safetensors.
-_HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "tokenizer*"]
-
-_TRUE = {"1", "on", "yes", "true"}
-
 
 @dataclass(frozen=True)
 class BuiltinModel:
@@ -167,7 +164,10 @@ def resolve_model_source(cfg: ModelConfig, *, convert: bool = True) -> ModelSour
             f"model.name_or_path: local path {name!r} does not exist (looked at {expanded.resolve()}). "
             "Give an existing HF model directory, a .gguf file, a hub id (org/name) or builtin:smollm2-135m-instruct."
         )
-    return _hub_source(name, cfg, download=convert)
+    from llmtune.models.hub import hub_source
+
+    folder, revision = hub_source(name, cfg, download=convert)
+    return ModelSource("hub", folder, name, revision=revision, fingerprint=revision)
 
 
 def _looks_like_path(name: str) -> bool:
@@ -187,111 +187,6 @@ def _local_source(path: Path, original: str) -> ModelSource:
             f"(it holds: {', '.join(sorted(p.name for p in path.iterdir())[:12]) or 'nothing'})."
         )
     return ModelSource("local", path.resolve(), original, fingerprint=_dir_fingerprint(path))
-
-
-def hub_offline() -> bool:
-    """Whether hub access is disabled (``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE``, read now or at import)."""
-    from huggingface_hub import constants
-
-    env = any(os.environ.get(var, "").strip().lower() in _TRUE for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
-    return env or bool(getattr(constants, "HF_HUB_OFFLINE", False))
-
-
-def _hub_source(repo_id: str, cfg: ModelConfig, *, download: bool = True) -> ModelSource:
-    """Download (or, offline, find in the HF cache) the files of a hub model; return the snapshot directory.
-
-    With ``download=False`` and network access, only look the repo up; ``path`` is the snapshot directory the
-    download will create.
-    """
-    from huggingface_hub import HfApi, constants, snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HFValidationError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    revision = cfg.revision
-    where = f"{repo_id!r}" + (f" at revision {revision!r}" if revision else "")
-    not_local = f" (If {repo_id!r} is meant as a local directory: it does not exist in {Path.cwd()}.)"
-    patterns = list(_HUB_PATTERNS) + (["*.py"] if cfg.trust_remote_code else [])
-    offline = hub_offline()
-    try:
-        if offline:
-            folder = snapshot_download(repo_id, revision=revision, local_files_only=True, allow_patterns=patterns)
-        else:
-            info = HfApi().model_info(repo_id, revision=revision)
-            if not download:
-                from huggingface_hub.file_download import repo_folder_name
-
-                folder = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
-                snapshot = folder / "snapshots" / str(info.sha)
-                return ModelSource("hub", snapshot, repo_id, revision=info.sha, fingerprint=info.sha)
-            files = [s.rfilename for s in (info.siblings or [])]
-            if not any(f.endswith(".safetensors") for f in files):
-                patterns.append("*.bin")
-            folder = snapshot_download(repo_id, revision=info.sha, allow_patterns=patterns)
-    except LocalEntryNotFoundError as err:
-        if offline:
-            raise ModelLoadError(
-                f"model.name_or_path: hub model {where} is not in the local Hugging Face cache and hub access is "
-                "disabled (HF_HUB_OFFLINE=1). Download it once with network access, unset HF_HUB_OFFLINE, or set "
-                "model.name_or_path to a local model directory (or builtin:smollm2-135m-instruct). "
-                + tokenizer_only_hint(repo_id) + not_local
-            ) from err
-        folder = _cached_snapshot(repo_id, revision, patterns)
-        if folder is None:
-            raise ModelLoadError(
-                f"model.name_or_path: could not download hub model {where} (no connection to the hub?): {err}. "
-                "Set model.name_or_path to a local model directory, or retry with network access. "
-                + tokenizer_only_hint(repo_id)
-            ) from err
-    except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError, HFValidationError) as err:
-        raise ModelLoadError(
-            f"model.name_or_path: hub model {where} cannot be used: {type(err).__name__}: {str(err).splitlines()[0]}. "
-            "Check the spelling, the revision and your access (a gated model such as meta-llama/*: accept its "
-            "license on its hub page, then `hf auth login` or HF_TOKEN), or give a local model directory."
-            + not_local
-        ) from err
-    except OSError as err:
-        raise ModelLoadError(f"model.name_or_path: downloading hub model {where} failed: {err}") from err
-    except Exception as err:  # noqa: BLE001 - connection errors of the HTTP client are not OSErrors
-        folder = _cached_snapshot(repo_id, revision, patterns)
-        if folder is None:
-            raise ModelLoadError(
-                f"model.name_or_path: could not reach the hub for {where} ({type(err).__name__}: {err}), and it is "
-                "not in the local Hugging Face cache. Give a local model directory, or download it where there is "
-                "network. " + tokenizer_only_hint(repo_id) + not_local
-            ) from err
-    folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise ModelLoadError(
-            f"model.name_or_path: the cached snapshot of hub model {where} at {folder} has no config.json "
-            "(an incomplete download?). Download it again with network access or give a local model directory."
-        )
-    return ModelSource("hub", folder, repo_id, revision=folder.name, fingerprint=folder.name)
-
-
-def tokenizer_only_hint(repo_id: str) -> str:
-    """How to get what ``llmtune validate`` needs of a hub model (its config and tokenizer files, a few MB; no
-    weights) onto a machine, for the error messages and the docs."""
-    return (f"llmtune validate needs only the config and tokenizer files, not the weights: `hf download {repo_id} "
-            "--exclude '*.safetensors' --exclude '*.bin' --exclude '*.pth' --exclude 'original/*'` (a gated model "
-            "needs `hf auth login` first) puts them in the Hugging Face cache, which llmtune reads when the hub is "
-            "unreachable or HF_HUB_OFFLINE=1; or add --local-dir DIR and set model.name_or_path=DIR.")
-
-
-def _cached_snapshot(repo_id: str, revision: str | None, patterns: list[str]) -> str | None:
-    """The cached snapshot of a hub model when the hub cannot be reached (as transformers falls back), else None."""
-    from huggingface_hub import snapshot_download
-
-    try:
-        folder = snapshot_download(repo_id, revision=revision, local_files_only=True, allow_patterns=patterns)
-    except Exception:  # noqa: BLE001 - not cached (LocalEntryNotFoundError) or an unusable cache entry
-        return None
-    logger.warning("model.name_or_path: the hub is unreachable; using the cached snapshot of %s at %s", repo_id, folder)
-    return folder
 
 
 def builtin_gguf_path(name: str) -> Path:
@@ -794,7 +689,8 @@ def load_model(
 
     Raises:
         ModelLoadError: the source cannot be resolved; ``load_in_4bit`` and ``load_in_8bit`` are both set;
-            bitsandbytes is missing; or transformers fails (missing weights, unknown architecture without
+            bitsandbytes is missing; ``model.attn_implementation`` names a kernel the model class cannot run
+            (:mod:`llmtune.models.attention`); or transformers fails (missing weights, unknown architecture without
             ``trust_remote_code``, an attention kernel that is not installed such as flash_attention_2).
     """
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -806,7 +702,7 @@ def load_model(
     dtype = resolve_dtype(cfg, precision)
     kwargs: dict[str, Any] = {
         "dtype": dtype,
-        "attn_implementation": cfg.attn_implementation,
+        "attn_implementation": resolve_attention(cfg.attn_implementation, source.path, cfg.trust_remote_code, head),
         "trust_remote_code": cfg.trust_remote_code,
     }
     if quantization is not None:
@@ -829,7 +725,7 @@ def load_model(
         if "attn" in str(err).lower() or "flash" in str(err).lower():
             hint = (
                 f" model.attn_implementation={cfg.attn_implementation!r} may not be available here; "
-                "try sdpa or eager."
+                "try auto, sdpa or eager."
             )
         raise ModelLoadError(
             f"could not load model {source.original!r} from {source.path}: {type(err).__name__}: "
@@ -842,8 +738,9 @@ def load_model(
     _log_loading_info(info, head, source.original)
     quant = "4-bit " + cfg.bnb_4bit_quant_type if cfg.load_in_4bit else "8-bit" if cfg.load_in_8bit else "unquantized"
     logger.info(
-        "loaded %s (%s source%s) in %.1f s: dtype %s, %s, attention %s",
+        "loaded %s (%s source%s) in %.1f s: dtype %s, %s, attention %s%s",
         source.original, source.kind, ", one-score head" if head == "score" else "", time.perf_counter() - start,
-        str(dtype).removeprefix("torch."), quant, cfg.attn_implementation,
+        str(dtype).removeprefix("torch."), quant, getattr(model.config, "_attn_implementation", None),
+        " (auto)" if cfg.attn_implementation == "auto" else "",
     )
     return model

@@ -332,14 +332,36 @@ def _run_export(pipe: Pipeline, console, t0: float) -> dict:
         newer = verification.stat().st_mtime > (run_dir / rd.LINEAGE).stat().st_mtime
         if old.get("passed") and old.get("run_dir") == str(run_dir) and dtype_ok and newer:
             console.print(f"  skip: {out} already holds a verified export of {run_dir}")
-            return {**row, "action": "skipped", **_export_metric(old)}
+            return _run_gguf(pipe, console, {**row, "action": "skipped", **_export_metric(old)})
     console.print(f"  merging the adapter chain of {run_dir}")
     report = export_run(run_dir, dtype=pipe.export.dtype, out_dir=out)
     row.update(action="exported", wall_s=round(time.perf_counter() - t0, 1), **_export_metric(report))
     if not report.get("passed"):
         raise PipelineError(f"export of {run_dir} failed verification ({out / 'verification.json'}): "
                             f"max |diff| {report.get('max_abs_diff')} > tolerance {report.get('tolerance')}")
-    return row
+    return _run_gguf(pipe, console, row)
+
+
+def _run_gguf(pipe: Pipeline, console, row: dict) -> dict:
+    """``pipeline.export.gguf``: the merged model as GGUF files in ``<dir>/gguf`` (skipped when a passed GGUF
+    verification newer than the merged model's covers every type)."""
+    if not pipe.export.gguf:
+        return row
+    from llmtune.export.gguf_export import GGUF_DIR, export_gguf
+
+    report_path = pipe.dir / GGUF_DIR / "verification.json"
+    merged_report = pipe.dir / MERGED / "verification.json"
+    if report_path.is_file() and report_path.stat().st_mtime > merged_report.stat().st_mtime:
+        old = json.loads(report_path.read_text())
+        if old.get("passed") and set(pipe.export.gguf) <= set(old.get("types", {})):
+            console.print(f"  skip: {report_path.parent} already holds verified GGUF files of {MERGED}")
+            return {**row, "gguf": sorted(old["types"])}
+    console.print(f"  GGUF {', '.join(pipe.export.gguf)} -> {report_path.parent}")
+    report = export_gguf(pipe.dir, pipe.export.gguf, modelfile=pipe.export.modelfile)
+    if not report["passed"]:
+        failed = [t for t, e in report["types"].items() if not e["passed"]] or ["Modelfile"]
+        raise PipelineError(f"GGUF export failed verification for {', '.join(failed)} ({report_path})")
+    return {**row, "gguf": list(report["types"]), "detail": row.get("detail", "") + ", GGUF verified"}
 
 
 def _export_metric(report: dict) -> dict:

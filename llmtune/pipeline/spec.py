@@ -68,6 +68,10 @@ class ExportSpec(_Spec):
     enabled: bool = Field(True, description="Export at the end.")
     step: str | None = Field(None, description="Step to export (default: the last policy step).")
     dtype: Literal["auto", "fp32", "fp16", "bf16"] = Field("auto", description="dtype of the saved weights.")
+    gguf: list[Literal["f32", "f16", "bf16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0"]] = Field(
+        default_factory=list, description="GGUF types also written into <pipeline.dir>/gguf (llmtune export --gguf), "
+        "e.g. [q4_k_m]; empty: none.")
+    modelfile: bool = Field(True, description="With gguf: also write the Ollama Modelfile.")
 
 
 @dataclass

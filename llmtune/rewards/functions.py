@@ -68,7 +68,7 @@ def load_reward_function(spec: str, recipe_dir: str | Path | None = None, keywor
     for d in map(str, dirs):
         if d not in sys.path:
             sys.path.append(d)
-    module = _import_file(module_name, spec, dirs) if module_name.endswith(".py") else _import(module_name, spec, dirs)
+    module = (import_file if module_name.endswith(".py") else import_module)(module_name, spec, dirs)
     obj = module
     for i, part in enumerate(attr.split(".")):
         if not hasattr(obj, part):
@@ -119,7 +119,12 @@ def _searched(dirs: list[Path]) -> str:
     return " or ".join(str(d) for d in dirs)
 
 
-def _import(module_name: str, spec: str, dirs: list[Path]):
+def import_module(module_name: str, spec: str, dirs: list[Path]):
+    """The module ``module_name`` of a recipe's ``spec`` (reward functions, tools: :mod:`llmtune.rl.toolbox`).
+
+    Raises:
+        RewardFunctionError: it cannot be imported (the error shown, with the directories searched).
+    """
     try:
         return importlib.import_module(module_name)
     except Exception as exc:
@@ -130,7 +135,12 @@ def _import(module_name: str, spec: str, dirs: list[Path]):
         ) from exc
 
 
-def _import_file(path: str, spec: str, dirs: list[Path]):
+def import_file(path: str, spec: str, dirs: list[Path]):
+    """The module of the Python file ``path`` of a recipe's ``spec``, looked for in ``dirs`` when relative.
+
+    Raises:
+        RewardFunctionError: the file does not exist (the directories searched named), or importing it failed.
+    """
     file = Path(path).expanduser()
     if not file.is_absolute():
         file = next((d / file for d in dirs if (d / file).is_file()), dirs[-1] / file)

@@ -23,6 +23,11 @@ from llmtune.utils import awaited, get_logger
 
 log = get_logger("rl")
 
+# metric names of the rewards that are not sources (rewards/<name>_mean: the task reward, the per-turn rewards, the
+# shaping terms of llmtune.rewards.shaping): a reward function of such a name is logged as <name>_2
+RESERVED_NAMES = frozenset({"task", "turns", "missing_eos_penalty", "overlong_penalty", "tool_cost",
+                            "well_formed_calls"})
+
 
 @dataclass
 class Scored:
@@ -41,6 +46,20 @@ class Scored:
     batch: RolloutBatch | None = None
     messages: list[list[dict]] | None = None
     environments: list | None = None
+
+    @classmethod
+    def from_batch(cls, batch: RolloutBatch, tokenizer) -> Scored:
+        """What the sources see of a rollout batch: single-turn, each completion decoded without special tokens; a
+        multi-turn rollout (its :class:`~llmtune.rl.types.Outcome` has the conversation), its final answer (the
+        content of its last assistant message, ``""`` without one), its whole conversation and its environment
+        instance."""
+        outcomes = [t.outcome for t in batch.trajectories]
+        if not outcomes or any(o.messages is None for o in outcomes):
+            return cls(batch.rows, decode_completions(tokenizer, batch), batch)
+        conversations = [o.messages for o in outcomes]
+        finals = [next((m.get("content") or "" for m in reversed(c) if m["role"] == "assistant"), "")
+                  for c in conversations]
+        return cls(batch.rows, finals, batch, conversations, [o.environment for o in outcomes])
 
     def extra(self) -> dict[str, list]:
         """The per-completion keyword arguments a reward function may take: ``rows`` always (a row's ``columns``, the
@@ -176,7 +195,8 @@ class RewardSources:
     Abstaining: a reward function may return None for a completion (NaN in its scores). The total of a row is then
     the weighted sum over the sources that scored it (TRL's ``nansum`` over reward functions); a row on which every
     source abstained has no reward (NaN total): GRPO leaves it out of training and of the advantage statistics
-    and counts it (``rewards/abstained``); it is never a silent 0.
+    and counts it (``rewards/abstained``), PPO stops (:func:`llmtune.rewards.shaping.require_rewards`); it is never
+    a silent 0. What follows the sources (shaping, which rows train) is :mod:`llmtune.rewards.shaping`.
     """
 
     def __init__(self, sources: list[RewardSource]):
@@ -207,26 +227,6 @@ class RewardSources:
         """
         per_source = {s.name: s.scorer(scored).float().to(device) for s in self.sources}
         return combine(per_source, {s.name: s.weight for s in self.sources}), per_source
-
-    def score_all(self, scored: Scored, device: torch.device | str = "cpu", skip: torch.Tensor | None = None
-                  ) -> torch.Tensor:
-        """(B,) weighted total (see :meth:`score`) for a stage that needs a reward for every row (PPO); rows in
-        ``skip`` ((B,) bool: a multi-turn rollout whose infrastructure failed, trained on by nothing) get 0.
-
-        Raises:
-            RewardFunctionError: every source abstained on a row not skipped (the index is named).
-        """
-        from llmtune.rewards.functions import RewardFunctionError
-
-        total = self.score(scored, device)[0]
-        if skip is not None:
-            total = total.masked_fill(skip.to(total.device), 0.0)
-        missing = torch.isnan(total).nonzero().flatten().tolist()
-        if missing:
-            raise RewardFunctionError(f"every reward source abstained (returned None) on completion {missing[0]} "
-                                      f"({len(missing)} of {len(total)}); PPO needs a reward for every rollout: "
-                                      "return a number there (GRPO leaves such completions out)")
-        return total
 
 
 def combine(per_source: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
@@ -267,7 +267,7 @@ def build_reward_sources(reward, tokenizer=None, recipe_dir: str | Path | None =
             Path(base_dir) / reward.from_run, precision, reward.batch_size, tokenizer)))
     specs = ([(reward.function, 1.0, None)] if reward.function else []) + [
         (f.function, f.weight, f.name) for f in reward.functions]
-    taken = {s.name for s in sources}
+    taken = {s.name for s in sources} | RESERVED_NAMES
     for spec, weight, name in specs:
         base = name or spec.rpartition(":")[2].rpartition(".")[2] or "reward"
         unique, i = base, 2

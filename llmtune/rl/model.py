@@ -162,14 +162,15 @@ def shared_prompt_batch(model: nn.Module, input_ids: torch.Tensor, attention_mas
         ``input_ids``/``position_ids`` (K, S), ``attention_mask`` (K, 1, S, S) (bool for SDPA, True = attend; else
         additive), ``keep`` (K, S) bool positions whose logits are needed, ``gather`` (M,) the row among the kept
         logits that predicts each scored response token, in the row-major order of ``responses[score_mask]``.
-        None when no prompt repeats or the attention kernel takes no 4-D mask (then use the rows as they are).
+        None when no prompt repeats, the attention kernel takes no 4-D mask or a sliding window is shorter than the
+        rows (:func:`llmtune.core.lm_head.shares_prompts`; then use the rows as they are).
     """
-    from llmtune.core.lm_head import SHARED_PROMPT_ATTENTION, _causal_lm, kept_positions, pack_shared_prompts
+    from llmtune.core.lm_head import causal_lm, kept_positions, pack_shared_prompts, shares_prompts
 
-    lm = _causal_lm(model)
+    lm = causal_lm(model)
     attention = getattr(lm.config, "_attn_implementation", None)
     width, prompt_width = responses.shape[1], input_ids.shape[1] - responses.shape[1]
-    if attention not in SHARED_PROMPT_ATTENTION or input_ids.shape[0] < 2 or prompt_width < 1:
+    if not shares_prompts(lm, int(attention_mask.sum(-1).max())) or input_ids.shape[0] < 2 or prompt_width < 1:
         return None
     prompts = torch.cat([input_ids[:, :prompt_width], attention_mask[:, :prompt_width].to(input_ids.dtype)], 1)
     unique, inverse = torch.unique(prompts, dim=0, return_inverse=True)

@@ -1,11 +1,13 @@
-"""Arithmetic every online-RL stage needs: masked reductions, entropy, KL estimators, the rollout engine's
-importance weights.
+"""Arithmetic every online-RL stage needs: masked reductions, entropy, KL estimators, the clipped surrogate of PPO and
+GRPO, the rollout engine's importance weights.
 
 Shapes: B = completions, N = response tokens (right-padded); ``mask`` (B, N) is 1 on real response tokens (up to and
 including the first EOS) and 0 on the padding after it. Reductions count real tokens only.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -44,6 +46,46 @@ def unpack_left(packed: torch.Tensor, index: torch.Tensor, packed_mask: torch.Te
     """The inverse of :func:`pack_left`: (B, M) values back to their (B, width) columns, 0 elsewhere."""
     out = packed.new_zeros(packed.shape[0], width)
     return out.scatter_add_(1, index, packed * packed_mask.to(packed.dtype))
+
+
+@dataclass
+class Surrogate:
+    """The clipped surrogate per token (:func:`clipped_surrogate`), before masking and aggregation.
+
+    Attributes:
+        per_token: (B, N) ``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`` (times the importance weight).
+        clipped_low: (B, N) fp32 1 where the clipped branch was taken below (A < 0 and r < 1 - eps_low).
+        clipped_high: (B, N) fp32 1 where it was taken above (A > 0 and r > 1 + eps_high).
+    """
+
+    per_token: torch.Tensor
+    clipped_low: torch.Tensor
+    clipped_high: torch.Tensor
+
+
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, epsilon_low: float, epsilon_high: float,
+                      is_weights: torch.Tensor | None = None) -> Surrogate:
+    """The clipped surrogate objective of PPO (Schulman et al. 2017), as a loss per token: ``-min(r A, clip(r,
+    1 - epsilon_low, 1 + epsilon_high) A)``, times ``is_weights`` (the rollout engine's truncated importance weights,
+    detached; Yao et al. 2025) when given. PPO (``epsilon_low = epsilon_high = cliprange``, per-token advantages) and
+    GRPO (DAPO's clip-higher, one advantage per completion) both call it.
+
+    Args:
+        ratio: (B, N) importance ratio against the sampling policy (with grad). advantages: (B, N), or (B, 1) one
+            per completion. epsilon_low, epsilon_high: the clip range below / above 1.
+        is_weights: (B, N) or None (= 1).
+
+    Returns:
+        :class:`Surrogate` (the clip indicators detached).
+    """
+    clipped_ratio = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    per_token = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach().to(per_token.dtype)
+    with torch.no_grad():
+        low = ((ratio < 1.0 - epsilon_low) & (advantages < 0)).float()
+        high = ((ratio > 1.0 + epsilon_high) & (advantages > 0)).float()
+    return Surrogate(per_token, low, high)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,8 @@ nothing submitted (measured: ``rollout/engine_idle_s``).
 A batch submitted at step ``s`` for iteration ``j`` is trained from step ``j x steps_per_iteration``, so its
 staleness (optimizer steps between the policy that sampled it and the policy at the start of the iteration that
 trains on it) is ``(j - i) x steps_per_iteration <= lookahead x steps_per_iteration <= max_staleness`` by
-construction; the trainer checks it again per trajectory (:meth:`llmtune.rl.trainer.OnlineRLTrainer.too_stale`) and
-never trains on one beyond the bound.
+construction; it is checked again per trajectory (:meth:`llmtune.rl.rollouts.Rollouts.too_stale`: the rewards mark
+such a trajectory stale) and nothing trains on one beyond the bound.
 
 Reproducibility: the prompts and seeds of iteration ``j`` depend only on (seed, j, rank), never on timing, and the
 snapshot a batch was sampled with is fixed when it is submitted, so a run is as reproducible as a synchronous one.

@@ -34,17 +34,21 @@ class OnlineRLStage(Stage):
         """The run's :class:`AgentTools` (None without ``agent:``), loaded on first use.
 
         Raises:
-            ToolSetupError: a tool or the environment cannot be loaded or has no schema (recipe keys named).
+            ToolSetupError: a tool or the environment cannot be loaded or has no schema (recipe keys named); a name in
+                ``agent.infrastructure_timeouts`` that is not one of the run's tools.
         """
         cfg = self.recipe.agent
         if not cfg.enabled:
             return None
         if self._agent is None:
-            from llmtune.rl.toolbox import load_environment, load_tools, tool_schemas
+            from llmtune.rl.toolbox import check_tool_names, load_environment, load_tools, tool_schemas
 
             functions = load_tools(cfg.tools, self.recipe_dir)
             environment = load_environment(cfg.environment, self.recipe_dir) if cfg.environment else None
-            self._agent = AgentTools(functions, environment, tool_schemas(functions, environment))
+            schemas = tool_schemas(functions, environment)
+            check_tool_names(cfg.infrastructure_timeouts, [s["function"]["name"] for s in schemas],
+                             "agent.infrastructure_timeouts")
+            self._agent = AgentTools(functions, environment, schemas)
         return self._agent
 
     def build_data(self, tokenizer, base_dir: str) -> StageData:

@@ -2,7 +2,8 @@
 ``<tool_call>`` JSON, Llama-3.1 JSON, Mistral ``[TOOL_CALLS]``), with transformers' own response-template parser
 where the tokenizer has one. Nothing the model writes is executed or can raise here: a call that cannot be read is a
 :class:`ToolCall` with ``error`` set, which goes back to the model as a "malformed" tool result
-(:meth:`llmtune.rl.toolbox.Toolbox.call`).
+(:meth:`llmtune.rl.toolbox.Toolbox.call`). A call's arguments are checked against its tool's JSON schema here too
+(:func:`check_arguments`), before the toolbox runs it.
 """
 
 from __future__ import annotations
@@ -312,3 +313,120 @@ def _parse_mistral(text: str) -> tuple[str, list[ToolCall]]:
 
 
 _FAMILY_PARSERS = {"hermes": _parse_hermes, "llama3": _parse_llama3, "mistral": _parse_mistral}
+
+
+# ---------------------------------------------------------------------------- arguments against a schema
+
+
+def check_arguments(arguments: dict, schema: dict) -> tuple[dict, list[str]]:
+    """Check a call's arguments against a tool's JSON schema (the subset :func:`transformers.utils.get_json_schema`
+    writes: ``type`` as a name or a list, ``nullable``, ``enum``, ``anyOf``, ``items``, ``prefixItems``,
+    ``additionalProperties``; ``{}`` accepts anything).
+
+    Args:
+        arguments: the decoded JSON object of the call.
+        schema: ``{"type": "function", "function": {"name", "parameters": {...}}}``.
+
+    Returns:
+        ``(arguments, problems)``: the arguments to pass (integers written as ``3.0`` become ``3``), and every problem
+        as a short phrase for the model (empty when the arguments fit).
+    """
+    parameters = schema["function"].get("parameters", {})
+    properties = parameters.get("properties", {})
+    problems = [f"unknown argument {_cut(repr(k))}" for k in arguments if k not in properties]
+    problems += [f"missing required argument {k!r}" for k in parameters.get("required", []) if k not in arguments]
+    out = {}
+    for k, v in arguments.items():
+        if k in properties:
+            out[k], problem = _conform(v, properties[k], repr(k))
+            if problem:
+                problems.append(problem)
+    return out, problems
+
+
+def _is_type(value: Any, name: str) -> bool:
+    if name == "integer":
+        return (isinstance(value, int) and not isinstance(value, bool)) or (
+            isinstance(value, float) and value.is_integer())
+    if name == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    checks = {"string": str, "boolean": bool, "array": list, "object": dict, "null": type(None)}
+    return isinstance(value, checks[name]) if name in checks else True  # other types (image, audio): unchecked
+
+
+def _conform(value: Any, schema: dict, where: str) -> tuple[Any, str | None]:
+    """(value to pass, problem or None) for one JSON value against one schema."""
+    if value is None and schema.get("nullable"):
+        return None, None
+    if "anyOf" in schema:
+        for option in schema["anyOf"]:
+            converted, problem = _conform(value, option, where)
+            if problem is None:
+                return converted, None
+        return value, f"{where} must be {_describe(schema)}, {_got(value)}"
+    types = schema.get("type")
+    if types is not None:
+        types = [types] if isinstance(types, str) else list(types)
+        matched = next((t for t in types if _is_type(value, t)), None)
+        if matched is None:
+            return value, f"{where} must be {_describe(schema)}, {_got(value)}"
+        if matched == "integer" and isinstance(value, float):
+            value = int(value)
+        if matched == "array" and isinstance(schema.get("items"), dict):
+            value, problem = _conform_all(value, [schema["items"]] * len(value), where)
+            if problem:
+                return value, problem
+        if matched == "array" and isinstance(schema.get("prefixItems"), list):
+            if len(value) != len(schema["prefixItems"]):
+                return value, f"{where} must have {len(schema['prefixItems'])} items, got {len(value)}"
+            value, problem = _conform_all(value, schema["prefixItems"], where)
+            if problem:
+                return value, problem
+        if matched == "object" and isinstance(schema.get("additionalProperties"), dict):
+            items, problem = _conform_all(list(value.values()), [schema["additionalProperties"]] * len(value), where)
+            if problem:
+                return value, problem
+            value = dict(zip(value, items))
+    if "enum" in schema and not any(value == e and isinstance(value, bool) == isinstance(e, bool)
+                                    for e in schema["enum"]):
+        return value, f"{where} must be {_describe(schema)}, {_got(value)}"
+    return value, None
+
+
+def _got(value: Any) -> str:
+    return f"got {_json_type(value)} {_cut(json.dumps(value, ensure_ascii=False, default=str), 60)}"
+
+
+def _conform_all(values: list, schemas: list[dict], where: str) -> tuple[list, str | None]:
+    out = []
+    for i, (v, s) in enumerate(zip(values, schemas)):
+        converted, problem = _conform(v, s, f"{where}[{i}]")
+        if problem:
+            return values, problem
+        out.append(converted)
+    return out, None
+
+
+def _describe(schema: dict) -> str:
+    """A parameter's type in a few words: ``integer``, ``string or null``, ``array of number``."""
+    if "anyOf" in schema:
+        text = " or ".join(_describe(s) for s in schema["anyOf"])
+    else:
+        types = schema.get("type", "any")
+        text = " or ".join([types] if isinstance(types, str) else types)
+        if isinstance(schema.get("items"), dict):
+            text += f" of {_describe(schema['items'])}"
+        if isinstance(schema.get("enum"), list):
+            text += f" in {_cut(json.dumps(schema['enum'], ensure_ascii=False), 120)}"
+    return text + (" or null" if schema.get("nullable") else "")
+
+
+def _signature(schema: dict) -> str:
+    """``name(a: integer, b?: string)``: how to call a tool, for an error message (``?`` = optional)."""
+    fn = schema["function"]
+    parameters = fn.get("parameters", {})
+    required = set(parameters.get("required", []))
+    args = [f"{k}{'' if k in required else '?'}: {_describe(s)}" for k, s in parameters.get("properties", {}).items()]
+    return f"{fn['name']}({', '.join(args)})"
+
+

@@ -32,23 +32,26 @@ never returns keeps its (daemon) thread until the process ends, which :func:`aba
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
 import functools
 import inspect
 import json
+import math
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
 from llmtune.errors import LlmtuneError
-from llmtune.rl.tool_calls import ToolCall, _cut, _exception_text, _json_type
+from llmtune.rl.tool_calls import ToolCall, _cut, _exception_text, _signature, check_arguments  # noqa: F401
 from llmtune.utils import AwaitTimeout, awaited
 
-ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout")
+ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout", "over_limit")
 NOT_TOOLS = frozenset({"reset", "reward"})  # environment methods that are never tools (besides names starting with _)
 
 _TYPES_FIX = ("give every parameter a type hint (str, int, float, bool, list[...], dict[str, ...], Literal[...], an "
@@ -76,6 +79,21 @@ class InfrastructureError(Exception):
 
 
 @dataclass
+class ToolOutput:
+    """What a tool (or an environment's tool method) may return instead of a plain value, to give the turn that
+    called it a reward: a per-step reward of the environment (GRPO adds a rollout's per-turn rewards to its
+    reward; PPO places each turn's reward at that turn's last sampled token: :mod:`llmtune.rewards.shaping`).
+
+    Attributes:
+        content: what goes back to the model (as a plain return value would: a str as it is, a dict/list as JSON).
+        reward: this call's reward (a finite number), or None for none.
+    """
+
+    content: Any
+    reward: float | None = None
+
+
+@dataclass
 class ToolResult:
     """What one :meth:`Toolbox.call` gives back.
 
@@ -87,6 +105,7 @@ class ToolResult:
             rollout abstains.
         seconds: wall-clock seconds the call took (including a timeout's wait).
         call_id: the call's id (:attr:`ToolCall.id`), for formats that pair results with calls.
+        reward: the reward the tool returned with its result (:class:`ToolOutput`), or None.
     """
 
     name: str | None
@@ -95,6 +114,7 @@ class ToolResult:
     infrastructure: bool
     seconds: float
     call_id: str | None = None
+    reward: float | None = None
 
     def as_message(self) -> dict:
         """The result as a ``{"role": "tool", ...}`` message (transformers' chat format)."""
@@ -247,6 +267,24 @@ def tool_schemas(functions: Iterable[Callable], environment_cls: type | None = N
     return copy.deepcopy(schemas)
 
 
+def check_tool_names(names: Iterable[str], tools: list[str], key: str) -> None:
+    """Every name in ``names`` (a recipe list of tool names, e.g. ``agent.infrastructure_timeouts``) is one of the
+    run's ``tools``.
+
+    Raises:
+        ToolSetupError: one line per unknown name, with the closest tool names and the list of tools.
+    """
+    problems = []
+    for i, name in enumerate(names):
+        if name not in tools:
+            close = difflib.get_close_matches(name, tools, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(f"{key}.{i}: {name!r} is not a tool of this run{hint}; the tools are "
+                            f"{', '.join(tools) or '(none)'}")
+    if problems:
+        raise ToolSetupError(problems)
+
+
 def check_reset_columns(environment_cls: type, columns: Iterable[str], key: str = "agent.environment",
                         some_rows: Iterable[str] = ()) -> None:
     """Check that every row with these columns can be passed to the environment's ``reset`` (a recipe check: without
@@ -273,7 +311,7 @@ def check_reset_columns(environment_cls: type, columns: Iterable[str], key: str 
 def _resolve(spec: str, recipe_dir: Any, where: str) -> Any:
     """The object ``module:attr`` names, imported as reward functions are (same search directories and import
     helpers, :mod:`llmtune.rewards.functions`)."""
-    from llmtune.rewards.functions import RewardFunctionError, _import, _import_file, reward_search_dirs
+    from llmtune.rewards.functions import RewardFunctionError, import_file, import_module, reward_search_dirs
 
     module_name, sep, attr = str(spec).partition(":")
     module_name, attr = module_name.strip(), attr.strip()
@@ -287,7 +325,7 @@ def _resolve(spec: str, recipe_dir: Any, where: str) -> Any:
     key = (module_name, tuple(dirs))
     if key not in _MODULES:  # a file is executed once: the tools and environment it defines share its globals
         try:
-            _MODULES[key] = (_import_file if module_name.endswith(".py") else _import)(module_name, spec, dirs)
+            _MODULES[key] = (import_file if module_name.endswith(".py") else import_module)(module_name, spec, dirs)
         except RewardFunctionError as exc:
             reason = str(exc).removeprefix(f"reward.function: {spec!r}: ")
             raise ToolSetupError(f"{where}: {spec!r}: {reason}") from (exc.__cause__ or exc)
@@ -350,7 +388,8 @@ def _schema(fn: Callable) -> dict:
 
 
 def make_toolbox(
-    functions: Iterable[Callable], environment_cls: type | None, row: Mapping[str, Any]
+    functions: Iterable[Callable], environment_cls: type | None, row: Mapping[str, Any],
+    infrastructure_timeouts: Iterable[str] = ()
 ) -> tuple[Toolbox, str | None]:
     """The tools of one rollout: a fresh environment instance (if any), reset with the row.
 
@@ -359,6 +398,8 @@ def make_toolbox(
         environment_cls: the environment class (:func:`load_environment`) or None.
         row: the prompt row's columns; ``reset`` receives those it names (all of them when it takes ``**kwargs``). An
             ``async def reset`` is run to completion.
+        infrastructure_timeouts: tool names whose timeout is the infrastructure's fault
+            (``agent.infrastructure_timeouts``).
 
     Returns:
         ``(toolbox, first_user_text)``: the text ``reset`` returned for the first user turn, or None.
@@ -371,25 +412,67 @@ def make_toolbox(
     """
     functions = list(functions)
     schemas = tool_schemas(functions, environment_cls)
-    tools: dict[str, Callable] = {fn.__name__: fn for fn in functions}
     environment, first_user_text = None, None
     if environment_cls is not None:
-        name = environment_cls.__name__
         kwargs = _reset_arguments(environment_cls, row, "agent.environment")
-        try:
+        with _environment_failure(environment_cls, "construction"):
             environment = environment_cls()
-            if hasattr(environment, "reset"):
+        if hasattr(environment, "reset"):
+            with _environment_failure(environment_cls, "reset"):
                 first_user_text = awaited(environment.reset(**kwargs))
-        except InfrastructureError:
-            raise
-        except Exception as exc:
-            step = "reset" if environment is not None else "construction"
-            raise InfrastructureError(f"environment {name} failed in {step}: {type(exc).__name__}: {exc}") from exc
-        if first_user_text is not None and not isinstance(first_user_text, str):
-            raise ToolSetupError(f"environment {name}.reset returned {type(first_user_text).__name__}; return the "
-                                 "text of the first user turn (str) or None")
+    return _toolbox(functions, schemas, environment_cls, environment, first_user_text, infrastructure_timeouts)
+
+
+async def amake_toolbox(
+    functions: Iterable[Callable], environment_cls: type | None, row: Mapping[str, Any],
+    infrastructure_timeouts: Iterable[str] = (), pool: Executor | None = None
+) -> tuple[Toolbox, str | None]:
+    """:func:`make_toolbox` from an event loop, for many rollouts at once: the constructor and a plain ``reset`` run
+    in ``pool`` (a sandbox that takes seconds to start delays only its own rollout), an ``async def reset`` is
+    awaited on the running loop (with the ``async def`` tool methods that follow it: one loop for the instance's
+    whole life). The same arguments, checks, results and errors as :func:`make_toolbox`."""
+    import asyncio
+
+    functions = list(functions)
+    schemas = tool_schemas(functions, environment_cls)
+    environment, first_user_text = None, None
+    if environment_cls is not None:
+        kwargs = _reset_arguments(environment_cls, row, "agent.environment")
+        loop = asyncio.get_running_loop()
+        with _environment_failure(environment_cls, "construction"):
+            environment = await loop.run_in_executor(pool, environment_cls)
+        if hasattr(environment, "reset"):
+            with _environment_failure(environment_cls, "reset"):
+                if inspect.iscoroutinefunction(environment.reset):
+                    first_user_text = await environment.reset(**kwargs)
+                else:
+                    first_user_text = await loop.run_in_executor(pool, lambda: awaited(environment.reset(**kwargs)))
+    return _toolbox(functions, schemas, environment_cls, environment, first_user_text, infrastructure_timeouts)
+
+
+@contextlib.contextmanager
+def _environment_failure(environment_cls: type, step: str):
+    """An environment's constructor or ``reset`` raising: an :class:`InfrastructureError` as it is, any other
+    exception as an InfrastructureError naming the step (the original is the cause)."""
+    try:
+        yield
+    except InfrastructureError:
+        raise
+    except Exception as exc:
+        raise InfrastructureError(f"environment {environment_cls.__name__} failed in {step}: {type(exc).__name__}: "
+                                  f"{exc}") from exc
+
+
+def _toolbox(functions: list[Callable], schemas: list[dict], environment_cls: type | None, environment: object | None,
+             first_user_text: Any, infrastructure_timeouts: Iterable[str]) -> tuple[Toolbox, str | None]:
+    """The toolbox of a constructed (and reset) environment, once ``reset``'s answer is checked."""
+    if first_user_text is not None and not isinstance(first_user_text, str):
+        raise ToolSetupError(f"environment {environment_cls.__name__}.reset returned {type(first_user_text).__name__}; "
+                             "return the text of the first user turn (str) or None")
+    tools: dict[str, Callable] = {fn.__name__: fn for fn in functions}
+    if environment is not None:
         tools.update({n: getattr(environment, n) for n in environment_tool_names(environment_cls)})
-    return Toolbox(tools, schemas, environment), first_user_text
+    return Toolbox(tools, schemas, environment, infrastructure_timeouts), first_user_text
 
 
 def _reset_arguments(environment_cls: type, row: Mapping[str, Any], key: str) -> dict:
@@ -428,16 +511,27 @@ class Toolbox:
         tools: tool name -> callable.
         schemas: the JSON schemas of the tools (what ``apply_chat_template(tools=...)`` takes), functions first.
         environment: this rollout's environment instance, or None.
+        infrastructure_timeouts: names of the tools whose timeout is the infrastructure's fault (the result is then
+            an infrastructure failure: the rollout abstains), not the model's (the default: the model reads the
+            timeout error and the rollout goes on, scored).
         abandoned: how many of this toolbox's calls timed out while their thread was still running (the thread may
             still be using ``environment``).
     """
 
-    def __init__(self, tools: dict[str, Callable], schemas: list[dict], environment: object | None = None):
+    def __init__(self, tools: dict[str, Callable], schemas: list[dict], environment: object | None = None,
+                 infrastructure_timeouts: Iterable[str] = ()):
         self.tools = tools
         self.schemas = schemas
         self.environment = environment
+        self.infrastructure_timeouts = frozenset(infrastructure_timeouts)
         self.abandoned = 0
         self._schemas = {s["function"]["name"]: s for s in schemas}
+
+    def refuse(self, call: ToolCall, limit: int) -> ToolResult:
+        """The result of a call beyond ``agent.max_tool_calls`` (not run, not checked): the model reads
+        ``Error: tool call limit reached (N per rollout); answer with what you have`` (error ``over_limit``)."""
+        return ToolResult(call.name, f"Error: tool call limit reached ({limit} per rollout); answer with what you "
+                          "have", "over_limit", False, 0.0, call.id)
 
     def call(self, call: ToolCall, timeout_s: float) -> ToolResult:
         """Run one parsed call and turn every outcome into a result for the model (never raises on the model's
@@ -462,85 +556,109 @@ class Toolbox:
                 so ``signal``-based timeouts inside a tool do not work.
 
         Returns:
-            The :class:`ToolResult`; ``infrastructure`` is True when the tool raised :class:`InfrastructureError`.
+            The :class:`ToolResult`; ``infrastructure`` is True when the tool raised :class:`InfrastructureError`, or
+            timed out and is one of :attr:`infrastructure_timeouts`; ``reward`` is what a :class:`ToolOutput` carried.
 
         Raises:
             ValueError: ``timeout_s`` is not positive (a caller's error, never the model's).
+            ToolSetupError: the tool returned a :class:`ToolOutput` whose reward is not a finite number or None (the
+                tool's bug, not the model's: the run stops).
         """
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
         start = time.monotonic()
+        ready = self._prepare(call, start)
+        if isinstance(ready, ToolResult):
+            return ready
+        fn, arguments = ready
+        return self._result(call, start, timeout_s, *_run(fn, arguments, timeout_s, call.name))
 
-        def result(content: str, error: str | None = None, infrastructure: bool = False) -> ToolResult:
-            return ToolResult(call.name, content, error, infrastructure, time.monotonic() - start, call.id)
+    async def acall(self, call: ToolCall, timeout_s: float, pool: Executor | None = None) -> ToolResult:
+        """:meth:`call` from an event loop, for many rollouts at once: an ``async def`` tool is awaited on the running
+        loop itself (no thread; cancelled at the timeout, given :data:`ASYNC_CANCEL_GRACE_S` to unwind, else left
+        running and counted by :func:`abandoned_tool_threads`); any other tool is :meth:`call`, run in ``pool`` (a
+        bounded thread pool: at most its size of these calls wait at once; None = the loop's default executor).
+        The same checks, results and errors as :meth:`call`.
 
+        An ``async def`` tool shares the loop with every other rollout: it must not block (``time.sleep``, a
+        blocking socket, CPU-bound work: wrap those in ``asyncio.to_thread``), or every rollout waits for it.
+
+        Raises:
+            ValueError, ToolSetupError: as :meth:`call`.
+        """
+        import asyncio
+
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+        start = time.monotonic()
+        ready = self._prepare(call, start)
+        if isinstance(ready, ToolResult):
+            return ready
+        fn, arguments = ready
+        if not inspect.iscoroutinefunction(fn):
+            return await asyncio.get_running_loop().run_in_executor(pool, self.call, call, timeout_s)
+        return self._result(call, start, timeout_s, *await _run_async(fn, arguments, timeout_s))
+
+    def _prepare(self, call: ToolCall, start: float) -> ToolResult | tuple[Callable, dict]:
+        """The tool and its checked arguments, or the error result of a call that cannot run (malformed, unknown
+        tool, bad arguments)."""
         if call.error is not None:
-            return result(f"Error: malformed tool call: {call.error}", "malformed")
+            return self._made(call, start, f"Error: malformed tool call: {call.error}", "malformed")
         fn = self.tools.get(call.name)
         if fn is None:
-            return result(f"Error: unknown tool {_cut(repr(call.name))}; available tools: {', '.join(self.tools)}",
-                          "unknown_tool")
+            return self._made(call, start, f"Error: unknown tool {_cut(repr(call.name))}; available tools: "
+                              f"{', '.join(self.tools)}", "unknown_tool")
         schema = self._schemas[call.name]
         arguments, problems = check_arguments(call.arguments or {}, schema)
         if problems:
-            return result(f"Error: bad arguments for {call.name}: {'; '.join(problems)}. Call it as "
-                          f"{_signature(schema)}", "bad_arguments")
-        state, value, exc = _run(fn, arguments, timeout_s, call.name)
+            return self._made(call, start, f"Error: bad arguments for {call.name}: {'; '.join(problems)}. Call it as "
+                              f"{_signature(schema)}", "bad_arguments")
+        return fn, arguments
+
+    def _result(self, call: ToolCall, start: float, timeout_s: float, state: str, value: tuple[str, Any] | None,
+                exc: BaseException | None) -> ToolResult:
+        """The result of a call that ran (``state``, ``value``, ``exc``: as :func:`_run` returns them)."""
         if state != "returned":
             self.abandoned += state == "abandoned"
-            return result(f"Error: {call.name} did not return within {timeout_s:g} s", "timeout")
+            return self._made(call, start, f"Error: {call.name} did not return within {timeout_s:g} s", "timeout",
+                              call.name in self.infrastructure_timeouts)
         if exc is not None:
             message = _cut(_exception_text(exc))
-            return result(f"Error: {call.name} raised {type(exc).__name__}{': ' * bool(message)}{message}", "raised",
-                          isinstance(exc, InfrastructureError))
-        return result(value)
+            return self._made(call, start, f"Error: {call.name} raised {type(exc).__name__}{': ' * bool(message)}"
+                              f"{message}", "raised", isinstance(exc, InfrastructureError))
+        content, reward = value
+        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
+                                   or not math.isfinite(reward)):
+            raise ToolSetupError(f"agent: tool {call.name} returned ToolOutput(reward={reward!r}); a reward must be a "
+                                 "finite number or None")
+        return self._made(call, start, content, reward=None if reward is None else float(reward))
 
-
-def check_arguments(arguments: dict, schema: dict) -> tuple[dict, list[str]]:
-    """Check a call's arguments against a tool's JSON schema (the subset :func:`transformers.utils.get_json_schema`
-    writes: ``type`` as a name or a list, ``nullable``, ``enum``, ``anyOf``, ``items``, ``prefixItems``,
-    ``additionalProperties``; ``{}`` accepts anything).
-
-    Args:
-        arguments: the decoded JSON object of the call.
-        schema: ``{"type": "function", "function": {"name", "parameters": {...}}}``.
-
-    Returns:
-        ``(arguments, problems)``: the arguments to pass (integers written as ``3.0`` become ``3``), and every problem
-        as a short phrase for the model (empty when the arguments fit).
-    """
-    parameters = schema["function"].get("parameters", {})
-    properties = parameters.get("properties", {})
-    problems = [f"unknown argument {_cut(repr(k))}" for k in arguments if k not in properties]
-    problems += [f"missing required argument {k!r}" for k in parameters.get("required", []) if k not in arguments]
-    out = {}
-    for k, v in arguments.items():
-        if k in properties:
-            out[k], problem = _conform(v, properties[k], repr(k))
-            if problem:
-                problems.append(problem)
-    return out, problems
+    @staticmethod
+    def _made(call: ToolCall, start: float, content: str, error: str | None = None, infrastructure: bool = False,
+              reward: float | None = None) -> ToolResult:
+        return ToolResult(call.name, content, error, infrastructure, time.monotonic() - start, call.id, reward)
 
 
 def abandoned_tool_threads() -> int:
-    """How many tool threads of this process timed out and are still running (never killed: see
-    :meth:`Toolbox.call`). Log it: a number that grows means a tool hangs."""
+    """How many tool threads of this process (and ``async def`` tool tasks of :meth:`Toolbox.acall`) timed out and
+    are still running (never killed: see :meth:`Toolbox.call`). Log it: a number that grows means a tool hangs."""
     with _ABANDONED_LOCK:
-        _ABANDONED[:] = [t for t in _ABANDONED if t.is_alive()]
+        _ABANDONED[:] = [t for t in _ABANDONED if (not t.done() if hasattr(t, "done") else t.is_alive())]
         return len(_ABANDONED)
 
 
-_ABANDONED: list[threading.Thread] = []
+_ABANDONED: list = []  # threads.Thread (call) and asyncio.Task (acall)
 _ABANDONED_LOCK = threading.Lock()
 
 
 ASYNC_CANCEL_GRACE_S = 1.0  # after the timeout, how long a cancelled async tool may take to unwind
 
 
-def _run(fn: Callable, arguments: dict, timeout_s: float, name: str) -> tuple[str, str | None, BaseException | None]:
-    """``fn(**arguments)`` in a daemon thread, waiting at most ``timeout_s``: ``(state, content, exception)`` with
-    state ``"returned"`` (or raised), ``"cancelled"`` (an ``async def`` tool, which runs on its own event loop in that
-    thread, cancelled at the timeout: its thread ends) or ``"abandoned"`` (past the timeout, still running)."""
+def _run(fn: Callable, arguments: dict, timeout_s: float, name: str
+         ) -> tuple[str, tuple[str, Any] | None, BaseException | None]:
+    """``fn(**arguments)`` in a daemon thread, waiting at most ``timeout_s``: ``(state, (content, reward), exception)``
+    with state ``"returned"`` (or raised), ``"cancelled"`` (an ``async def`` tool, which runs on its own event loop in
+    that thread, cancelled at the timeout: its thread ends) or ``"abandoned"`` (past the timeout, still running)."""
     box: dict[str, Any] = {}
 
     def target() -> None:
@@ -549,7 +667,8 @@ def _run(fn: Callable, arguments: dict, timeout_s: float, name: str) -> tuple[st
             if inspect.isawaitable(value):
                 box["async"] = True
                 value = awaited(value, timeout_s)
-            box["value"] = _to_text(value)
+            box["value"] = ((_to_text(value.content), value.reward) if isinstance(value, ToolOutput)
+                            else (_to_text(value), None))
         except AwaitTimeout:
             box["expired"] = True
         except BaseException as exc:  # noqa: BLE001 - SystemExit in a tool must not vanish with its thread
@@ -569,6 +688,39 @@ def _run(fn: Callable, arguments: dict, timeout_s: float, name: str) -> tuple[st
     return "returned", box.get("value"), box.get("error")
 
 
+async def _run_async(fn: Callable, arguments: dict, timeout_s: float
+                     ) -> tuple[str, tuple[str, Any] | None, BaseException | None]:
+    """``await fn(**arguments)`` on the running loop, waiting at most ``timeout_s``: the same ``(state, value,
+    exception)`` as :func:`_run`; past the timeout the task is cancelled and given :data:`ASYNC_CANCEL_GRACE_S` to
+    unwind (``"cancelled"``), else left running (``"abandoned"``, counted by :func:`abandoned_tool_threads`)."""
+    import asyncio
+
+    async def target() -> tuple[tuple[str, Any] | None, BaseException | None]:
+        try:
+            value = await fn(**arguments)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - SystemExit in a tool must end neither the loop nor silently
+            return None, exc
+        return ((_to_text(value.content), value.reward) if isinstance(value, ToolOutput)
+                else (_to_text(value), None)), None
+
+    task = asyncio.ensure_future(target())
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=ASYNC_CANCEL_GRACE_S)
+        if not done:
+            with _ABANDONED_LOCK:
+                _ABANDONED.append(task)
+            return "abandoned", None, None
+        return "cancelled", None, None
+    if task.cancelled():  # the tool cancelled itself: as a timeout
+        return "cancelled", None, None
+    value, exc = task.result()
+    return "returned", value, exc
+
+
 def _to_text(value: Any) -> str:
     if isinstance(value, str):
         return value
@@ -578,91 +730,3 @@ def _to_text(value: Any) -> str:
         except (TypeError, ValueError):  # circular references
             return str(value)
     return str(value)
-
-
-def _is_type(value: Any, name: str) -> bool:
-    if name == "integer":
-        return (isinstance(value, int) and not isinstance(value, bool)) or (
-            isinstance(value, float) and value.is_integer())
-    if name == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    checks = {"string": str, "boolean": bool, "array": list, "object": dict, "null": type(None)}
-    return isinstance(value, checks[name]) if name in checks else True  # other types (image, audio): unchecked
-
-
-def _conform(value: Any, schema: dict, where: str) -> tuple[Any, str | None]:
-    """(value to pass, problem or None) for one JSON value against one schema."""
-    if value is None and schema.get("nullable"):
-        return None, None
-    if "anyOf" in schema:
-        for option in schema["anyOf"]:
-            converted, problem = _conform(value, option, where)
-            if problem is None:
-                return converted, None
-        return value, f"{where} must be {_describe(schema)}, {_got(value)}"
-    types = schema.get("type")
-    if types is not None:
-        types = [types] if isinstance(types, str) else list(types)
-        matched = next((t for t in types if _is_type(value, t)), None)
-        if matched is None:
-            return value, f"{where} must be {_describe(schema)}, {_got(value)}"
-        if matched == "integer" and isinstance(value, float):
-            value = int(value)
-        if matched == "array" and isinstance(schema.get("items"), dict):
-            value, problem = _conform_all(value, [schema["items"]] * len(value), where)
-            if problem:
-                return value, problem
-        if matched == "array" and isinstance(schema.get("prefixItems"), list):
-            if len(value) != len(schema["prefixItems"]):
-                return value, f"{where} must have {len(schema['prefixItems'])} items, got {len(value)}"
-            value, problem = _conform_all(value, schema["prefixItems"], where)
-            if problem:
-                return value, problem
-        if matched == "object" and isinstance(schema.get("additionalProperties"), dict):
-            items, problem = _conform_all(list(value.values()), [schema["additionalProperties"]] * len(value), where)
-            if problem:
-                return value, problem
-            value = dict(zip(value, items))
-    if "enum" in schema and not any(value == e and isinstance(value, bool) == isinstance(e, bool)
-                                    for e in schema["enum"]):
-        return value, f"{where} must be {_describe(schema)}, {_got(value)}"
-    return value, None
-
-
-def _got(value: Any) -> str:
-    return f"got {_json_type(value)} {_cut(json.dumps(value, ensure_ascii=False, default=str), 60)}"
-
-
-def _conform_all(values: list, schemas: list[dict], where: str) -> tuple[list, str | None]:
-    out = []
-    for i, (v, s) in enumerate(zip(values, schemas)):
-        converted, problem = _conform(v, s, f"{where}[{i}]")
-        if problem:
-            return values, problem
-        out.append(converted)
-    return out, None
-
-
-def _describe(schema: dict) -> str:
-    """A parameter's type in a few words: ``integer``, ``string or null``, ``array of number``."""
-    if "anyOf" in schema:
-        text = " or ".join(_describe(s) for s in schema["anyOf"])
-    else:
-        types = schema.get("type", "any")
-        text = " or ".join([types] if isinstance(types, str) else types)
-        if isinstance(schema.get("items"), dict):
-            text += f" of {_describe(schema['items'])}"
-        if isinstance(schema.get("enum"), list):
-            text += f" in {_cut(json.dumps(schema['enum'], ensure_ascii=False), 120)}"
-    return text + (" or null" if schema.get("nullable") else "")
-
-
-def _signature(schema: dict) -> str:
-    """``name(a: integer, b?: string)``: how to call a tool, for an error message (``?`` = optional)."""
-    fn = schema["function"]
-    parameters = fn.get("parameters", {})
-    required = set(parameters.get("required", []))
-    args = [f"{k}{'' if k in required else '?'}: {_describe(s)}" for k, s in parameters.get("properties", {}).items()]
-    return f"{fn['name']}({', '.join(args)})"
-
-

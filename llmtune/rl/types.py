@@ -24,6 +24,8 @@ import torch
 from llmtune.models.heads import positions_from_mask
 
 STOP, LENGTH = "stop", "length"  # a completion ended on a stop token / at its token budget
+TURNS, ERROR = "turns", "error"  # multi-turn: it called a tool at the turn cap / its infrastructure failed
+CUT = (LENGTH, TURNS)  # the finish reasons of a trajectory cut by the budget or the turn cap (it never answered)
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,52 @@ class Completion:
 
 
 @dataclass
+class Outcome:
+    """What a rollout recorded besides its token ids, typed (what the rewards, the metrics and ``samples.jsonl``
+    read). A single-turn rollout has the defaults; the multi-turn loop (:mod:`llmtune.rl.agent`) fills the rest.
+
+    Attributes:
+        messages: the whole conversation (the prompt messages, each assistant turn with its tool calls, each tool
+            result as the model read it); None for a single-turn rollout.
+        environment: the rollout's environment instance, or None (none configured, or it failed to start).
+        tool_calls: calls that got a tool result (run, or answered with an error without running).
+        tool_errors: ``{kind: count}`` of those that came back as an error (:data:`llmtune.rl.toolbox.ERROR_KINDS`).
+        truncated_results: tool results cut to ``agent.max_tool_result_tokens``.
+        infrastructure_error: what failed when the environment or tool infrastructure failed (the rollout then
+            abstains from every reward source and trains nothing), else None.
+        turn_rewards: one value per assistant turn: the sum of the rewards its tool calls returned
+            (:class:`llmtune.rl.toolbox.ToolOutput` ``reward``; 0 for a turn without one); empty when no call of the
+            rollout returned a reward.
+    """
+
+    messages: list[dict] | None = None
+    environment: Any = None
+    tool_calls: int = 0
+    tool_errors: dict[str, int] = field(default_factory=dict)
+    truncated_results: int = 0
+    infrastructure_error: str | None = None
+    turn_rewards: list[float] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        """Its environment or tool infrastructure failed."""
+        return self.infrastructure_error is not None
+
+    @property
+    def checked_calls(self) -> int:
+        """Calls whose format was checked (every call with a result except those refused by ``agent.max_tool_calls``
+        unchecked)."""
+        return self.tool_calls - self.tool_errors.get("over_limit", 0)
+
+    @property
+    def well_formed_calls(self) -> int:
+        """Checked calls that were well formed: parsed, a known tool, arguments that fit its schema (whatever the
+        tool then did)."""
+        bad = sum(self.tool_errors.get(k, 0) for k in ("malformed", "unknown_tool", "bad_arguments"))
+        return self.checked_calls - bad
+
+
+@dataclass
 class Trajectory:
     """One rollout of one prompt row: what the policy and its environment produced after the prompt.
 
@@ -107,9 +155,11 @@ class Trajectory:
             where the engine's value was not finite), or None when the engine reports none.
         version: the policy version the first turn was sampled with (every turn of one trajectory is sampled with
             the same version).
-        finish_reason: ``stop``, ``length`` (the completion budget), or a multi-turn reason (``turns``: the turn cap).
+        finish_reason: ``stop``, ``length`` (the completion budget), or a multi-turn reason (``turns``: the turn
+            cap; ``error``: its infrastructure failed).
         turns: assistant turns sampled. group: the trajectory's group (its prompt) in its rollout batch.
-        info: what else the rollout recorded (multi-turn: the conversation, tool calls, errors).
+        outcome: what else the rollout recorded (:class:`Outcome`: the conversation, tool calls, errors, per-turn
+            rewards, an infrastructure failure).
     """
 
     row: dict
@@ -121,7 +171,7 @@ class Trajectory:
     finish_reason: str
     turns: int = 1
     group: int = 0
-    info: dict[str, Any] = field(default_factory=dict)
+    outcome: Outcome = field(default_factory=Outcome)
 
     def __post_init__(self):
         n = len(self.completion_ids)
@@ -133,6 +183,14 @@ class Trajectory:
     def ended(self) -> bool:
         """It ended on its own (a stop token), not cut by a budget or a cap."""
         return self.finish_reason == STOP
+
+    @property
+    def turn_ends(self) -> list[int]:
+        """The index (among ``completion_ids``) of each assistant turn's last sampled token, in order: the ends of the
+        runs of 1 in ``loss_mask`` (the policy's turns are separated by context tokens: tool messages, the template's
+        text)."""
+        m = self.loss_mask
+        return [i for i in range(len(m)) if m[i] and (i + 1 == len(m) or not m[i + 1])]
 
     @classmethod
     def single_turn(cls, row: dict, prompt_ids: list[int], completion: Completion, group: int = 0) -> Trajectory:
@@ -248,14 +306,16 @@ class Experience:
         self.layouts: dict[str, Layout] = {}
 
     @classmethod
-    def from_batch(cls, batch: RolloutBatch) -> Experience:
-        """The INPUT tensors of ``batch`` and its ``responses`` / ``response_mask`` / ``loss_mask`` (TOKEN)."""
+    def from_batch(cls, batch: RolloutBatch, loss_mask: torch.Tensor) -> Experience:
+        """The INPUT tensors of ``batch``, its ``responses`` / ``response_mask`` and the ``loss_mask`` (TOKEN) every
+        loss path reads: the tokens the policy sampled, of the rows that train
+        (:meth:`llmtune.rewards.shaping.RewardResult.loss_mask`)."""
         exp = cls(batch.prompt_ids.shape[1])
         for key, value in batch.model_inputs().items():
             exp.add(key, value, Layout.INPUT)
         exp.add("responses", batch.completion_ids, Layout.TOKEN)
         exp.add("response_mask", batch.completion_mask, Layout.TOKEN)
-        exp.add("loss_mask", batch.loss_mask, Layout.TOKEN)
+        exp.add("loss_mask", loss_mask, Layout.TOKEN)
         return exp
 
     def add(self, name: str, value: torch.Tensor, layout: Layout) -> None:
@@ -305,3 +365,29 @@ class Experience:
             elif layout is Layout.TOKEN:
                 rows[key] = value[:, :n]
         return rows
+
+    def minibatches(self, passes: int, minibatch: int, micro: int, generator: torch.Generator,
+                    order_key: torch.Tensor | None = None) -> list[list[dict[str, torch.Tensor]]]:
+        """The optimizer steps of a rollout batch (PPO and GRPO alike): ``passes`` shuffled passes over its B rows,
+        each cut into steps of ``minibatch`` rows (this rank's share of ``train.global_batch_size``), each step into
+        micro-batches of ``micro`` rows (:meth:`micro_batch`). The split into micro-batches changes nothing (the loss
+        is a sum divided by the whole step's item count), so within a step rows may be ordered to share padding:
+        ``order_key`` (B,), sorted stably.
+
+        Args:
+            generator: the permutations' (seeded by (seed, iteration, rank): a resumed run draws the same).
+
+        Returns:
+            ``passes x ceil(B / minibatch)`` steps, each a list of micro-batch dicts.
+        """
+        rows = next(iter(self.tensors.values())).shape[0]
+        device = self.tensors["loss_mask"].device
+        steps = []
+        for _ in range(passes):
+            order = torch.randperm(rows, generator=generator)
+            for start in range(0, rows, minibatch):
+                idx = order[start:start + minibatch]
+                if order_key is not None:
+                    idx = idx[torch.argsort(order_key[idx], stable=True)]
+                steps.append([self.micro_batch(idx[m:m + micro].to(device)) for m in range(0, len(idx), micro)])
+        return steps

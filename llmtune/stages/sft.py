@@ -10,11 +10,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from llmtune.core.distributed import partitioned_parameters
 from llmtune.core.fused import fuse_swiglu, recompute_norm_outputs
 from llmtune.core.lm_head import masked_token_logps, rows_of
 from llmtune.core.ops import count_trained_tokens, perplexity
-from llmtune.core.padding_free import PaddingFreeCollator, use_varlen_attention
+from llmtune.core.padding_free import PaddingFreeCollator, isolates_packed_rows, use_varlen_attention
 from llmtune.core.stage import Stage, StageData
+from llmtune.utils import get_logger
+
+log = get_logger("stages.sft")
 
 
 class SFTStage(Stage):
@@ -29,12 +33,26 @@ class SFTStage(Stage):
         from llmtune.data import SFTCollator, build_sft_data
 
         data = build_sft_data(self.recipe.data, tokenizer, base_dir=base_dir)
-        collator = PaddingFreeCollator() if self.recipe.data.padding_free else SFTCollator(tokenizer)
-        return StageData(data.train, data.eval, data.report, collator, data.report.sources_lineage())
+        self._collator = PaddingFreeCollator() if self.recipe.data.padding_free else SFTCollator(tokenizer)
+        return StageData(data.train, data.eval, data.report, self._collator, data.report.sources_lineage())
 
     def prepare_model(self, model, tokenizer):
-        if self.recipe.data.padding_free:  # attention row by row in the (1, L) sequences of PaddingFreeCollator
-            use_varlen_attention(model)
+        packed = self.recipe.data.padding_free or self.recipe.data.packing  # rows share a sequence
+        varlen = packed and use_varlen_attention(model)  # SDPA: attention row by row in the (1, L) sequences
+        if packed and not varlen and not partitioned_parameters(model) and not isolates_packed_rows(model):
+            kernel = getattr(model.config, "_attn_implementation", None)
+            if self.recipe.data.packing:
+                from llmtune.config import RecipeError
+
+                raise RecipeError([("data.packing", f"{type(model).__name__} with {kernel} attention lets packed rows "
+                                    "attend to each other (its attention mask ignores their position ids): set "
+                                    "data.packing: false (padding-free batches are then padded for this model)")])
+            log.info("%s with %s attention does not keep packed rows apart: SFT batches are padded instead of "
+                     "padding-free (same loss)", type(model).__name__, kernel)
+            from llmtune.data import SFTCollator
+
+            if isinstance(getattr(self, "_collator", None), PaddingFreeCollator):
+                self._collator.padded = SFTCollator(tokenizer)
         fuse_swiglu(model)  # same gradients, one activation fewer per MLP
         recompute_norm_outputs(model)  # same gradients, the norm outputs recomputed in the backward
         return model

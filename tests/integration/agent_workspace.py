@@ -67,9 +67,10 @@ def tool_tokenizer():
     return tok
 
 
-def tool_calling_model(path: Path, steps: int = 200) -> Path:
+def tool_calling_model(path: Path, steps: int = 600) -> Path:
     """Save a tiny Llama (hidden 128: vLLM's CPU attention needs head size 32) that has learned CONVERSATION, and its
-    tokenizer with TEMPLATE, to ``path``."""
+    tokenizer with TEMPLATE, to ``path``. Training stops once the loss is below 0.01 (342 steps, 23 s on one core
+    here; at 200 steps the loss is still 0.45 and greedy decoding writes no well-formed call)."""
     from llmtune.models.tiny import make_tiny_llama
 
     tok = tool_tokenizer()

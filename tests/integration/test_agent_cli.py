@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 
 import pytest
 import yaml
@@ -58,8 +59,8 @@ def workspace(tmp_path_factory):
     return root
 
 
-def recipe(root, name, max_steps=4, engine="hf", **extra):
-    doc = {"stage": "grpo", "model": {"name_or_path": str(root / "model")},
+def recipe(root, name, max_steps=4, engine="hf", stage="grpo", **extra):
+    doc = {"stage": stage, "model": {"name_or_path": str(root / "model")},
            "data": {"datasets": [{"path": str(root / "prompts.jsonl")}], "max_length": 256, "val_size": 2},
            "adapter": {"lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0},
            "grpo": {"num_generations": 2, "rollout_batch_size": 4, "beta": 0.05},
@@ -70,6 +71,8 @@ def recipe(root, name, max_steps=4, engine="hf", **extra):
            "train": {"micro_batch_size": 2, "global_batch_size": 2, "max_steps": max_steps, "learning_rate": 1e-2,
                      "eval_batch_size": 2, "save_steps": 2, "save_total_limit": 5},
            "output": {"dir": str(root / name), "plot": False}}
+    if stage == "ppo":
+        doc.pop("grpo")
     for section, values in extra.items():
         doc[section] = {**doc.get(section, {}), **values}
     path = root / f"{name}.yaml"
@@ -110,11 +113,18 @@ def test_a_multi_turn_run_logs_conversations_and_resumes_exactly(workspace):
     seen = list(read_jsonl(workspace / "seen_messages.jsonl"))
     assert seen and all(s["roles"][:3] == ["user", "assistant", "tool"] for s in seen if len(s["roles"]) > 2)
     assert {"prompt", "reference", "messages", "index"} <= set(seen[0]["row"])
-    # the same run stopped after its first iteration (checkpoint-2) and resumed reproduces it
-    assert main(["grpo", str(recipe(workspace, "halves", max_steps=2))]) == 0
-    assert main(["grpo", str(recipe(workspace, "halves", max_steps=4)), "train.resume_from=latest"]) == 0
-    assert losses(workspace / "halves") == losses(run)
-    assert adapter_sha(workspace / "halves") == adapter_sha(run)
+    # the same run cut back to its first iteration (checkpoint-2) and resumed reproduces it (a run of max_steps 2
+    # resumed with max_steps 4 would not: the learning-rate schedule follows max_steps)
+    halves = workspace / "halves"
+    shutil.copytree(run, halves)
+    for name in ("adapter", "checkpoints/checkpoint-4", "checkpoints/checkpoint-3"):
+        shutil.rmtree(halves / name, ignore_errors=True)
+    (halves / "lineage.json").unlink()
+    kept = [r for r in read_jsonl(halves / "metrics.jsonl") if r.get("step", 0) <= 2 and "train_runtime" not in r]
+    (halves / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    assert main(["grpo", str(recipe(workspace, "halves")), "train.resume_from=latest"]) == 0
+    assert losses(halves) == losses(run)
+    assert adapter_sha(halves) == adapter_sha(run)
 
 
 def test_an_infrastructure_failure_abstains_and_is_counted(workspace):
@@ -131,6 +141,48 @@ def test_an_infrastructure_failure_abstains_and_is_counted(workspace):
     failed = [s for s in samples if s.get("infrastructure_error")]
     assert failed and all(s["reward"] is None and not s["trained"] and s["advantage"] == 0 for s in failed)
     assert all("the sandbox is down" in s["infrastructure_error"] for s in failed)
+
+
+REWARDED_TOOL = """from llmtune.rl.toolbox import ToolOutput
+
+
+def calculator(expression: str) -> str:  # the schema the model learned (a str result); the content is one
+    \"\"\"Evaluate an arithmetic expression and return its value.
+
+    Args:
+        expression: numbers with + - * / // % ** and parentheses, e.g. "(12 * 7 + 3) / 2".
+    \"\"\"
+    return ToolOutput("5", reward=0.25)  # a per-step reward for the turn that called it
+"""
+
+
+def test_ppo_with_tool_shaping_and_per_turn_rewards_logs_the_task_reward_apart(workspace):
+    """PPO, the memorised question, the calculator returning a per-turn reward, a cost per call and a reward for
+    well-formed calls: the shaping terms are logged apart from the task reward, the per-turn reward reaches the
+    samples and the task reward (eval_score) but no shaping term does."""
+    (workspace / "rewarded_tools.py").write_text(REWARDED_TOOL)
+    path = recipe(workspace, "shaped_ppo", max_steps=2, stage="ppo",
+                  agent={"tools": [str(workspace / "rewarded_tools.py") + ":calculator"], "max_tool_calls": 2,
+                         "tool_call_cost": 0.1, "well_formed_call_reward": 0.2},
+                  data={"datasets": [{"path": str(workspace / "memorised.jsonl")}]}, rollout={"temperature": 0.3},
+                  ppo={"rollout_batch_size": 2, "ppo_epochs": 1})
+    assert main(["ppo", str(path)]) == 0
+    logs = list(read_jsonl(workspace / "shaped_ppo" / "metrics.jsonl"))
+    rollouts = [r for r in logs if "rewards/task_mean" in r]
+    assert rollouts and all(r["agent/tool_calls"] > 0 for r in rollouts)
+    for r in rollouts:  # one call each, well formed: -0.1 per call, +0.2 x 1; the overlong default is on
+        assert r["rewards/tool_cost_mean"] == pytest.approx(-0.1 * r["agent/tool_calls"])
+        assert r["rewards/well_formed_calls_mean"] == pytest.approx(0.2)
+        assert r["rewards/turns_mean"] == pytest.approx(0.25 * r["agent/tool_calls"])
+        assert "rewards/overlong_penalty_mean" in r and r["score_mean"] == pytest.approx(r["rewards/task_mean"])
+    samples = list(read_jsonl(workspace / "shaped_ppo" / "samples.jsonl"))
+    assert any(s.get("turn_rewards") == [0.25, 0.0] for s in samples)
+    evals = [r for r in logs if "eval_score" in r]
+    greedy = [s for s in read_jsonl(workspace / "shaped_ppo" / "eval_samples_step0.jsonl")]
+    # the eval's score is the task reward: the answer reward plus the per-turn return, no cost, no bonus
+    assert evals[0]["eval_score"] == pytest.approx(sum(s["score"] for s in greedy) / len(greedy))
+    assert all(s["score"] == pytest.approx(1.25) for s in greedy if s.get("turn_rewards") == [0.25, 0.0]
+               and s["response"].strip().endswith("#### 5"))
 
 
 @pytest.mark.slow

@@ -66,8 +66,8 @@ def test_a_greedy_rollout_is_the_full_render_of_its_conversation_token_for_token
     tok, policy = parts
     agent, stop = loop(tok, hf_engine(tok, policy))
     [t] = agent.run([row(tok)], SamplingParams(96, tuple(stop), greedy=True))
-    assert (t.turns, t.finish_reason, t.info["tool_calls"], t.info["tool_errors"]) == (2, STOP, 1, {})
-    messages = t.info["messages"]
+    assert (t.turns, t.finish_reason, t.outcome.tool_calls, t.outcome.tool_errors) == (2, STOP, 1, {})
+    messages = t.outcome.messages
     assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
     assert messages[1]["tool_calls"][0]["function"] == {"name": "calculator", "arguments": {"expression": "2 + 3"}}
     assert messages[2]["content"] == "5" and messages[3]["content"] == "The answer is 5. #### 5"
@@ -94,13 +94,61 @@ class KeyRecorder:
 
 def test_every_turn_of_a_trajectory_goes_to_its_groups_server(parts):
     """Over several servers, a prompt's key picks its server (tests/unit/rl/test_server_routing.py): every turn of
-    a trajectory carries its group as key, so all its turns (and its group's) are served by one server."""
+    a trajectory carries its group as key, so all its turns (and its group's) are served by one server. (The first
+    turns are one batch; later turns are batched as their tools return.)"""
     tok, policy = parts
     recorder = KeyRecorder(hf_engine(tok, policy))
     agent, stop = loop(tok, recorder)
     trajectories = agent.run([row(tok)] * 3, SamplingParams(96, tuple(stop), greedy=True), groups=[4, 4, 9])
     assert [t.turns for t in trajectories] == [2, 2, 2]
+    assert recorder.keys[0] == [4, 4, 9] and sorted(sum(recorder.keys[1:], [])) == [4, 4, 9]
+    agent.settings.lockstep = True
+    recorder.keys.clear()
+    agent.run([row(tok)] * 3, SamplingParams(96, tuple(stop), greedy=True), groups=[4, 4, 9])
     assert recorder.keys == [[4, 4, 9], [4, 4, 9]]
+
+
+def slow_calculator(latencies):
+    """The calculator, each call after its own latency (drawn in order from ``latencies``)."""
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression and return its value.
+
+        Args:
+            expression: numbers with + - * / // % ** and parentheses, e.g. "(12 * 7 + 3) / 2".
+        """
+        time.sleep(next(latencies))
+        return "5"
+
+    return calculator
+
+
+def test_rollouts_on_their_own_are_the_lockstep_rollouts_and_a_seed_fixes_them_whatever_the_timing(parts):
+    """The real hf engine, 6 rollouts: greedy, the trajectories of both schedules are the same token for token;
+    sampled (temperature 1.5: the turns differ between rollouts), a seed gives the same trajectories in two runs
+    whose tools take other times (the engine's batches differ), another seed other ones."""
+    import itertools
+    import random
+
+    tok, policy = parts
+    engine = hf_engine(tok, policy)
+    rows = [row(tok)] * 6
+
+    def run(schedule, sampling, latency_seed):
+        rng = random.Random(latency_seed)
+        latencies = (rng.choice([0.0, 0.05, 0.3]) for _ in itertools.count())
+        agent, _ = loop(tok, engine, tools=(slow_calculator(latencies),))
+        agent.settings.lockstep = schedule == "lockstep"
+        out = agent.run(rows, sampling)
+        return [(t.completion_ids, t.loss_mask, t.turns, t.finish_reason) for t in out]
+
+    stop = (tok.convert_tokens_to_ids("<|im_end|>"),)
+    greedy = SamplingParams(96, stop, greedy=True)
+    assert run("lockstep", greedy, 0) == run("overlap", greedy, 1)
+    sampled = SamplingParams(96, stop, temperature=1.5, seed=7)
+    first, second = run("overlap", sampled, 2), run("overlap", sampled, 3)
+    assert first == second
+    assert len({tuple(t[0]) for t in first}) > 1  # the rollouts differ from each other
+    assert run("overlap", SamplingParams(96, stop, temperature=1.5, seed=8), 2) != first
 
 
 def tool(fn_body: str, name: str = "calculator", params: str = "expression: str"):
@@ -124,10 +172,10 @@ def test_tool_failures_go_back_to_the_model_and_are_counted(parts, kind, make, e
     tok, policy = parts
     agent, stop = loop(tok, hf_engine(tok, policy), tools=(make(),), timeout=0.2)
     [t] = agent.run([row(tok)], SamplingParams(200, tuple(stop), greedy=True))  # room for a cut error message
-    assert t.info["tool_errors"] == {kind: 1} and t.info["tool_calls"] >= 1
-    result = t.info["messages"][2]
+    assert t.outcome.tool_errors == {kind: 1} and t.outcome.tool_calls >= 1
+    result = t.outcome.messages[2]
     assert result["role"] == "tool" and result["content"].startswith(expect), result
-    assert t.finish_reason != ERROR and not t.info["infrastructure_error"]  # the model's doing: the rollout goes on
+    assert t.finish_reason != ERROR and not t.outcome.infrastructure_error  # the model's doing: the rollout goes on
     assert t.turns >= 2  # it answered after the error
 
 
@@ -136,8 +184,8 @@ def test_an_infrastructure_failure_ends_the_rollout_without_a_score(parts):
     broken = tool("    raise InfrastructureError('the sandbox is down')")
     agent, stop = loop(tok, hf_engine(tok, policy), tools=(broken,))
     [t] = agent.run([row(tok)], SamplingParams(96, tuple(stop), greedy=True))
-    assert t.finish_reason == ERROR and "the sandbox is down" in t.info["infrastructure_error"]
-    assert t.turns == 1 and len(t.info["messages"]) == 2  # nothing was fed back
+    assert t.finish_reason == ERROR and "the sandbox is down" in t.outcome.infrastructure_error
+    assert t.turns == 1 and len(t.outcome.messages) == 2  # nothing was fed back
 
 
 def test_the_budget_counts_the_tool_results_and_the_turn_cap_ends_a_rollout(parts):
@@ -145,13 +193,18 @@ def test_the_budget_counts_the_tool_results_and_the_turn_cap_ends_a_rollout(part
     agent, stop = loop(tok, hf_engine(tok, policy))
     [first] = agent.run([row(tok)], SamplingParams(96, tuple(stop), greedy=True))
     turn1 = first.loss_mask.index(0)  # the first turn's sampled tokens
-    budget = turn1 + 3  # room for the first turn and 3 tokens of the tool message
-    [t] = agent.run([row(tok)], SamplingParams(budget, tuple(stop), greedy=True))
-    assert t.finish_reason == LENGTH and len(t.completion_ids) == budget and t.turns == 1
-    assert t.loss_mask == [1] * turn1 + [0] * 3 and t.completion_ids == first.completion_ids[:budget]
+    message = first.loss_mask.index(1, turn1) - turn1  # the tool message and the next assistant header
+    # room for the tool message, not one token after it: the result is appended, nothing more is sampled
+    [t] = agent.run([row(tok)], SamplingParams(turn1 + message, tuple(stop), greedy=True))
+    assert t.finish_reason == LENGTH and t.turns == 1 and t.outcome.tool_calls == 1
+    assert t.loss_mask == [1] * turn1 + [0] * message and t.completion_ids == first.completion_ids[:turn1 + message]
+    # room for 3 tokens of it: not even an empty result would leave a token to sample, so the call is not run
+    [cut] = agent.run([row(tok)], SamplingParams(turn1 + 3, tuple(stop), greedy=True))
+    assert cut.finish_reason == LENGTH and cut.turns == 1 and cut.outcome.tool_calls == 0
+    assert cut.completion_ids == first.completion_ids[:turn1] and cut.loss_mask == [1] * turn1
     capped, _ = loop(tok, hf_engine(tok, policy), max_turns=1)
     [c] = capped.run([row(tok)], SamplingParams(96, tuple(stop), greedy=True))
-    assert c.finish_reason == TURNS and c.turns == 1 and c.info["tool_calls"] == 0
+    assert c.finish_reason == TURNS and c.turns == 1 and c.outcome.tool_calls == 0
     assert c.completion_ids == first.completion_ids[:turn1]
 
 

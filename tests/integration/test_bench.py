@@ -1,11 +1,13 @@
 """scripts/bench.py --tiny: the side-by-side benchmark runs end to end (same code path as --cpu and --gpu)."""
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,13 +83,37 @@ def test_async_rollouts_bench_tiny_runs_both_modes_on_one_server(tmp_path):
     out = tmp_path / "async.json"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_async.py"), "--tiny", "--reps", "1",
                            "--steps", "4", "--engine-core", "-1", "--trainer-core", "-1", "--work", str(tmp_path),
-                           "--out", str(out)], capture_output=True, text=True, timeout=1200)
+                           "--shape", "balanced", "--passes", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     sync, asynchronous = report["runs"]["sync"][0], report["runs"]["async"][0]
-    assert sync["staleness"] == 0 and asynchronous["staleness"] == 1
+    assert sync["staleness"] == 0 and asynchronous["staleness"] == 2  # one iteration ahead = its 2 optimizer steps
     assert len(sync["iteration_s"]) == len(asynchronous["iteration_s"]) == 3  # iterations 0-2 (the 4th: the end)
-    assert sync["staleness_max"] == [] and asynchronous["staleness_max"] == [0.0, 1.0, 1.0, 1.0]
+    assert sync["staleness_max"] == [] and max(asynchronous["staleness_max"]) == 2.0
     assert len(sync["reward_mean"]) == len(asynchronous["reward_mean"]) == 4
     assert report["speedup"]["pairs"] == [sync["s_per_iteration"] / asynchronous["s_per_iteration"]]
     assert "GRPO s/iteration | sync" in proc.stdout
+    # the ideal from the synchronous run: S = its sampling, T = the rest of each iteration (iterations 1-2)
+    S = statistics.median(sync["sample_s"][1:3])
+    T = statistics.median([i - s for i, s in zip(sync["iteration_s"][1:], sync["sample_s"][1:3])])
+    assert (report["S"], report["T"]) == pytest.approx((S, T))
+    assert report["ideal_speedup"] == pytest.approx((S + T) / max(S, T)) and 1 <= report["ideal_speedup"] <= 2
+    assert report["share_of_ideal"] == pytest.approx(report["speedup"]["median"] / report["ideal_speedup"])
+    assert yaml.safe_load((tmp_path / "grpo_async.yaml").read_text())["grpo"]["num_iterations"] == 2  # balanced
+
+
+@pytest.mark.slow
+def test_agent_bench_tiny_runs_both_schedules(tmp_path):
+    """scripts/bench_agent.py --tiny: both schedules do the same rollouts (4 turns each, 3 tool calls), and the
+    report holds the times, the ideal and the share (behaviour, not speed: the numbers are the docs')."""
+    out = tmp_path / "agent.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_agent.py"), "--tiny", "--reps", "1",
+                           "--batch", "4", "--latency", "0.05", "--out", str(out)], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())["results"]
+    assert set(report) == {"fixed", "exponential"}
+    for r in report.values():
+        assert len(r["runs"]["lockstep"]) == len(r["runs"]["overlap"]) == 1
+        assert 0 < r["ideal_s"] and 0 < r["share"] and r["engine_calls"] >= 4

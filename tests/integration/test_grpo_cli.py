@@ -218,32 +218,36 @@ def test_dynamic_sampling_counts_drops_and_resamples_all_equal_groups(workspace,
 
 
 def test_replace_groups_repads_prompts_left_and_completions_right():
+    from llmtune.rewards.shaping import Shaping, shape
     from llmtune.rl.types import LENGTH, STOP, RolloutBatch, Trajectory
-    from llmtune.stages.grpo.trainer import Groups, replace_groups
+    from llmtune.stages.grpo.trainer import replace_groups
 
     def traj(row, prompt, completion, ended, group):
         return Trajectory(row, prompt, completion, [1] * len(completion), None, 0, STOP if ended else LENGTH,
                           group=group)
 
+    def scored(batch, values):
+        total = torch.tensor(values)
+        shaping = Shaping(2, overlong_buffer_tokens=1, overlong_penalty_factor=0.5)
+        return shape(batch, total, {"r": total.clone()}, shaping, completions=[str(v) for v in values])
+
     # groups laid out interleaved (ids 7, 3, 7, 3): replacing group 7 must touch rows 0 and 2, not rows 0 and 1
     batch = RolloutBatch.from_trajectories([traj("a", [5], [8], True, 7), traj("b", [6, 7], [8], True, 3),
                                             traj("a", [5], [9], True, 7), traj("b", [6, 7], [9], True, 3)], 0)
-    groups = Groups(batch, torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([False] * 4), torch.zeros(4),
-                    {"r": torch.tensor([1.0, 0.0, 1.0, 1.0])})
-    extra_batch = RolloutBatch.from_trajectories([traj("c", [1, 2, 3], [4, 4], False, 0),
-                                                  traj("c", [1, 2, 3], [4], True, 0)], 0)
-    extra = Groups(extra_batch, torch.tensor([2.0, 3.0]), torch.tensor([False, True]), torch.tensor([-0.5, 0.0]),
-                   {"r": torch.tensor([2.0, 3.0])})
-    out = replace_groups(groups, extra, [(7, 0)], pad_id=0)
-    b = out.batch
+    rewards = scored(batch, [1.0, 0.0, 1.0, 1.0])
+    extra = RolloutBatch.from_trajectories([traj("c", [1, 2, 3], [4, 4], False, 0),
+                                            traj("c", [1, 2, 3], [4], True, 0)], 0)
+    extra_rewards = scored(extra, [2.0, math.nan])
+    b, out = replace_groups(batch, rewards, extra, extra_rewards, [(7, 0)], pad_id=0)
     assert b.prompt_ids.tolist() == [[1, 2, 3], [0, 6, 7], [1, 2, 3], [0, 6, 7]]
     assert b.prompt_mask.tolist() == [[1, 1, 1], [0, 1, 1], [1, 1, 1], [0, 1, 1]]
     assert b.completion_ids.tolist() == [[4, 4], [8, 0], [4, 0], [9, 0]]
     assert b.completion_mask.tolist() == [[1, 1], [1, 0], [1, 0], [1, 0]]
-    assert out.reward.tolist() == [2.0, 0.0, 3.0, 1.0] and b.rows == ["c", "b", "c", "b"]
+    assert out.total.tolist() == [1.5, 0.0, 0.0, 1.0] and b.rows == ["c", "b", "c", "b"]
     assert b.ended.tolist() == [False, True, True, True]
-    assert out.per_source["r"].tolist() == [2.0, 0.0, 3.0, 1.0]
-    assert out.abstained.tolist() == [False, False, True, False] and out.overlong.tolist() == [-0.5, 0, 0, 0]
+    assert out.per_source["r"][[0, 1, 3]].tolist() == [2.0, 0.0, 1.0] and math.isnan(out.per_source["r"][2])
+    assert out.abstained.tolist() == [False, False, True, False] and out.terms["overlong"].tolist() == [-0.5, 0, 0, 0]
+    assert out.completions == ["2.0", "0.0", "nan", "1.0"] and out.trains.tolist() == [True, True, False, True]
     assert b.group_ids.tolist() == [7, 3, 7, 3]  # the slots keep their ids
 
 

@@ -204,6 +204,25 @@ def test_allow_list_entries_still_exist_and_are_function_level():
         assert not any(found), f"{module} imports {target} at module level: an upward import must not"
 
 
+def private_imports() -> list[str]:
+    """``from llmtune.<package>... import _name`` across top-level packages: a module reaching into another package's
+    private names (rewards into rl's, rl into core's ...). Make the name public where two packages need it."""
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = _module_name(path)
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("llmtune.") and not node.level:
+                if node.module.split(".")[1] != layer(name)[0]:
+                    bad += [f"{name}:{node.lineno} imports {node.module}.{a.name}" for a in node.names
+                            if a.name.startswith("_") and not a.name.startswith("__")]
+    return bad
+
+
+def test_no_module_imports_another_packages_private_names():
+    bad = private_imports()
+    assert not bad, "private names used across packages (make them public):\n" + "\n".join(bad)
+
+
 # The checker itself, on small hand-made graphs: a cycle and an upward import are found, a clean graph passes.
 
 def test_checker_finds_a_cycle_and_an_upward_import():

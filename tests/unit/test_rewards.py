@@ -182,8 +182,12 @@ def test_reward_sources_add_what_did_not_abstain():
     # row 0: 1 + 0.5 * 2; row 1: only b scored; row 2: every source abstained (no reward); row 3: only a
     assert total[[0, 1, 3]].tolist() == [2.0, 2.0, 3.0] and math.isnan(total[2])
     assert math.isnan(per_source["a"][1]) and per_source["b"][1] == 4.0
+    from llmtune.rewards.shaping import Shaping, require_rewards, shape
+    from llmtune.rl.types import RolloutBatch, Trajectory
+
+    batch = RolloutBatch.from_trajectories([Trajectory({}, [1], [2], [1], None, 0, "stop") for _ in range(4)], 0)
     with pytest.raises(RewardFunctionError, match="every reward source abstained .* on completion 2 \\(1 of 4\\)"):
-        sources.score_all(scored)  # PPO needs a reward for every rollout
+        require_rewards(shape(batch, total, per_source, Shaping(8)))  # PPO needs a reward for every rollout
 
 
 def test_a_signature_that_cannot_take_prompts_and_completions_is_refused_at_load(tmp_path, monkeypatch):

@@ -3,7 +3,11 @@
 An engine samples one :class:`~llmtune.rl.types.Completion` per prompt (a list of token ids, no padding) under
 :class:`~llmtune.rl.types.SamplingParams`; it is built from the policy (:class:`Policy`: the peft model, its
 adapter, a version getter, how to enter generation) and where it runs (:class:`EngineSite`), never from the
-trainer. Weights reach it only through :meth:`RolloutEngine.sync`. Two engines, one registry (:data:`ENGINES`):
+trainer. The contract is a declared type (:mod:`llmtune.rl.engines.base`):
+:class:`~llmtune.rl.engines.base.RolloutEngine` (``generate``, ``sync``, ``close``) and, for an engine in another
+process that can sample while the trainer trains, :class:`~llmtune.rl.engines.base.BackgroundEngine`
+(``snapshot``/``push``, the two halves of ``sync``). Weights reach it only through ``sync`` (or ``push``). Two
+engines, one registry (:data:`ENGINES`):
 
 - ``hf`` (:mod:`llmtune.rl.engines.hf`): transformers' ``generate`` on the training model itself;
 - ``vllm`` (:mod:`llmtune.rl.engines.vllm_engine`): a vLLM server process (colocated or remote) that receives the adapter
@@ -17,38 +21,15 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, ContextManager, Protocol
+from typing import Callable, ContextManager
 
 import torch
 
-from llmtune.rl.types import Completion, SamplingParams
+from llmtune.rl.engines.base import RolloutEngine
+from llmtune.rl.types import SamplingParams
 from llmtune.utils import get_logger
 
 log = get_logger("rollout")
-
-
-class RolloutEngine(Protocol):
-    """What online RL calls to sample completions."""
-
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, budgets: list[int] | None = None,
-                 keys: list[int] | None = None, version: int | None = None) -> list[Completion]:
-        """One completion per prompt (token ids, no padding), sampled (or greedy) from the policy version the
-        engine was last synced to; ``budgets``: each prompt's own token limit (a multi-turn rollout's remaining
-        completion budget), else ``sampling.max_new_tokens`` for all; ``keys``: prompts of one key are served by
-        one server (an engine over several); ``version``: the version to sample with (default the trainer's
-        current one; a rollout sampled in the background names the version pushed for it)."""
-        ...
-
-    def sync(self, version: int) -> None:
-        """Make the engine sample from the policy as it is now; ``version`` = optimizer steps applied."""
-        ...
-
-    # engines in another process (vLLM) also split sync in two, for rollouts sampled while the trainer trains:
-    # snapshot(version) -> AdapterSnapshot (in the training thread), push(snapshot) (anywhere)
-
-    def close(self) -> None:
-        """Free the engine (processes, memory)."""
-        ...
 
 
 @dataclass
@@ -116,7 +97,8 @@ def select_engine(recipe, cuda_available: bool | None = None, installed: bool | 
     """The engine ``rollout.engine`` asks for, and why.
 
     ``hf``/``vllm`` are taken as given; ``auto`` is vllm when CUDA is available, the recipe is one vLLM can sample
-    for (LoRA on an unquantized base, see :func:`llmtune.rl.engines.vllm_engine.vllm_recipe_problems`) and vLLM can be used (server mode: a url
+    for (LoRA on an unquantized base, see :func:`llmtune.rl.engines.vllm_engine.vllm_recipe_problems`; no LoRA on
+    MoE experts, :func:`llmtune.models.checks.vllm_model_problems`) and vLLM can be used (server mode: a url
     is set; colocate: vLLM is installed here), else hf (on CPUs hf is the faster engine: issue 22's measurements).
 
     Args:
@@ -134,6 +116,11 @@ def select_engine(recipe, cuda_available: bool | None = None, installed: bool | 
     from llmtune.rl.engines.vllm_engine import vllm_recipe_problems
 
     problems = vllm_recipe_problems(recipe)
+    if not problems:  # the model: LoRA on MoE experts (docs/models.md)
+        from llmtune.models.checks import read_model_config, vllm_model_problems
+
+        config = read_model_config(recipe.model)
+        problems = vllm_model_problems(recipe, config) if config is not None else []
     if problems:
         return "hf", f"rollout.engine: auto and vLLM cannot sample this recipe ({problems[0][0]}: {problems[0][1]})"
     if rollout.vllm.mode == "server":

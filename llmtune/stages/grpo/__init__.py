@@ -42,9 +42,10 @@ class GRPOStage(OnlineRLStage):
         """GRPO's clipped loss (:func:`ops.grpo_loss`) of a micro-batch / the step's ``num_items``.
 
         Args:
-            batch: a micro-batch from ``GRPOTrainer.make_experience``: ``input_ids``/``attention_mask``/
-                ``position_ids`` (b, P + n), ``responses``/``response_mask``/``loss_mask`` (b, n), ``advantages``
-                (b,), optional ``old_logps``/``ref_logps`` (b, n), optional ``is_weights`` (b, n) (truncated
+            batch: a micro-batch of ``GRPO.experience`` (:mod:`llmtune.stages.grpo.trainer`):
+                ``input_ids``/``attention_mask``/``position_ids`` (b, P + n), ``responses``/``response_mask``/
+                ``loss_mask`` (b, n; the one mask of the rewards: sampled tokens of the rows that train),
+                ``advantages`` (b,), optional ``old_logps``/``ref_logps`` (b, n), optional ``is_weights`` (b, n) (truncated
                 importance weights of the sampling engine, put there by the trainer).
             num_items: completion tokens or completions of the whole optimizer step (all micro-batches, ranks).
         """

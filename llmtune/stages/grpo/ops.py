@@ -1,6 +1,6 @@
 """GRPO arithmetic: advantages (group-relative, leave-one-out, global batch normalisation) over the rows that
-train, DAPO's overlong reward shaping, and the clipped policy loss (token or sequence importance ratios) with its
-three aggregations.
+train, and the clipped policy loss (token or sequence importance ratios) with its three aggregations (DAPO's
+overlong reward shaping is a shaping step of the rewards: :mod:`llmtune.rewards.shaping`).
 
 Shapes: B = completions of a rollout batch (this rank), in any order; ``group_ids`` (B,) names each row's prompt (the
 G = ``num_generations`` completions of one prompt share an id: nothing here assumes they are consecutive); N =
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmtune.rl.ops import kl_estimate, masked_sum
+from llmtune.rl.ops import clipped_surrogate, kl_estimate, masked_sum
 
 AGGREGATIONS = ("token_mean", "sequence_mean", "constant")
 # names as verl's ``AdvantageEstimator`` (OpenRLHF: group_norm, rloo, reinforce)
@@ -226,27 +226,6 @@ def compute_advantages(estimator: str, rewards: torch.Tensor, group_ids: torch.T
     return group_advantages(rewards, group_ids, trainable, scale_rewards, batch_std)[0]
 
 
-def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer_tokens: int, factor: float) -> torch.Tensor:
-    """DAPO's soft overlong punishment (Yu et al. 2025, Eq. 13), added to the reward:
-    ``0`` if ``|y| <= L_max - L_cache``; ``((L_max - L_cache) - |y|) / L_cache * factor`` in between; ``-factor``
-    from ``L_max`` on.
-
-    ``|y|`` = the completion's real tokens including its end-of-turn token (verl ``DAPORewardManager``:
-    ``valid_response_length`` = the response attention mask's sum, which counts the EOS), ``L_max`` =
-    ``max_new_tokens``, ``L_cache`` = ``buffer_tokens``.
-
-    Args:
-        lengths: (B,) completion tokens. max_new_tokens: L_max. buffer_tokens: L_cache in 1..L_max.
-        factor: the penalty at L_max (>= 0; DAPO: 1).
-
-    Returns:
-        (B,) fp32 penalties in [-factor, 0].
-    """
-    expected = max_new_tokens - buffer_tokens
-    over = (lengths.float() - expected) / buffer_tokens
-    return (-over * factor).clamp(min=-factor, max=0.0)
-
-
 def count_items(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
     """What the step loss is divided by, for a micro-batch: completion tokens (``token_mean``) or completions with
     at least one token in the loss (``sequence_mean``, ``constant``). Summed over the step's micro-batches and
@@ -270,7 +249,8 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: t
               importance_sampling_level: str = "token", is_weights: torch.Tensor | None = None) -> GRPOLoss:
     """Clipped surrogate of GRPO/DAPO/GSPO with an optional KL term, aggregated as the step normaliser expects.
 
-    Per token: ``l_t = -w_t * min(r A, clip(r, 1 - epsilon_low, 1 + epsilon_high) A) + beta * c * KL_t`` with
+    Per token: ``l_t = -w_t * min(r A, clip(r, 1 - epsilon_low, 1 + epsilon_high) A) + beta * c * KL_t`` (the
+    surrogate is :func:`llmtune.rl.ops.clipped_surrogate`, PPO's too) with
 
     * ``r`` the importance ratio against the sampling policy (``old_logps``): ``token`` level (PPO/GRPO)
       ``r_t = exp(logp_t - old_logp_t)``; ``sequence`` level (GSPO, Zheng et al. 2025, Eq. 7) the length-normalised
@@ -323,11 +303,8 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: t
     log_ratio = token_log_ratio
     if importance_sampling_level == "sequence":
         log_ratio = (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(mask)
-    ratio = torch.exp(log_ratio)
-    clipped_ratio = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-    per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)
-    if is_weights is not None:
-        per_token = per_token * is_weights.detach().to(per_token.dtype)
+    surrogate = clipped_surrogate(torch.exp(log_ratio), adv, epsilon_low, epsilon_high, is_weights)
+    per_token = surrogate.per_token
     kl = torch.zeros_like(per_token)
     if ref_logps is not None:
         kl = kl_estimate(logps, ref_logps, kl_estimator) * mask
@@ -341,7 +318,5 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: t
         loss_sum = (masked_sum(per_token, mask, dim=1) / mask.sum(1).clamp(min=1)).sum()
     else:
         loss_sum = masked_sum(per_token, mask) / max_new_tokens
-    with torch.no_grad():
-        low = ((ratio < 1.0 - epsilon_low) & (adv < 0)).float()
-        high = ((ratio > 1.0 + epsilon_high) & (adv > 0)).float()
-    return GRPOLoss(loss_sum, masked_sum(low, mask), masked_sum(high, mask), masked_sum(kl.detach(), mask))
+    return GRPOLoss(loss_sum, masked_sum(surrogate.clipped_low, mask), masked_sum(surrogate.clipped_high, mask),
+                    masked_sum(kl.detach(), mask))

@@ -37,10 +37,10 @@ class PPOStage(OnlineRLStage):
         """Clipped policy loss + ``vf_coef`` x clipped value loss, token sums / ``num_items``.
 
         Args:
-            batch: a micro-batch from ``PPOTrainer.make_experience``: ``input_ids``/``attention_mask``/
-                ``position_ids`` (b, P + n), ``responses``/``response_mask``/``old_logps``/``old_values``/
-                ``advantages``/``returns`` (b, n), optional ``is_weights`` (b, n) (the rollout engine's truncated
-                importance weights).
+            batch: a micro-batch of ``PPO.experience`` (:mod:`llmtune.stages.ppo.trainer`):
+                ``input_ids``/``attention_mask``/``position_ids`` (b, P + n), ``responses``/``response_mask``/
+                ``loss_mask`` (the one mask of the rewards)/``old_logps``/``old_values``/``advantages``/``returns``
+                (b, n), optional ``is_weights`` (b, n) (the rollout engine's truncated importance weights).
             num_items: response tokens of the whole optimizer step (all micro-batches, all ranks).
         """
         cfg = self.recipe.ppo

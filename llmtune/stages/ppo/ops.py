@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmtune.rl.ops import masked_mean, masked_sum
+from llmtune.rl.ops import clipped_surrogate, masked_mean, masked_sum
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
@@ -101,25 +101,21 @@ class PolicyLoss:
 
 def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 cliprange: float, is_weights: torch.Tensor | None = None) -> PolicyLoss:
-    """Clipped surrogate loss ``max(-A r, -A clip(r, 1-eps, 1+eps))`` with ``r = exp(logp - old_logp)``, times the
-    rollout engine's truncated importance weight ``w_t`` of each token when given (Yao et al. 2025: the tokens were
-    sampled by another engine than the one computing ``old_logp``; :func:`llmtune.rl.ops.truncated_is_weights`).
-    PPO's KL penalty is in the reward, so the weight multiplies the whole per-token policy loss.
+    """Clipped surrogate loss ``max(-A r, -A clip(r, 1-eps, 1+eps))`` with ``r = exp(logp - old_logp)``
+    (:func:`llmtune.rl.ops.clipped_surrogate`, GRPO's too), times the rollout engine's truncated importance weight
+    ``w_t`` of each token when given (Yao et al. 2025: the tokens were sampled by another engine than the one computing
+    ``old_logp``; :func:`llmtune.rl.ops.truncated_is_weights`). PPO's KL penalty is in the reward, so the weight
+    multiplies the whole per-token policy loss.
 
     Args:
         logps: (B, N) current log-probs of the rollout tokens (with grad). old_logps: (B, N) at rollout time.
         advantages: (B, N). mask: (B, N). cliprange: eps. is_weights: (B, N) detached weights, or None (= 1).
     """
     log_ratio = (logps - old_logps) * mask
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    per_token = torch.maximum(unclipped, clipped)
-    if is_weights is not None:
-        per_token = per_token * is_weights.detach()
+    surrogate = clipped_surrogate(torch.exp(log_ratio), advantages, cliprange, cliprange, is_weights)
     return PolicyLoss(
-        loss_sum=masked_sum(per_token, mask),
-        clipped=masked_sum((clipped > unclipped).float(), mask).detach(),
+        loss_sum=masked_sum(surrogate.per_token, mask),
+        clipped=masked_sum(surrogate.clipped_low + surrogate.clipped_high, mask),
         approx_kl_sum=masked_sum(0.5 * log_ratio.detach() ** 2, mask),
     )
 

@@ -26,10 +26,13 @@ from torch import nn
 
 from llmtune.core.guard import ROW_KEY
 from llmtune.models.adapters import activate_frozen_chain, adapter_scope
+from llmtune.rewards.shaping import RewardResult, require_rewards, reward_metrics
+from llmtune.rl.iteration import Loop
 from llmtune.rl.model import PolicyModel, PolicyOutput
 from llmtune.rl.ops import masked_sum, pack_left, unpack_left
+from llmtune.rl.rollouts import conversation_fields, prompt_indices
 from llmtune.rl.trainer import OnlineRLTrainer
-from llmtune.rl.types import Experience, Layout
+from llmtune.rl.types import Experience, Layout, RolloutBatch
 from llmtune.stages.ppo import ops
 from llmtune.utils import get_logger
 
@@ -92,7 +95,7 @@ class PolicyValueModel(PolicyModel):
 
 class PPOTrainer(OnlineRLTrainer):
     """``OnlineRLTrainer`` whose micro-batches are PPO rollouts (see the module docstring). The value adapter and
-    value head are added here.
+    value head are added here; the iteration's PPO part is :class:`PPO`.
 
     Raises:
         RecipeError: PPO batch arithmetic (see ``llmtune.config.validate.ppo_problems``).
@@ -102,140 +105,11 @@ class PPOTrainer(OnlineRLTrainer):
 
     value_forward = True  # each micro-batch also runs the value adapter through the body (model FLOPs)
 
-    def __init__(self, *positional, stage, **kwargs):
-        recipe = stage.recipe
-        self.ppo = recipe.ppo
-        world = int(kwargs["args"].world_size)
-        self.local_minibatch = recipe.train.global_batch_size // world
-        self.steps_per_iteration = self.ppo.ppo_epochs * self.ppo.rollout_batch_size // recipe.train.global_batch_size
-        self.kl_ctl = ops.KLController(self.ppo.kl_coef, self.ppo.kl_target, self.ppo.kl_horizon)
-        self.score_stats = ops.RunningMoments()
-        super().__init__(*positional, stage=stage, **kwargs)
+    def build_algorithm(self, recipe, prompts, args) -> PPO:
+        return PPO(recipe, prompts, args.seed, args.process_index, args.world_size)
 
     def build_model(self, policy, recipe) -> PolicyValueModel:
-        return PolicyValueModel(policy, add_value_model(policy, recipe, self.rewards.run_dir))
-
-    # ---- rollouts ---------------------------------------------------------------------------------
-    def rollout_rows(self, iteration: int) -> tuple[list[dict], list[int]]:
-        """This rank's prompts of iteration ``iteration`` (one trajectory each, its own group)."""
-        rows = [self.prompts[i] for i in self.prompt_indices(iteration, self.ppo.rollout_batch_size)]
-        return rows, list(range(len(rows)))
-
-    def make_experience(self, iteration: int) -> list[list[dict[str, torch.Tensor]]]:
-        """Sample and score one rollout batch, compute advantages/returns, log its metrics and return the PPO
-        minibatches (``ppo_epochs`` shuffled passes), each a list of micro-batch dicts.
-
-        A rollout that cannot train (a multi-turn rollout whose environment or tool infrastructure failed, or one
-        sampled more than ``rollout.max_staleness`` steps ago) has its loss mask zeroed and enters no statistic: not
-        the score statistics (``score_mean``/``score_std``, ``ppo.normalize_scores``' running moments), not ``kl``
-        (nor the adaptive KL controller), not ``response_length``, ``entropy`` or ``truncated_fraction``;
-        ``trained_response_fraction`` counts the rollouts that train.
-        """
-        self._seed(iteration)
-        batch = self.rollout_batch(iteration)
-        rows = batch.rows
-        device = batch.loss_mask.device
-        failed = torch.tensor([bool(t.info.get("infrastructure_error")) for t in batch.trajectories],
-                              dtype=torch.bool, device=device) | self.too_stale(batch).to(device)
-        trained = ~failed  # (B,) the rollouts that train
-        if failed.any():
-            batch.loss_mask = batch.loss_mask * trained[:, None].long()
-        fwd = self.forward(batch, reference=True, values=True)
-        maskf = batch.loss_mask.float()  # the tokens the policy sampled: values, GAE, KL and whitening over these
-        logps, ref_logps, values = fwd.logps * maskf, fwd.ref_logps * maskf, fwd.values * maskf
-        scored = self.scored(batch)
-        texts = scored.completions
-        raw_scores = self.rewards.score_all(scored, self.args.device, skip=failed).to(maskf.device)
-        scores = self.shaped_scores(raw_scores, batch.ended.to(maskf.device), trained)
-        # per-token rewards and GAE walk the policy's actions in order: on the sampled tokens packed to the left
-        # (multi-turn: the tool results between turns are not actions; single-turn: the identity)
-        index, packed = pack_left(maskf)
-        take = lambda x: x.gather(1, index) * packed  # noqa: E731
-        rewards, kl = ops.per_token_rewards(scores, take(logps), take(ref_logps), packed, self.kl_ctl.value)
-        advantages, returns = ops.gae(rewards, take(values), packed, self.ppo.gamma, self.ppo.lam)
-        width = maskf.shape[1]
-        rewards, kl, advantages, returns = (unpack_left(x, index, packed, width)
-                                            for x in (rewards, kl, advantages, returns))
-        if self.ppo.whiten_advantages:
-            stats = torch.stack([masked_sum(advantages, maskf), masked_sum(advantages**2, maskf), maskf.sum()])
-            stats = self.accelerator.reduce(stats, reduction="sum") if self.args.world_size > 1 else stats
-            advantages = ops.masked_whiten(advantages, maskf, stats=tuple(float(x) for x in stats))
-
-        metrics, n_trained = self._rollout_metrics(raw_scores, kl, rewards, fwd.entropy, values, returns, maskf,
-                                                   batch.ended, trained)
-        if n_trained:  # the controller follows the KL of the rollouts that train, counted as such
-            self.kl_ctl.update(metrics["kl"], n_trained)
-        self.add_metrics(metrics)
-        if iteration % self.ppo.sample_every == 0:
-            self.write_samples(iteration, [
-                {"prompt": row["prompt"], "response": text, "score": score if ok else None,
-                 "kl": k if ok else None, **self.conversation(batch, b)}
-                for b, (row, text, score, k, ok) in enumerate(zip(
-                    rows, texts, raw_scores.tolist(), kl.sum(1).tolist(), trained.tolist()))][:4])
-
-        experience = Experience.from_batch(batch)
-        for name, value in (("old_logps", logps), ("old_values", values), ("advantages", advantages),
-                            ("returns", returns)):
-            experience.add(name, value, Layout.TOKEN)
-        if all("index" in row for row in rows):  # (B,) prompt rows, named by the non-finite guard
-            experience.add(ROW_KEY, torch.tensor([int(row["index"]) for row in rows], dtype=torch.long,
-                                                 device=maskf.device), Layout.SEQUENCE)
-        self.engine_correction(experience, batch, fwd)  # vLLM: is_weights
-        minibatches = []
-        gen = torch.Generator().manual_seed(self.args.seed + 1_000_003 * iteration + self.args.process_index)
-        micro = self.args.per_device_train_batch_size
-        for _ in range(self.ppo.ppo_epochs):
-            order = torch.randperm(len(rows), generator=gen)
-            for start in range(0, len(rows), self.local_minibatch):
-                idx = order[start:start + self.local_minibatch]
-                minibatches.append([experience.micro_batch(idx[m:m + micro].to(maskf.device))
-                                    for m in range(0, len(idx), micro)])
-        return minibatches
-
-    def shaped_scores(self, raw_scores: torch.Tensor, ended: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
-        """(B,) the scores PPO trains on: ``raw_scores`` plus ``missing_eos_penalty`` where a response did not end,
-        normalised with the running moments of every rank's trained scores (``normalize_scores``; the moments are
-        updated with those first), clipped to ``score_clip``; 0 on the rows that do not train (``trained`` False:
-        they enter neither the penalty nor the moments)."""
-        scores = raw_scores.clone()
-        if self.ppo.missing_eos_penalty is not None:
-            scores = scores + self.ppo.missing_eos_penalty * ((~ended) & trained).float()
-        if self.ppo.normalize_scores:
-            gathered = torch.stack([scores, trained.float()], 1)  # (B, 2)
-            gathered = self.accelerator.gather(gathered) if self.args.world_size > 1 else gathered
-            self.score_stats.update(gathered[gathered[:, 1] > 0, 0])
-            scores = (scores - self.score_stats.mean) / max(self.score_stats.std, 1e-8)
-        if self.ppo.score_clip is not None:
-            scores = scores.clamp(-self.ppo.score_clip, self.ppo.score_clip)
-        return scores.masked_fill(~trained, 0.0)
-
-    def _rollout_metrics(self, scores, kl, rewards, entropy, values, returns, mask, ended, trained
-                         ) -> tuple[dict[str, float], int]:
-        """Means over all ranks' rollouts of this iteration that train (sequence sums for kl/non_score_reward), and
-        how many of them there are; ``trained_response_fraction`` = that count / all rollouts. Without any, only
-        ``kl_coef`` and the fraction are logged (a mean over no rollout is never logged)."""
-        lengths = mask.sum(1)
-        per_row = torch.stack([
-            scores.float(), kl.sum(1), (rewards * mask).sum(1), lengths,
-            (~ended).float(), masked_sum(entropy, mask, dim=1) / lengths.clamp(min=1), trained.float(),
-        ], dim=1)  # (B, 7)
-        per_row = self.accelerator.gather(per_row) if self.args.world_size > 1 else per_row
-        good = per_row[:, 6] > 0
-        metrics = {"kl_coef": self.kl_ctl.value, "trained_response_fraction": float(good.float().mean())}
-        n = int(good.sum())
-        if not n:
-            log.warning("no rollout of this iteration trains (step %d): every one failed (environment / tool "
-                        "infrastructure) or is beyond rollout.max_staleness", self.state.global_step)
-            return metrics, 0
-        score, kl_seq, reward_seq, length, truncated, ent, _ = per_row[good].T
-        metrics.update({
-            "score_mean": float(score.mean()), "score_std": float(score.std()) if n > 1 else 0.0,
-            "kl": float(kl_seq.mean()), "non_score_reward": -self.kl_ctl.value * float(kl_seq.mean()),
-            "reward_mean": float(reward_seq.mean()), "response_length": float(length.mean()),
-            "truncated_fraction": float(truncated.mean()), "entropy": float(ent.mean()),
-            "explained_variance": ops.explained_variance(values, returns, mask),
-        })
-        return metrics, n
+        return PolicyValueModel(policy, add_value_model(policy, recipe, self.rewards.sources.run_dir))
 
     # ---- checkpoints: both adapters and the value head ----------------------------------------------
     def save_extra(self, out: Path, model, state_dict: dict | None) -> None:
@@ -252,7 +126,7 @@ class PPOTrainer(OnlineRLTrainer):
 
     def save_extra_state(self, checkpoint: Path) -> None:
         """The KL controller and the running score statistics, in the checkpoint before it is committed."""
-        state = {"kl_coef": self.kl_ctl.value, "score_stats": self.score_stats.state_dict()}
+        state = {"kl_coef": self.algorithm.kl_ctl.value, "score_stats": self.algorithm.score_stats.state_dict()}
         (checkpoint / PPO_STATE).write_text(json.dumps(state))
 
     def load_counters(self, checkpoint) -> None:
@@ -260,8 +134,139 @@ class PPOTrainer(OnlineRLTrainer):
         path = Path(checkpoint) / PPO_STATE
         if path.is_file():
             state = json.loads(path.read_text())
-            self.kl_ctl.value = float(state["kl_coef"])
-            self.score_stats.load_state_dict(state["score_stats"])
+            self.algorithm.kl_ctl.value = float(state["kl_coef"])
+            self.algorithm.score_stats.load_state_dict(state["score_stats"])
+
+
+class PPO:
+    """PPO's part of an iteration (:class:`llmtune.rl.iteration.Algorithm`): which prompts, and the experience of a
+    scored rollout batch (per-token rewards, GAE, whitening), with the adaptive KL controller and the running score
+    statistics (saved with each checkpoint).
+
+    Args:
+        recipe: the typed recipe (``ppo``, ``train.global_batch_size``). prompts: the prompt rows.
+        seed: ``train.seed`` (the prompt order). rank, world: this process.
+    """
+
+    def __init__(self, recipe, prompts, seed: int, rank: int, world: int):
+        self.ppo = recipe.ppo
+        self.prompts, self.seed, self.rank, self.world = prompts, seed, rank, world
+        self.steps_per_iteration = self.ppo.ppo_epochs * self.ppo.rollout_batch_size // recipe.train.global_batch_size
+        self.passes = self.ppo.ppo_epochs
+        self.kl_ctl = ops.KLController(self.ppo.kl_coef, self.ppo.kl_target, self.ppo.kl_horizon)
+        self.score_stats = ops.RunningMoments()
+
+    def rollout_rows(self, iteration: int) -> tuple[list[dict], list[int]]:
+        """This rank's prompts of iteration ``iteration`` (one trajectory each, its own group)."""
+        indices = prompt_indices(len(self.prompts), self.seed, iteration, self.ppo.rollout_batch_size, self.rank,
+                                 self.world)
+        rows = [self.prompts[i] for i in indices]
+        return rows, list(range(len(rows)))
+
+    def experience(self, loop: Loop, iteration: int, batch: RolloutBatch, rewards: RewardResult
+                   ) -> tuple[Experience, None]:
+        """Per-token rewards (the KL penalty at every sampled token, the score at the last one, each turn's reward at
+        that turn's last sampled token), GAE advantages and returns, whitening; logs the metrics and a few samples.
+
+        A rollout that cannot train (a multi-turn rollout whose environment or tool infrastructure failed, or one
+        sampled more than ``rollout.max_staleness`` steps ago) has an empty loss mask (``rewards.loss_mask``) and
+        enters no statistic: not the score statistics (``score_mean``/``score_std``, ``ppo.normalize_scores``'
+        running moments), not ``kl`` (nor the adaptive KL controller), not ``response_length``, ``entropy`` or
+        ``truncated_fraction``; ``trained_response_fraction`` counts the rollouts that train.
+
+        Raises:
+            RewardFunctionError: every reward source abstained on a rollout that would train (PPO needs a reward for
+                every one).
+        """
+        require_rewards(rewards)
+        trained = rewards.trains  # (B,) the rollouts that train
+        mask = rewards.loss_mask(batch)  # THE mask: the tokens the policy sampled, of the rollouts that train
+        fwd = loop.forward(batch, mask, reference=True, values=True)
+        maskf = mask.float()  # values, GAE, KL and whitening over these
+        logps, ref_logps, values = fwd.logps * maskf, fwd.ref_logps * maskf, fwd.values * maskf
+        raw_scores = torch.nan_to_num(rewards.task, nan=0.0).to(maskf.device)
+        scores = self.shaped_scores(loop, rewards.outcome.to(maskf.device), trained.to(maskf.device))
+        # per-token rewards and GAE walk the policy's actions in order: on the sampled tokens packed to the left
+        # (multi-turn: the tool results between turns are not actions; single-turn: the identity)
+        index, packed = pack_left(maskf)
+        take = lambda x: x.gather(1, index) * packed  # noqa: E731
+        per_token, kl = ops.per_token_rewards(scores, take(logps), take(ref_logps), packed, self.kl_ctl.value)
+        turn_rewards = rewards.token_rewards(batch)  # each turn's reward at its last sampled token, or None
+        if turn_rewards is not None:
+            per_token = per_token + take(turn_rewards.to(maskf.device))
+        advantages, returns = ops.gae(per_token, take(values), packed, self.ppo.gamma, self.ppo.lam)
+        width = maskf.shape[1]
+        per_token, kl, advantages, returns = (unpack_left(x, index, packed, width)
+                                              for x in (per_token, kl, advantages, returns))
+        if self.ppo.whiten_advantages:
+            stats = torch.stack([masked_sum(advantages, maskf), masked_sum(advantages**2, maskf), maskf.sum()])
+            stats = loop.ranks.reduce(stats)
+            advantages = ops.masked_whiten(advantages, maskf, stats=tuple(float(x) for x in stats))
+
+        metrics, n_trained = self._rollout_metrics(loop, raw_scores, kl, per_token, fwd.entropy, values, returns,
+                                                   maskf, batch.ended, trained)
+        if n_trained:  # the controller follows the KL of the rollouts that train, counted as such
+            self.kl_ctl.update(metrics["kl"], n_trained)
+        loop.log_metrics({**metrics, **reward_metrics(rewards, loop.ranks.gather)})
+        if iteration % self.ppo.sample_every == 0:
+            loop.write_samples(iteration, [
+                {"prompt": row["prompt"], "response": text, "score": score if ok else None,
+                 "kl": k if ok else None, **conversation_fields(t)}
+                for row, text, score, k, ok, t in zip(
+                    batch.rows, rewards.completions, raw_scores.tolist(), kl.sum(1).tolist(), trained.tolist(),
+                    batch.trajectories)][:4])
+
+        experience = Experience.from_batch(batch, mask)
+        for name, value in (("old_logps", logps), ("old_values", values), ("advantages", advantages),
+                            ("returns", returns)):
+            experience.add(name, value, Layout.TOKEN)
+        if all("index" in row for row in batch.rows):  # (B,) prompt rows, named by the non-finite guard
+            experience.add(ROW_KEY, torch.tensor([int(row["index"]) for row in batch.rows], dtype=torch.long,
+                                                 device=maskf.device), Layout.SEQUENCE)
+        loop.engine_correction(experience, batch, fwd, mask)  # vLLM: is_weights
+        return experience, None
+
+    def shaped_scores(self, loop: Loop, scores: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
+        """(B,) the scores PPO puts at the last sampled token: the outcome reward (the sources and the shaping terms,
+        :attr:`~llmtune.rewards.shaping.RewardResult.outcome`) normalised with the running moments of every rank's
+        trained scores (``normalize_scores``; the moments are updated with those first), clipped to ``score_clip``;
+        0 on the rows that do not train (``trained`` False: they enter no moment)."""
+        scores = scores.clone()
+        if self.ppo.normalize_scores:
+            gathered = loop.ranks.gather(torch.stack([scores, trained.float()], 1))  # (B, 2)
+            self.score_stats.update(gathered[gathered[:, 1] > 0, 0])
+            scores = (scores - self.score_stats.mean) / max(self.score_stats.std, 1e-8)
+        if self.ppo.score_clip is not None:
+            scores = scores.clamp(-self.ppo.score_clip, self.ppo.score_clip)
+        return scores.masked_fill(~trained, 0.0)
+
+    def _rollout_metrics(self, loop: Loop, scores, kl, rewards, entropy, values, returns, mask, ended, trained
+                         ) -> tuple[dict[str, float], int]:
+        """Means over all ranks' rollouts of this iteration that train (sequence sums for kl/non_score_reward), and
+        how many of them there are; ``trained_response_fraction`` = that count / all rollouts. Without any, only
+        ``kl_coef`` and the fraction are logged (a mean over no rollout is never logged)."""
+        lengths = mask.sum(1)
+        per_row = torch.stack([
+            scores.float(), kl.sum(1), (rewards * mask).sum(1), lengths,
+            (~ended).float(), masked_sum(entropy, mask, dim=1) / lengths.clamp(min=1), trained.float(),
+        ], dim=1)  # (B, 7)
+        per_row = loop.ranks.gather(per_row)
+        good = per_row[:, 6] > 0
+        metrics = {"kl_coef": self.kl_ctl.value, "trained_response_fraction": float(good.float().mean())}
+        n = int(good.sum())
+        if not n:
+            log.warning("no rollout of this iteration trains (step %d): every one failed (environment / tool "
+                        "infrastructure) or is beyond rollout.max_staleness", loop.step())
+            return metrics, 0
+        score, kl_seq, reward_seq, length, truncated, ent, _ = per_row[good].T
+        metrics.update({
+            "score_mean": float(score.mean()), "score_std": float(score.std()) if n > 1 else 0.0,
+            "kl": float(kl_seq.mean()), "non_score_reward": -self.kl_ctl.value * float(kl_seq.mean()),
+            "reward_mean": float(reward_seq.mean()), "response_length": float(length.mean()),
+            "truncated_fraction": float(truncated.mean()), "entropy": float(ent.mean()),
+            "explained_variance": ops.explained_variance(values, returns, mask),
+        })
+        return metrics, n
 
 
 # ---- value model --------------------------------------------------------------------------------------------
@@ -307,7 +312,7 @@ def add_value_model(policy: nn.Module, recipe, reward_run: Path | None) -> nn.Li
             head.weight.data.copy_(score.reshape(1, hidden).float())
         log.info("value model initialised from the reward model %s (LoRA r=%d, score head)", rm_adapter, config.r)
     else:
-        policy.add_adapter(VALUE, build_lora_config(recipe.adapter, policy.peft_config[POLICY].task_type))
+        policy.add_adapter(VALUE, build_lora_config(recipe.adapter, policy.peft_config[POLICY].task_type, policy))
     for name, param in policy.named_parameters():
         if "lora_" in name and (f".{POLICY}." in name or f".{VALUE}." in name):
             param.requires_grad_(True)

@@ -128,6 +128,17 @@ def test_export_must_name_a_policy_step(tmp_path):
     assert load_pipeline(path, base_dir=tmp_path).export.step is None
 
 
+def test_export_gguf_types_validated(tmp_path):
+    """pipeline.export.gguf names GGUF types (llmtune export --gguf); an unknown one is an error at its key."""
+    path = tiny_pipeline(tmp_path, [{"name": "c", "stage": "sft"}], export={"gguf": ["q4_k_m", "f16"]})
+    pipe = load_pipeline(path, base_dir=tmp_path)
+    assert pipe.export.gguf == ["q4_k_m", "f16"] and pipe.export.modelfile
+    assert load_pipeline(tiny_pipeline(tmp_path, [{"name": "c", "stage": "sft"}]), base_dir=tmp_path).export.gguf == []
+    path = tiny_pipeline(tmp_path, [{"name": "c", "stage": "sft"}], export={"gguf": ["q9_k"]})
+    with pytest.raises(RecipeError, match=r"pipeline\.export\.gguf"):
+        load_pipeline(path, base_dir=tmp_path)
+
+
 # --- skip / resume / restart decisions on fabricated run directories ----------------------------------------------
 
 

@@ -22,7 +22,8 @@ from llmtune.rl.agent import AgentLoop, AgentSettings, agent_metrics
 from llmtune.rl.chat import ToolTurns
 from llmtune.rl.tool_calls import resolve_tool_parser
 from llmtune.rl.toolbox import ToolSetupError, tool_schemas
-from llmtune.rl.trainer import OnlineRLTrainer
+from llmtune.rewards.sources import Scored
+from llmtune.rl.rollouts import Ranks, Rollouts
 from llmtune.rl.types import LENGTH, STOP, Completion, RolloutBatch, SamplingParams
 
 QUESTION = "What is 2 + 3?"
@@ -93,7 +94,7 @@ def prompt_row(tok) -> dict:
 def final_answers(tok, trajectories) -> list[str]:
     """What the reward functions of a multi-turn run get as completions (the trainer's own selection)."""
     batch = RolloutBatch.from_trajectories(trajectories, tok.pad_token_id)
-    return OnlineRLTrainer.scored(SimpleNamespace(agent=True, tokenizer=tok), batch).completions
+    return Scored.from_batch(batch, tok).completions
 
 
 def run(tok, loop, budget):
@@ -115,8 +116,8 @@ def test_a_turn_cut_by_the_budget_is_the_answer_that_is_scored(tok):
     assert (t.finish_reason, t.turns, len(t.completion_ids)) == (LENGTH, 2, room)
     cut = t.completion_ids[-10:]
     assert t.loss_mask[-10:] == [1] * 10  # the cut tokens are trained ...
-    assert [m["role"] for m in t.info["messages"]] == ["user", "assistant", "tool", "assistant"]
-    last = t.info["messages"][-1]
+    assert [m["role"] for m in t.outcome.messages] == ["user", "assistant", "tool", "assistant"]
+    last = t.outcome.messages[-1]
     assert last == {"role": "assistant", "content": tok.decode(cut, skip_special_tokens=False)}  # ... and shown
     assert RAMBLE.startswith(last["content"]) and last["content"]
     assert final_answers(tok, [t]) == [last["content"]]
@@ -125,7 +126,7 @@ def test_a_turn_cut_by_the_budget_is_the_answer_that_is_scored(tok):
 
 def test_a_first_turn_cut_by_the_budget_is_scored_too(tok):
     [t] = run(tok, agent(tok, ScriptedEngine(tok, ["The answer is #### 5 because " + RAMBLE])), 12)
-    assert (t.finish_reason, t.turns, t.info["tool_calls"]) == (LENGTH, 1, 0)
+    assert (t.finish_reason, t.turns, t.outcome.tool_calls) == (LENGTH, 1, 0)
     text = tok.decode(t.completion_ids, skip_special_tokens=False)
     assert text.startswith("The answer is #### 5") and final_answers(tok, [t]) == [text]
     assert gsm8k_reward([QUESTION], [text], ["5"]) == [1.0]
@@ -145,8 +146,8 @@ def test_a_cut_turn_runs_no_tool_call(tok):
 
     text = call("record", {"a": 1}) + " and more text after the call"
     [t] = run(tok, agent(tok, ScriptedEngine(tok, [text]), tools=(record,)), len(tok(text)["input_ids"]) - 3)
-    assert t.finish_reason == LENGTH and ran == [] and t.info["tool_calls"] == 0
-    assert "tool_calls" not in t.info["messages"][-1] and "<tool_call>" in t.info["messages"][-1]["content"]
+    assert t.finish_reason == LENGTH and ran == [] and t.outcome.tool_calls == 0
+    assert "tool_calls" not in t.outcome.messages[-1] and "<tool_call>" in t.outcome.messages[-1]["content"]
 
 
 # ---- reading the calls: explicit parser, response template, malformed calls ------------------------------------
@@ -158,7 +159,7 @@ def test_an_explicit_tool_parser_is_used_even_with_a_response_template(tok, monk
     turns = [call("add", {"a": "7"}), "Done."]  # a string where the schema wants an integer
     assert resolve_tool_parser("hermes", tok) == ("hermes", False)
     [t] = run(tok, agent(tok, ScriptedEngine(tok, turns), parser="hermes"), 4096)
-    assert used == [] and t.info["tool_errors"] == {"bad_arguments": 1}  # hermes reads "7" as the model wrote it
+    assert used == [] and t.outcome.tool_errors == {"bad_arguments": 1}  # hermes reads "7" as the model wrote it
 
 
 def test_auto_parses_with_the_response_template_and_the_tools_schemas(tok, monkeypatch):
@@ -171,7 +172,7 @@ def test_auto_parses_with_the_response_template_and_the_tools_schemas(tok, monke
     [t] = run(tok, agent(tok, ScriptedEngine(tok, [call("add", {"a": "7"}), "Done."]), parser=parser,
                          response_template=response_template), 4096)
     assert used and used[0]["tools"] == tool_schemas([add])  # transformers casts "7" to 7 for an integer
-    assert t.info["tool_errors"] == {} and t.info["messages"][2]["content"] == "8"
+    assert t.outcome.tool_errors == {} and t.outcome.messages[2]["content"] == "8"
 
 
 def test_auto_without_a_format_is_a_recipe_error(tok):
@@ -187,10 +188,10 @@ def test_a_malformed_call_stays_visible_in_the_message(tok):
     bad = '<tool_call>{"name": "add", "arguments": {</tool_call>'
     [t] = run(tok, agent(tok, ScriptedEngine(tok, ["Let me add.\n" + bad + "\n" + call("add", {"a": 1}), "Done."])),
               4096)
-    turn = t.info["messages"][1]
+    turn = t.outcome.messages[1]
     assert turn["content"] == "Let me add.\n" + bad  # the text without the good call's markup, then the bad call
     assert turn["tool_calls"] == [{"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]
-    assert t.info["tool_errors"] == {"malformed": 1} and t.info["tool_calls"] == 2
+    assert t.outcome.tool_errors == {"malformed": 1} and t.outcome.tool_calls == 2
 
 
 # ---- metrics -----------------------------------------------------------------------------------------------
@@ -209,11 +210,10 @@ def test_abandoned_tool_threads_are_logged(tok):
     try:
         [t] = run(tok, agent(tok, ScriptedEngine(tok, [call("hang", {"seconds": 30}), "Done."]), tools=(hang,),
                              timeout_s=0.2), 4096)
-        trainer = SimpleNamespace(args=SimpleNamespace(world_size=1))
-        metrics = OnlineRLTrainer._agent_metrics(trainer, [t])
+        metrics = Rollouts.agent_metrics(SimpleNamespace(ranks=Ranks()), [t])
         from llmtune.rl.toolbox import abandoned_tool_threads
 
-        assert t.info["tool_errors"] == {"timeout": 1}
+        assert t.outcome.tool_errors == {"timeout": 1}
         assert metrics["agent/abandoned_tool_threads"] == abandoned_tool_threads() >= 1
     finally:
         release.set()

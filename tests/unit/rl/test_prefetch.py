@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from llmtune.rl.prefetch import RolloutPrefetcher, load_snapshots, save_snapshots
-from llmtune.rl.trainer import OnlineRLTrainer
+from llmtune.rl.rollouts import Rollouts
 from llmtune.rl.types import AdapterSnapshot, RolloutBatch, SamplingParams, Trajectory
 
 
@@ -94,9 +94,8 @@ def test_rollouts_beyond_the_bound_are_never_trained_on():
         trajectories = [Trajectory({}, [1], [2, 3], [1, 1], None, v, "stop") for v in versions]
         return RolloutBatch.from_trajectories(trajectories, 0)
 
-    trainer = SimpleNamespace(prefetch=object(), state=SimpleNamespace(global_step=5),
-                              rollout=SimpleNamespace(max_staleness=2))
-    stale = OnlineRLTrainer.too_stale(trainer, batch([5, 4, 3, 2, None]))
+    rollouts = SimpleNamespace(prefetch=object(), max_staleness=2)
+    stale = Rollouts.too_stale(rollouts, batch([5, 4, 3, 2, None]), step=5)
     assert stale.tolist() == [False, False, False, True, True]  # 3 steps stale, and an unknown version
-    trainer.prefetch = None  # synchronous: every rollout is of the current policy
-    assert OnlineRLTrainer.too_stale(trainer, batch([5, 0])).tolist() == [False, False]
+    rollouts.prefetch = None  # synchronous: every rollout is of the current policy
+    assert Rollouts.too_stale(rollouts, batch([5, 0]), step=5).tolist() == [False, False]

@@ -704,3 +704,95 @@ def test_environment_tools_are_called_on_their_instance(recipe_dir):
     assert box.call(ToolCall("reset", {}, ""), timeout_s=5).error == "unknown_tool"  # reset is no tool
     assert box.call(ToolCall("_helper", {}, ""), timeout_s=5).error == "unknown_tool"
     assert box.environment.reward([]) == 0.0
+
+
+async def stubborn(seconds: float) -> str:
+    """Ignore every cancellation until the time is up.
+
+    Args:
+        seconds: how long
+    """
+    import asyncio
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            pass
+    return "late"
+
+
+async def quits() -> str:
+    """Exit the process (from an async tool)."""
+    raise SystemExit(4)
+
+
+def test_acall_awaits_async_tools_on_the_running_loop_with_the_same_results(tools):
+    """Toolbox.acall (the agent loop's way, many rollouts at once): an async def tool runs on the caller's event loop
+    (no thread of its own), with call's checks, results, timeout (cancelled; one that ignores its cancellation is
+    left running and counted) and SystemExit as a result; a plain tool runs in the given pool."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    box, _ = make_toolbox([*tools.values(), stubborn, quits], None, {})
+    pool = ThreadPoolExecutor(1, thread_name_prefix="test-pool")
+    threads_before = {t.name for t in threading.enumerate()}
+
+    async def main():
+        got = {"add": await box.acall(ToolCall("slow_add", {"a": 2, "b": 3}, ""), 5),
+               "bad": await box.acall(ToolCall("slow_add", {"a": 2}, ""), 5),
+               "stall": await box.acall(ToolCall("stall", {"seconds": 30}, ""), 0.2),
+               "quits": await box.acall(ToolCall("quits", {}, ""), 5),
+               "plain": await box.acall(ToolCall("add", {"a": 1}, ""), 5, pool)}
+        before = abandoned_tool_threads()
+        got["stubborn"] = await box.acall(ToolCall("stubborn", {"seconds": 1.8}, ""), 0.2)
+        got["abandoned"] = abandoned_tool_threads() - before
+        return got
+
+    got = asyncio.run(main())
+    assert (got["add"].content, got["add"].error) == ("5", None) and got["bad"].error == "bad_arguments"
+    assert (got["stall"].error, got["stall"].content) == ("timeout", "Error: stall did not return within 0.2 s")
+    assert tools["stall"].__globals__["cancelled"].is_set()
+    assert (got["quits"].error, got["quits"].content) == ("raised", "Error: quits raised SystemExit: 4")
+    assert (got["plain"].content, got["plain"].error) == ("2.0", None)
+    assert got["stubborn"].error == "timeout" and got["abandoned"] == 1 and box.abandoned == 1
+    assert not any(name.startswith("llmtune-tool-s") for name in {t.name for t in threading.enumerate()}
+                   - threads_before)  # the async tools had no thread
+    pool.shutdown()
+
+
+def test_amake_toolbox_awaits_an_async_reset_on_the_loop_its_methods_run_on(recipe_dir):
+    """The agent loop's set-up: an async reset and the async tool methods after it run on one event loop (an
+    instance may keep loop-bound resources); a failing constructor is an InfrastructureError, as in make_toolbox."""
+    import asyncio
+
+    from llmtune.rl.toolbox import amake_toolbox
+
+    cls = load_environment("envs.py:AsyncRoom", recipe_dir)
+    loops = []
+    real = cls.reset
+
+    async def reset(self, question: str) -> str:
+        loops.append(asyncio.get_running_loop())
+        return await real(self, question)
+
+    cls.reset = reset
+
+    async def main():
+        toolbox, text = await amake_toolbox([], cls, {"question": "where?"})
+        return text, (await toolbox.acall(ToolCall("look", {}, ""), 5)).content, asyncio.get_running_loop()
+
+    text, seen, loop = asyncio.run(main())
+    assert (text, seen) == ("You are in a room. where?", "a room with 1 door") and loops == [loop]
+
+    class Down:
+        def __init__(self):
+            raise OSError("no sandbox")
+
+        def look(self) -> str:
+            """Look around."""
+            return ""
+
+    with pytest.raises(InfrastructureError, match="environment Down failed in construction: OSError: no sandbox"):
+        asyncio.run(amake_toolbox([], Down, {}))

@@ -7,10 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from llmtune.config import load_recipe
 from llmtune.rl import ops
 from llmtune.rl.forward import RolloutForward
-from llmtune.rl.trainer import OnlineRLTrainer
+from llmtune.rl.iteration import Loop
 from llmtune.rl.types import Experience, Layout, RolloutBatch
 from llmtune.stages.ppo import ops as ppo_ops
 
@@ -70,20 +69,17 @@ def test_ppo_policy_loss_is_weighted_per_token():
 
 
 def _fake_trainer(correction: bool, world_size: int = 1, truncation=None):
-    recipe = load_recipe(raw={"stage": "grpo", "reward": {"function": "llmtune.rewards:gsm8k_reward"},
-                              "train": {"global_batch_size": 8, "max_steps": 2},
-                              "rollout": {"temperature": 0.7, "vllm": {"importance_sampling_cap": 2.5,
-                                                                       "importance_sampling_correction": correction}}})
+    """What Loop.engine_correction reads of an iteration's loop, with a stand-in forward and two equal ranks."""
     logged, forwards = [], []
 
-    def forward(batch):
+    def forward(batch, mask=None):
         forwards.append(batch)
         return RolloutForward(logps=TRAINER)
 
-    fake = SimpleNamespace(rollout=recipe.rollout, args=SimpleNamespace(world_size=world_size),
-                           add_metrics=logged.append, forward=forward,
+    fake = SimpleNamespace(correction=correction, correction_cap=2.5, log_metrics=logged.append, forward=forward,
                            correction_truncation=lambda batch: truncation if batch.engine_logps is not None else None,
-                           accelerator=SimpleNamespace(gather=lambda t: torch.cat([t, t])))
+                           ranks=SimpleNamespace(world=world_size, gather=lambda t: torch.cat([t, t])),
+                           step=lambda: 0)
     return fake, logged, forwards
 
 
@@ -100,7 +96,7 @@ def test_engine_correction_puts_weights_and_metrics():
     experience = Experience(1)
     experience.add("responses", torch.zeros(2, 3), Layout.TOKEN)
     batch = _batch(ENGINE * MASK)
-    OnlineRLTrainer.engine_correction(fake, experience, batch)
+    Loop.engine_correction(fake, experience, batch)
     assert forwards == [batch]  # trainer log-probs computed when not given
     torch.testing.assert_close(experience["is_weights"], torch.tensor([[2.0, 0.5, 1.0], [2.5, 1.0, 0.0]]))
     assert experience.layouts["is_weights"] is Layout.TOKEN
@@ -109,13 +105,13 @@ def test_engine_correction_puts_weights_and_metrics():
 
     fake, logged, forwards = _fake_trainer(correction=False, world_size=2)
     experience = Experience(1)
-    OnlineRLTrainer.engine_correction(fake, experience, _batch(ENGINE * MASK), RolloutForward(logps=TRAINER))
+    Loop.engine_correction(fake, experience, _batch(ENGINE * MASK), RolloutForward(logps=TRAINER))
     assert "is_weights" not in experience and forwards == []  # off: measured only; given logps reused
     assert logged[0]["rollout/logprob_diff_mean"] == pytest.approx((2 * LN2 + math.log(3.0)) / 5)  # 2 equal ranks
 
     fake, logged, forwards = _fake_trainer(correction=True)
     experience = Experience(1)
-    OnlineRLTrainer.engine_correction(fake, experience, _batch(None))
+    Loop.engine_correction(fake, experience, _batch(None))
     assert experience.tensors == {} and logged == [] and forwards == []  # hf: no engine log-probs, nothing to do
 
 
@@ -162,11 +158,11 @@ def test_engine_correction_uses_the_truncated_side_when_sampling_is_truncated():
     experience.add("responses", torch.zeros(2, 3), Layout.TOKEN)
     # on policy under top-k: the trainer's truncated log-probs equal the engine's, the full ones are lower
     fwd = RolloutForward(logps=ENGINE - 3.0, sampling_logps=ENGINE.clone())
-    OnlineRLTrainer.engine_correction(fake, experience, _batch(ENGINE * MASK), fwd)
+    Loop.engine_correction(fake, experience, _batch(ENGINE * MASK), fwd)
     torch.testing.assert_close(experience["is_weights"], MASK)  # 1 on every real token, not e^-3
     assert logged[0]["rollout/logprob_diff_max"] == 0.0
     with pytest.raises(RuntimeError, match="truncation"):
-        OnlineRLTrainer.engine_correction(fake, Experience(1), _batch(ENGINE * MASK), RolloutForward(logps=ENGINE))
+        Loop.engine_correction(fake, Experience(1), _batch(ENGINE * MASK), RolloutForward(logps=ENGINE))
 
 
 def test_a_nonfinite_engine_logp_gets_weight_zero_and_is_counted():

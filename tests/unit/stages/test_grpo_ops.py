@@ -143,14 +143,6 @@ def test_reinforce_plus_plus_whitens_over_the_trainable_tokens():
         ops.compute_advantages("ppo", rewards, torch.zeros(4, dtype=torch.long), trainable)
 
 
-def test_dapo_overlong_penalty_by_hand():
-    # L_max 10, L_cache 4: free up to 6 tokens, then -factor * (|y| - 6) / 4, -factor at 10
-    lengths = torch.tensor([1, 6, 7, 9, 10])
-    out = ops.overlong_penalty(lengths, max_new_tokens=10, buffer_tokens=4, factor=0.5)
-    assert out.tolist() == pytest.approx([0.0, 0.0, -0.125, -0.375, -0.5])
-    assert ops.overlong_penalty(torch.tensor([12]), 10, 4, 1.0).tolist() == [-1.0]  # never below -factor
-
-
 # two completions: lengths 3 and 1; on policy (ratio 1) the per-token loss is -A
 MASK = torch.tensor([[1, 1, 1], [1, 0, 0]])
 ADV = torch.tensor([1.0, -2.0])

@@ -1,7 +1,7 @@
-"""PPO's make_experience with rollouts that cannot train (a multi-turn rollout whose environment or tool
-infrastructure failed; one beyond rollout.max_staleness): with a stand-in for sampling, the model forwards and the
-reward, a batch in which half the rows failed gives exactly the statistics (scores, running score moments, KL and the
-adaptive KL controller, lengths, entropy, truncation, advantages) of the good rows alone, and counts the failed ones."""
+"""PPO's experience with rollouts that cannot train (a multi-turn rollout whose environment or tool infrastructure
+failed; one beyond rollout.max_staleness): with a stand-in for the model forwards and the reward sources, a batch in
+which half the rows failed gives exactly the statistics (scores, running score moments, KL and the adaptive KL
+controller, lengths, entropy, truncation, advantages) of the good rows alone, and counts the failed ones."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import torch
 
 from llmtune.config import load_recipe
 from llmtune.core.guard import ROW_KEY
-from llmtune.rl.types import LENGTH, STOP, RolloutBatch, Trajectory
-from llmtune.stages.ppo import ops
-from llmtune.stages.ppo.trainer import PPOTrainer
+from llmtune.rewards.shaping import shape, shaping_from_recipe
+from llmtune.rl.rollouts import Ranks
+from llmtune.rl.types import LENGTH, STOP, Outcome, RolloutBatch, Trajectory
+from llmtune.stages.ppo.trainer import PPO
 
 ROWS = [  # (completion ids, finish, infrastructure error, score)
     ([5, 9, 14, 2], STOP, None, 1.0),
@@ -29,10 +30,10 @@ GOOD = [b for b, (_, _, error, _) in enumerate(ROWS) if error is None]
 
 def trajectories(rows):
     return [Trajectory({"prompt": f"q{b}", "index": b}, [1, 20 + b], ids, [1] * len(ids), None, 0, finish,
-                       info={"infrastructure_error": error}) for b, (ids, finish, error, _) in rows]
+                       outcome=Outcome(infrastructure_error=error)) for b, (ids, finish, error, _) in rows]
 
 
-def stand_in_forward(batch, **_):
+def stand_in_forward(batch, mask=None, **_):
     """Log-probs, values and entropy of each token as functions of the token and its position only (the same in any
     batch), as the model's would be."""
     ids = batch.completion_ids.float()
@@ -42,46 +43,37 @@ def stand_in_forward(batch, **_):
                            entropy=0.5 + 0.01 * ids)
 
 
-class StandInRewards:
-    def __init__(self, scores):
-        self.scores = scores
-
-    def score_all(self, scored, device, skip=None):
-        total = torch.tensor(self.scores)
-        return total if skip is None else total.masked_fill(skip.cpu(), 0.0)
-
-
 def trainer(rows, **ppo):
+    """PPO's algorithm, a scored batch of ``rows`` (the sources' scores as given; a failed rollout's are discarded by
+    the rewards) and a stand-in loop that records metrics and samples."""
     recipe = load_recipe(raw={"stage": "ppo", "reward": {"function": "llmtune.rewards:gsm8k_reward"},
                               "ppo": {"rollout_batch_size": 6, "kl_coef": 0.2, "kl_target": 0.05, "kl_horizon": 10,
                                       "normalize_scores": True, "missing_eos_penalty": -1.0, **ppo},
                               "train": {"max_steps": 6, "global_batch_size": 2}})
-    t = object.__new__(PPOTrainer)
+    algo = PPO(recipe, [], seed=0, rank=0, world=1)
     batch = RolloutBatch.from_trajectories(trajectories(rows), pad_id=0)
+    scores = torch.tensor([score for _, (_, _, _, score) in rows])
+    rewards = shape(batch, scores.clone(), {"gsm8k_reward": scores}, shaping_from_recipe(recipe),
+                    completions=[f"answer {r['prompt']}" for r in batch.rows])
     logged, samples = {}, []
-    t.ppo, t.rollout = recipe.ppo, recipe.rollout
-    t.kl_ctl = ops.KLController(recipe.ppo.kl_coef, recipe.ppo.kl_target, recipe.ppo.kl_horizon)
-    t.score_stats = ops.RunningMoments()
-    t.args = SimpleNamespace(world_size=1, seed=0, process_index=0, per_device_train_batch_size=2, device="cpu")
-    t.state, t.prefetch, t.agent, t.local_minibatch = SimpleNamespace(global_step=0), None, None, 2
-    t.accelerator = SimpleNamespace(gather=lambda x: x, reduce=lambda x, reduction: x)
-    t.rollout_batch = lambda iteration: batch
-    t.forward = stand_in_forward
-    t.scored = lambda b: SimpleNamespace(completions=[f"answer {r['prompt']}" for r in b.rows])
-    t.rewards = StandInRewards([score for _, (_, _, _, score) in rows])
-    t.engine_correction = lambda *a: None
-    t.add_metrics = logged.update
-    t.write_samples = lambda iteration, records: samples.extend(records)
-    t.conversation = lambda b, i: {}
-    return t, batch, logged, samples
+    loop = SimpleNamespace(forward=stand_in_forward, ranks=Ranks(), log_metrics=logged.update, step=lambda: 0,
+                           write_samples=lambda iteration, records: samples.extend(records),
+                           engine_correction=lambda *a: None)
+
+    def make_experience():
+        experience, order = algo.experience(loop, 0, batch, rewards)
+        return experience, experience.minibatches(algo.passes, 2, 2, torch.Generator().manual_seed(0), order)
+
+    algo.make_experience = make_experience
+    return algo, batch, logged, samples
 
 
 def test_failed_rollouts_enter_no_statistic_and_are_counted():
     everything = list(enumerate(ROWS))
     full, full_batch, full_metrics, samples = trainer(everything)
-    steps = full.make_experience(0)
+    experience, steps = full.make_experience()
     alone, alone_batch, alone_metrics, _ = trainer([everything[b] for b in GOOD])
-    alone.make_experience(0)
+    alone.make_experience()
     assert full_metrics["trained_response_fraction"] == pytest.approx(len(GOOD) / len(ROWS))
     assert alone_metrics["trained_response_fraction"] == 1.0
     for key in ("score_mean", "score_std", "kl", "non_score_reward", "reward_mean", "response_length",
@@ -95,8 +87,9 @@ def test_failed_rollouts_enter_no_statistic_and_are_counted():
     assert full.kl_ctl.value == pytest.approx(alone.kl_ctl.value) and full.kl_ctl.value != 0.2
     assert full.score_stats.state_dict() == pytest.approx(alone.score_stats.state_dict())
     assert full.score_stats.count == len(GOOD)
-    # a failed rollout trains nothing; samples show no score for it
-    assert full_batch.loss_mask[[b for b in range(len(ROWS)) if b not in GOOD]].sum() == 0
+    # a failed rollout trains nothing (the experience's one loss mask is empty on it); samples show no score for it
+    failed = [b for b in range(len(ROWS)) if b not in GOOD]
+    assert experience["loss_mask"][failed].sum() == 0 and full_batch.loss_mask[failed].sum() > 0
     assert [s["score"] is None for s in samples] == [b not in GOOD for b in range(len(samples))]
     # every row is in the minibatches (its loss mask says what trains), named by its prompt row's index
     assert sorted(int(i) for step in steps[:len(ROWS) // 2] for micro in step for i in micro[ROW_KEY]) == \
@@ -106,6 +99,8 @@ def test_failed_rollouts_enter_no_statistic_and_are_counted():
 def test_a_batch_in_which_nothing_trains_logs_no_mean_and_leaves_the_controller():
     failed = [(b, (ids, finish, "down", score)) for b, (ids, finish, _, score) in enumerate(ROWS)]
     t, _, metrics, _ = trainer(failed)
-    t.make_experience(0)
-    assert metrics == {"kl_coef": 0.2, "trained_response_fraction": 0.0}
+    t.make_experience()
+    assert {k: v for k, v in metrics.items() if not k.startswith("rewards/")} == {
+        "kl_coef": 0.2, "trained_response_fraction": 0.0}
+    assert "rewards/task_mean" not in metrics  # every rollout failed: no task reward to average
     assert t.kl_ctl.value == 0.2 and t.score_stats.count == 0
