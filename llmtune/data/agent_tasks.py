@@ -6,9 +6,10 @@ regenerates them and compares) read in two views:
 
 * ``agent-multiply.jsonl.gz``: ``{question, answer, expression}``, products with 4- to 6-digit answers (SmolLM2-135M
   does not get one right in its head). Rows 0-1999 ask for the product of two numbers, half in plain words
-  (``"What is 347 times 829?"``), half as word problems with two numbers (:data:`TWO_FACTORS`, twelve phrasings); rows 2000-3999 are word problems whose answer is the product of the THREE
-  numbers they give (``"A box holds 12 rows of 34 pencils. How many pencils are in 56 boxes?"``, eight templates):
-  a model that learned to multiply the two numbers of a plain request must learn to find all three.
+  (``"What is 347 times 829?"``), half as word problems with two numbers (:data:`TWO_FACTORS`, twelve phrasings);
+  rows 2000-3999 are word problems whose answer is the product of the THREE numbers they give
+  (``"A box holds 12 rows of 34 pencils. How many pencils are in 56 boxes?"``, eight templates): a model that learned
+  to multiply the two numbers of a plain request must learn to find all three.
   ``builtin:multiply`` is the RL view (question -> prompt, answer -> reference: ``llmtune.rewards:gsm8k_reward``);
   ``builtin:multiply-calculator`` the SFT view (:func:`calculator_conversation`: one ``calculator`` call with the
   row's expression, its result, then ``#### <answer>``).
