@@ -1,9 +1,12 @@
-"""Built-in tools for multi-turn agent rollouts (``agent.tools: [llmtune.tools:calculator]``).
+"""Built-in tools and environments for multi-turn agent rollouts (``agent.tools: [llmtune.tools:calculator]``,
+``agent.environment: llmtune.tools:TreasureHunt``).
 
 A tool is a plain Python function with type hints and a Google docstring (its JSON schema is
 ``transformers.utils.get_json_schema`` of it, which the chat template renders for the model); what it returns goes
 back to the model as the tool result. An exception it raises goes back as an error message (the model's call was
-wrong); raise :class:`llmtune.rl.toolbox.InfrastructureError` for a failure that is not the model's fault.
+wrong); raise :class:`llmtune.rl.toolbox.InfrastructureError` for a failure that is not the model's fault. An
+environment is a class: one fresh instance per rollout, ``reset(**row)`` with the prompt row's columns, its public
+methods the tools (``docs/agents.md``).
 """
 
 from __future__ import annotations
@@ -103,3 +106,39 @@ def _too_large(bits: float | None = None) -> ValueError:
                           "numbers")
     return ValueError(f"the result is too large (about {int(bits * math.log10(2)) + 1:,} digits; at most "
                       f"{int(MAX_BITS * math.log10(2)):,}): split the calculation or use smaller numbers")
+
+
+class TreasureHunt:
+    """A treasure hunt through fictional rooms (``builtin:rooms``): each room holds a note that names the next room
+    or, in the last room, the treasure's number. Only this environment knows the notes, so the model must enter the
+    rooms one after another, reading each note, and answer ``#### <treasure>`` (``llmtune.rewards:gsm8k_reward``
+    checks it against the row's reference).
+
+    ``reset`` takes the row's ``rooms`` column: ``{room name: note}`` (a note names the next room, possibly with a
+    decoy: ``"Go to room <name>."``, ``"Room <decoy> is a trap. Go to room <name>."``; or, in the last room of a
+    route, ``"The treasure is <number>."``: :mod:`llmtune.data.agent_tasks`). ``enter`` finds a room by its name with
+    surrounding spaces and case ignored; any other name is an error the model reads (it can try again).
+    """
+
+    def reset(self, rooms: dict) -> None:
+        """Start a hunt in the row's rooms (nothing is added to the prompt: the question names the first room).
+
+        Args:
+            rooms: room name -> the note inside it.
+        """
+        self.rooms = dict(rooms)
+
+    def enter(self, room: str) -> str:
+        """Enter a room and read the note inside it.
+
+        Args:
+            room: the room's name, e.g. "Kalo".
+        """
+        name = room.strip()
+        found = self.rooms.get(name) or self._by_lower().get(name.lower())
+        if found is None:
+            raise ValueError(f"there is no room named {room!r}")
+        return found
+
+    def _by_lower(self) -> dict:
+        return {name.lower(): note for name, note in self.rooms.items()}

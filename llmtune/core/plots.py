@@ -5,6 +5,10 @@
                             length, clip fraction), each with its eval points
     plots/all_metrics.png   every series that varies (constant ones, e.g. ``nonfinite_steps`` = 0 or a fixed
                             ``kl_coef``, are left out; bookkeeping, throughput and timings are not curves)
+    plots/agent.png         multi-turn runs only (``agent/`` metrics logged): what an agent run is judged by, per
+                            rollout batch (:func:`agent_panels`): each reward source's mean (the task reward apart
+                            from any shaping term) with its eval twin, tool calls per trajectory, the truncated
+                            share (with its eval twin), how rollouts ended, tool errors and turns
 
 Selection is pure (:func:`metric_panels`, :func:`varying_panels`, :func:`summary_panels`); drawing
 (:func:`panel_figure`) uses matplotlib's object API on the Agg canvas (no pyplot, no global backend switch) with a
@@ -24,6 +28,12 @@ PlotEntry = Union[str, tuple[str, ...]]  # one metric (its panel with its eval t
 
 SUMMARY = "summary.png"
 ALL_METRICS = "all_metrics.png"
+AGENT = "agent.png"
+# plots/agent.png after the reward panels: calls, truncation, finish reasons, tool errors, turns (llmtune.rl.agent)
+AGENT_PANELS: tuple[PlotEntry, ...] = (
+    "agent/tool_calls", "truncated_fraction",
+    ("agent/finish_stop", "agent/finish_length", "agent/finish_turns", "agent/finish_error"),
+    "agent/tool_error_rate", "agent/turns")
 
 # not curves: bookkeeping, throughput and timings, cumulative counters, constant eval set sizes
 _NOT_PLOTTED = {"step", "epoch", "total_flos", "peak_mem_gb", "tokens_per_s", "kl_coef_target"}
@@ -108,6 +118,26 @@ def summary_panels(panels: dict[str, Panel], chosen: tuple[PlotEntry, ...]) -> d
     return out
 
 
+def agent_panels(panels: dict[str, Panel]) -> dict[str, Panel]:
+    """The panels of ``plots/agent.png``, or ``{}`` for a run that logged no ``agent/`` metric (not multi-turn).
+
+    First one panel per reward source, ``rewards/<source>_mean`` of the training rollouts with its eval twin
+    (``eval_rewards/<source>``): a task reward apart from shaping terms (a format bonus, a per-call cost), since a
+    total can rise while the task reward does not; ``reward_mean`` (the weighted total) instead when the run logged
+    no source. Then :data:`AGENT_PANELS` (:func:`summary_panels`: a metric the run did not log is skipped).
+
+    Args:
+        panels: :func:`metric_panels` of the run.
+    """
+    if not any(name.startswith("agent/") for name in panels):
+        return {}
+    sources = [n for n in panels if n.startswith("rewards/") and n.endswith("_mean")]
+    chosen = summary_panels(panels, (*(sources or ["reward_mean"]), *AGENT_PANELS))
+    finish = ", ".join(m for m in AGENT_PANELS[2] if m in panels)  # the finish reasons' panel: a short title
+    return {("agent/finish_* (share of rollouts)" if name == finish else name): panel
+            for name, panel in chosen.items()}
+
+
 def draw_panels(panels: dict[str, Panel], out_path: str | Path, title: str | None = None, cols: int = 3,
                 dpi: int = 100) -> Path:
     """Draw panels (:func:`panel_figure`) into one PNG of ``cols`` x 360 px by 250 px per row (+ title) at the
@@ -175,8 +205,9 @@ def panel_figure(panels: dict[str, Panel], title: str | None = None, cols: int =
 
 def plot_run(metrics_path: str | Path, plot_dir: str | Path, chosen: tuple[PlotEntry, ...] = ("loss",),
              title: str | None = None) -> list[Path]:
-    """Write ``plots/summary.png`` (the stage's chosen panels, :func:`summary_panels`) and
-    ``plots/all_metrics.png`` (every varying series, :func:`varying_panels`) of a run's ``metrics.jsonl``.
+    """Write ``plots/summary.png`` (the stage's chosen panels, :func:`summary_panels`),
+    ``plots/all_metrics.png`` (every varying series, :func:`varying_panels`) and, for a multi-turn run,
+    ``plots/agent.png`` (:func:`agent_panels`) of a run's ``metrics.jsonl``.
 
     Args:
         metrics_path: the run's ``metrics.jsonl`` (torn lines skipped, :func:`llmtune.core.callbacks.read_metrics`).
@@ -190,7 +221,8 @@ def plot_run(metrics_path: str | Path, plot_dir: str | Path, chosen: tuple[PlotE
     from llmtune.core.callbacks import read_metrics
 
     panels = metric_panels(read_metrics(metrics_path))
-    figures = [(SUMMARY, summary_panels(panels, chosen), 3), (ALL_METRICS, varying_panels(panels), 4)]
+    figures = [(SUMMARY, summary_panels(panels, chosen), 3), (ALL_METRICS, varying_panels(panels), 4),
+               (AGENT, agent_panels(panels), 3)]
     written = []
     for name, selected, cols in figures:
         if selected:

