@@ -33,4 +33,5 @@ class OpenAIAgentConfig(Section):
 
     @property
     def enabled(self) -> bool:
+        """An agent program is named (``function`` or ``command``): rollouts go through the endpoint."""
         return bool(self.function or self.command)

@@ -188,8 +188,8 @@ TOOL_TEMPLATE_FIX = ("set data.chat_template to a template that renders tools, t
                      "family's own tool template")
 
 
-def _probe_call(x: str) -> dict:
-    return {"type": "function", "function": {"name": "probe_tool", "arguments": {"x": x}}}
+def _probe_call(x: str, name: str = "probe_tool") -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": {"x": x}}}
 
 
 def tool_probe_conversation() -> list[dict]:
@@ -221,35 +221,29 @@ def tool_render_problem(tokenizer) -> str | None:
     """
     try:
         text = tokenizer.apply_chat_template(tool_probe_conversation(), tools=[PROBE_TOOL], tokenize=False)
+        missing = [what for what, needle in (("the tool schemas", PROBE_TOOL["function"]["description"]),
+                                             ("the tool calls", "check 87"), ("the tool results", "eighty-four"))
+                   if needle not in text]
+        if "the tool calls" not in missing and not _call_names_survive(tokenizer):
+            missing.append("the names of the called tools")
     except Exception as exc:  # noqa: BLE001 - jinja errors, raise_exception() in templates
         return f"the chat template cannot render a conversation with tools ({type(exc).__name__}: {exc})"
-    missing = [what for what, needle in (("the tool schemas", PROBE_TOOL["function"]["description"]),
-                                         ("the tool calls", "check 87"), ("the tool results", "eighty-four"))
-               if needle not in text]
-    if "the tool calls" not in missing and not _call_names_survive(tokenizer, text):
-        missing.append("the names of the called tools")
     listed = " and ".join([", ".join(missing[:-1]), missing[-1]] if len(missing) > 1 else missing)
     return f"the chat template does not render {listed}" if missing else None
 
 
-def _call_names_survive(tokenizer, text: str) -> bool:
+def _call_names_survive(tokenizer) -> bool:
     """Whether the called tool's name is rendered in the call itself: the probe conversation with its last call
-    renamed (the schemas of both names given in both renders, the tool results unchanged) must render differently,
-    with one more occurrence of the new name. A template that writes only a call's arguments passes the
-    arguments check but leaves the model unable to tell which tool it called."""
-    renamed = {**PROBE_TOOL, "function": {**PROBE_TOOL["function"], "name": _RENAMED}}
-    conversation = tool_probe_conversation()
-    conversation[4] = {**conversation[4], "tool_calls": [
-        {"type": "function", "function": {"name": _RENAMED, "arguments": {"x": "check 87"}}}]}
-    try:
-        both = tokenizer.apply_chat_template(tool_probe_conversation(), tools=[PROBE_TOOL, renamed], tokenize=False)
-        other = tokenizer.apply_chat_template(conversation, tools=[PROBE_TOOL, renamed], tokenize=False)
-    except Exception:  # noqa: BLE001 - a template that needs its tools listed once: judged by the first render
-        return text.count(PROBE_TOOL["function"]["name"]) > 1
-    return other.count(_RENAMED) > both.count(_RENAMED)
-
-
-_RENAMED = "probe_lookup"
+    renamed (the schemas of both names given in both renders, the tool results unchanged) must render with one more
+    occurrence of the new name. A template that writes only a call's arguments passes the arguments check but leaves
+    the model unable to tell which tool it called. Template errors propagate (the caller reports them)."""
+    other = "probe_lookup"
+    tools = [PROBE_TOOL, {**PROBE_TOOL, "function": {**PROBE_TOOL["function"], "name": other}}]
+    renamed = tool_probe_conversation()
+    renamed[4] = {**renamed[4], "tool_calls": [_probe_call("check 87", other)]}
+    counts = [tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False).count(other)
+              for conversation in (tool_probe_conversation(), renamed)]
+    return counts[1] > counts[0]
 
 
 def check_tool_rendering(tokenizer, where: str, rows: str) -> None:

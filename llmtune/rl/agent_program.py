@@ -312,6 +312,7 @@ class OpenAIAgentLoop:
         return out
 
     def close(self) -> None:
+        """Stop the endpoint (idempotent); the next rollout batch starts a new one."""
         if self.endpoint is not None:
             self.endpoint.close()
             self.endpoint = None

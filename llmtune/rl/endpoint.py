@@ -190,16 +190,20 @@ class Endpoint:
             self._sessions.pop(_digest(key), None)
 
     def revoke_all(self) -> None:
+        """Refuse every key's requests from now on (401): the engine failed, every running agent stops fast."""
         with self._lock:
             self._sessions.clear()
 
     def session(self, key: str | None) -> Session | None:
+        """The rollout a request's key belongs to, or None (no key, an unknown or revoked one: the caller answers
+        401)."""
         if not key:
             return None
         with self._lock:
             return self._sessions.get(_digest(key))
 
     def close(self) -> None:
+        """Stop serving and free the port (waits up to 10 s for the server thread)."""
         self.httpd.shutdown()
         self.httpd.server_close()
         self._thread.join(10)

@@ -310,6 +310,7 @@ class RolloutBatch:
 
     @property
     def rows(self) -> list[dict]:
+        """The dataset row of each trajectory, in batch order (one per rollout, not per training row)."""
         return [t.row for t in self.trajectories]
 
     @property

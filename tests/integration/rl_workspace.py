@@ -1,11 +1,13 @@
 """What the online-RL CLI tests share: a tiny model, an SFT run of it, GSM8K-like prompts and reward functions."""
 
 import json
+import shutil
 
 import yaml
 
 from llmtune.commands.cli import main
 from llmtune.models.tiny import save_tiny_model
+from llmtune.utils import read_jsonl
 
 COMMON = {"adapter": {"lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0}}
 # a reward that varies between completions of a random model (so groups carry signal) + the shipped format reward
@@ -44,3 +46,15 @@ def rl_workspace(root, **tiny):
                        output={"dir": str(root / "sft")}, **COMMON)
     assert main(["sft", str(sft)]) == 0
     return root
+
+
+def cut_back_to_first_iteration(run, copy):
+    """Copy a finished run of 4 optimizer steps (2 iterations, checkpoints every 2 steps) to ``copy`` as if it had
+    been stopped after its first iteration: the later checkpoints, the adapter, the lineage and the metrics past
+    step 2 removed. Resuming ``copy`` must reproduce ``run``."""
+    shutil.copytree(run, copy)
+    for name in ("adapter", "checkpoints/checkpoint-4", "checkpoints/checkpoint-3"):
+        shutil.rmtree(copy / name, ignore_errors=True)
+    (copy / "lineage.json").unlink()
+    kept = [r for r in read_jsonl(copy / "metrics.jsonl") if r.get("step", 0) <= 2 and "train_runtime" not in r]
+    (copy / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))

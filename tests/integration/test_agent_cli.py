@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 
 import pytest
 import yaml
@@ -16,6 +15,7 @@ import yaml
 from llmtune.commands.cli import main
 from llmtune.rl.engines.vllm_client import vllm_python
 from llmtune.utils import read_jsonl
+from tests.integration.rl_workspace import cut_back_to_first_iteration
 from tests.integration.agent_workspace import tool_calling_model
 
 REWARDS = """import json, pathlib
@@ -116,12 +116,7 @@ def test_a_multi_turn_run_logs_conversations_and_resumes_exactly(workspace):
     # the same run cut back to its first iteration (checkpoint-2) and resumed reproduces it (a run of max_steps 2
     # resumed with max_steps 4 would not: the learning-rate schedule follows max_steps)
     halves = workspace / "halves"
-    shutil.copytree(run, halves)
-    for name in ("adapter", "checkpoints/checkpoint-4", "checkpoints/checkpoint-3"):
-        shutil.rmtree(halves / name, ignore_errors=True)
-    (halves / "lineage.json").unlink()
-    kept = [r for r in read_jsonl(halves / "metrics.jsonl") if r.get("step", 0) <= 2 and "train_runtime" not in r]
-    (halves / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    cut_back_to_first_iteration(run, halves)
     assert main(["grpo", str(recipe(workspace, "halves")), "train.resume_from=latest"]) == 0
     assert losses(halves) == losses(run)
     assert adapter_sha(halves) == adapter_sha(run)

@@ -4,12 +4,12 @@ run logs the joins, splits and segments of the agents' requests and trains on ev
 the source `agent`; PPO trains segments too; a run resumed from its checkpoint reproduces the uninterrupted one."""
 
 import json
-import shutil
 
 import pytest
 
 from llmtune.commands.cli import main
 from llmtune.utils import read_jsonl
+from tests.integration.rl_workspace import cut_back_to_first_iteration
 from tests.integration.test_agent_cli import adapter_sha, losses, recipe, workspace  # noqa: F401 - fixture
 
 pytest.importorskip("openai")
@@ -115,12 +115,7 @@ def test_a_run_with_an_agent_program_resumes_exactly(agents):
     rollouts = [r for r in read_jsonl(run / "metrics.jsonl") if "agent/requests" in r]
     assert rollouts and all(r["agent/joins"] > 0 for r in rollouts)  # tool rounds, joined by ids
     halves = agents / "halves_prog"
-    shutil.copytree(run, halves)
-    for name in ("adapter", "checkpoints/checkpoint-4", "checkpoints/checkpoint-3"):
-        shutil.rmtree(halves / name, ignore_errors=True)
-    (halves / "lineage.json").unlink()
-    kept = [r for r in read_jsonl(halves / "metrics.jsonl") if r.get("step", 0) <= 2 and "train_runtime" not in r]
-    (halves / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    cut_back_to_first_iteration(run, halves)
     resumed = program(agents, "halves_prog", concurrency=1)
     assert main(["grpo", str(resumed), "train.resume_from=latest"]) == 0
     assert losses(halves) == losses(run)

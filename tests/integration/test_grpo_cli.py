@@ -6,7 +6,6 @@ transformers, and the pipeline step."""
 
 import json
 import math
-import shutil
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from llmtune.commands.cli import main
 from llmtune.utils import read_jsonl
 from tests.integration.flops_expect import PEAK, check_mfu
 from tests.integration.plots_expect import summary_of
-from tests.integration.rl_workspace import COMMON, rl_workspace, write_recipe
+from tests.integration.rl_workspace import COMMON, cut_back_to_first_iteration, rl_workspace, write_recipe
 
 
 
@@ -111,12 +110,7 @@ def _resume_and_compare(workspace, run, recipe_fn):
     """Copy ``run`` (4 steps = 2 iterations, checkpoints every 2 steps), cut it back to checkpoint-2 and resume:
     losses, samples and the final adapter equal the uninterrupted run's."""
     copy = workspace / f"{run.name}_resumed"
-    shutil.copytree(run, copy)
-    for name in ("adapter", "checkpoints/checkpoint-4", "checkpoints/checkpoint-3"):
-        shutil.rmtree(copy / name, ignore_errors=True)
-    (copy / "lineage.json").unlink()
-    kept = [r for r in read_jsonl(copy / "metrics.jsonl") if r.get("step", 0) <= 2 and "train_runtime" not in r]
-    (copy / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    cut_back_to_first_iteration(run, copy)
     assert main(["grpo", str(recipe_fn(copy.name)), "train.resume_from=latest"]) == 0
     assert len(_losses(run)) == 4 and _losses(copy) == pytest.approx(_losses(run), abs=1e-6)
     # the rollouts sampled again after the checkpoint replace the interrupted run's, once each
