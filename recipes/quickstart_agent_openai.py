@@ -1,6 +1,7 @@
-"""A calculator agent for GSM8K questions, written as you might already have one: plain Python and the `openai`
-client, no llmtune import. recipes/quickstart_agent_openai.yaml trains it as it is: llmtune calls solve() once per
-rollout with that rollout's own base URL and key, and records every request it makes as token ids.
+"""A calculator agent for arithmetic questions, written as you might already have one: plain Python and the `openai`
+client, no llmtune import. recipes/quickstart_agent_openai_pipeline.yaml (multi-digit products) and
+recipes/quickstart_agent_openai.yaml (GSM8K) train it as it is: llmtune calls solve() once per rollout with that
+rollout's own base URL and key, and records every request it makes as token ids.
 
 Run it against any OpenAI-compatible server as well:
     OPENAI_BASE_URL=http://localhost:8000/v1 OPENAI_API_KEY=... \
@@ -12,7 +13,7 @@ import json
 import operator
 import os
 
-# the calculator's schema, as the model saw it in its SFT warm start (recipes/quickstart_sft_tools.yaml)
+# the calculator's schema, as the model saw it in its SFT warm start (builtin:multiply-calculator, builtin:gsm8k-calculator)
 CALCULATOR = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression and return its value.",
     "parameters": {"type": "object", "properties": {"expression": {

@@ -44,3 +44,26 @@ def test_agent_pipeline_evaluates_untrained_warm_start_rl_and_no_tools_on_the_sa
     assert untrained.agent == grpo.agent and grpo.agent.enabled and not no_tools.agent.enabled
     assert bool(grpo.agent.tools) == tools and bool(grpo.agent.environment) != tools
     assert pipe.export.enabled is False
+
+
+def test_openai_agent_pipeline_is_the_builtin_pipeline_with_the_agent_program_in_place_of_the_loop(tmp_path):
+    """recipes/quickstart_agent_openai_pipeline.yaml trains the openai-client agent on the built-in pipeline's task:
+    the same untrained evaluation, warm start and held-out rows, the agent program in place of agent.tools (and the
+    same turn cap), so their before -> after compare (docs/agents-openai.md#the-quickstart)."""
+    builtin = load_pipeline(ROOT / "recipes" / "quickstart_agent_pipeline.yaml", base_dir=tmp_path)
+    pipe = load_pipeline(ROOT / "recipes" / "quickstart_agent_openai_pipeline.yaml", base_dir=tmp_path)
+    assert [(s.name, s.kind) for s in pipe.steps] == [("untrained", "grpo"), ("sft", "sft"), ("grpo", "grpo")]
+    ours, theirs = ({s.name: s.recipe for s in p.steps} for p in (pipe, builtin))
+    assert ours["sft"].data == theirs["sft"].data and ours["sft"].train == theirs["sft"].train
+    assert ours["sft"].adapter == theirs["sft"].adapter and ours["sft"].model.from_run is None
+    assert ours["grpo"].model.from_run == str(pipe.steps[1].dir)
+    for name in ("untrained", "grpo"):
+        a, b = ours[name], theirs[name]
+        assert a.data == b.data and a.reward == b.reward and a.rollout == b.rollout and a.adapter == b.adapter
+        assert a.agent.openai.function == "quickstart_agent_openai.py:solve" and not a.agent.tools
+        assert a.agent.max_turns == b.agent.max_turns
+    assert ours["untrained"].train.max_steps == 1 and ours["untrained"].train.learning_rate <= 1e-10
+    assert ours["grpo"].grpo.num_generations == theirs["grpo"].grpo.num_generations
+    assert ours["grpo"].train.max_steps == theirs["grpo"].train.max_steps
+    assert (ROOT / "recipes" / ours["grpo"].agent.openai.function.split(":")[0]).is_file()
+    assert pipe.export.enabled is False
