@@ -195,6 +195,22 @@ def test_greedy_matches_hf_generate(server, model_dir):
     assert [c.finish_reason for c in completions] == [w.finish_reason for w in want]
 
 
+def test_a_sampled_batch_longer_than_the_step_token_budget(server, model_dir):
+    """A rollout batch whose prompts add up to more tokens than vLLM's token budget of one engine step (4096 on CPU),
+    each request with its own seed: 48 prompts of 100 tokens, as an agent's rollouts send their second turn at once. With
+    chunked prefill the prompt cut by the budget had its sampled token discarded and vLLM rewound its seeded CPU
+    generator, which failed ("CPU Generator does not use offset", HTTP 500: a run stopped in its 2nd iteration)."""
+    client, settings = server
+    policy = _peft_model(model_dir, r=4, seed=7)
+    engine = engine_for(client, policy, Version(), settings)
+    engine.sync(0)
+    prompts = [[5 + (7 * i + j) % 300 for j in range(100)] for i in range(48)]  # 4800 prompt tokens
+    completions = generate(engine, prompts=prompts, max_new=8)
+    assert len(completions) == 48 and all(1 <= len(c.token_ids) <= 8 for c in completions)
+    trainer_logps, rmask, engine_logps = _trainer_logps(policy, prompts, completions)
+    assert ((engine_logps - trainer_logps).abs() * rmask).max().item() < TOL
+
+
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 5, 1.0), (1.0, 0, 0.7), (1.3, 8, 0.9), (0.7, 0, 1.0)])
 def test_on_policy_importance_weights_are_one_under_truncated_sampling(server, model_dir, temperature, top_k, top_p):
     """Issue 30: vLLM's log-probs are under the truncated (top-k / top-p) distribution; the trainer's side of the
