@@ -113,7 +113,9 @@ def test_a_run_with_an_agent_program_resumes_exactly(agents):
     assert main(["grpo", str(program(agents, "whole_prog", concurrency=1))]) == 0
     run = agents / "whole_prog"
     rollouts = [r for r in read_jsonl(run / "metrics.jsonl") if "agent/requests" in r]
-    assert rollouts and all(r["agent/joins"] > 0 for r in rollouts)  # tool rounds, joined by ids
+    # tool rounds, joined by ids, in some iteration: at temperature 1 the tiny model's samples depend on the CPU's
+    # float rounding, and on some CPUs one iteration writes only malformed calls (no tool round to join)
+    assert rollouts and any(r["agent/joins"] > 0 for r in rollouts)
     halves = agents / "halves_prog"
     cut_back_to_first_iteration(run, halves)
     resumed = program(agents, "halves_prog", concurrency=1)
