@@ -197,8 +197,8 @@ def test_greedy_matches_hf_generate(server, model_dir):
 
 def test_a_sampled_batch_longer_than_the_step_token_budget(server, model_dir):
     """A rollout batch whose prompts add up to more tokens than vLLM's token budget of one engine step (4096 on CPU),
-    each request with its own seed: 48 prompts of 100 tokens, as an agent's rollouts send their second turn at once. With
-    chunked prefill the prompt cut by the budget had its sampled token discarded and vLLM rewound its seeded CPU
+    each request with its own seed: 48 prompts of 100 tokens, as an agent's rollouts send their second turn at once.
+    With chunked prefill the prompt cut by the budget had its sampled token discarded and vLLM rewound its seeded CPU
     generator, which failed ("CPU Generator does not use offset", HTTP 500: a run stopped in its 2nd iteration)."""
     client, settings = server
     policy = _peft_model(model_dir, r=4, seed=7)

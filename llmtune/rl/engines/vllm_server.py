@@ -84,7 +84,7 @@ MAX_ADAPTER_MB = 1536  # default --max-adapter-mb: the safetensors bytes of one 
 # vLLM accepts only these LoRA ranks as max_lora_rank (vllm.config.lora.LoRAConfig)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 CPU_KV_CACHE_BYTES = 1 << 30
-# vLLM's token budget per engine step on CPU (its default there); at least max_model_len (chunked prefill is off there)
+# vLLM's token budget per engine step on CPU (its default there); at least max_model_len, chunked prefill being off
 CPU_MAX_NUM_BATCHED_TOKENS = 4096
 
 
@@ -194,11 +194,11 @@ class RolloutCore:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if enable_sleep_mode and not _on_cpu():
             kwargs["enable_sleep_mode"] = True
-        if _on_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-            # on CPU vLLM reserves gpu_memory_utilization x the node's memory (0.92 by default) unless the KV cache
-            # size is given: 1 GiB (VLLM_CPU_KVCACHE_SPACE=<GiB> sets another size)
-            kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
         if _on_cpu():
+            if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                # on CPU vLLM reserves gpu_memory_utilization x the node's memory (0.92 by default) unless the KV
+                # cache size is given: 1 GiB (VLLM_CPU_KVCACHE_SPACE=<GiB> sets another size)
+                kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
             # Every request carries its own seed. With chunked prefill, a prompt cut by the step's token budget has
             # its sampled token discarded and vLLM rewinds that request's generator (set_offset), which a CPU
             # generator refuses ("CPU Generator does not use offset": a batch of prompts longer than the budget
