@@ -19,9 +19,12 @@ weight push). Overlapped perfectly, an iteration takes ``max(S, T)``, so the ide
 (at most 2x, at S = T). Printed: the achieved ``speed-up = sync s/iteration / async s/iteration`` per alternated
 pair (median, min-max), the ideal, and the achieved share of the ideal. Results go to ``--out`` (JSON).
 
-Shapes (``--shape``): ``default`` (16 completions x 48 tokens, one optimizer step per rollout batch: sampling is
-~80% of a synchronous iteration on CPU cores, so the ideal is ~1.25x) and ``balanced`` (the same rollouts trained on
-for ``grpo.num_iterations`` passes, chosen so that T is within 20% of S: the ideal is ~1.8x or more).
+Shapes (``--shape``): ``default`` (16 completions x 48 tokens, one optimizer step per rollout batch) and ``balanced``
+(the same rollouts trained on for ``--passes`` passes: more T per S). Which one is balanced depends on the CPU, since
+the bf16 engine's speed does: on an AMD EPYC core with AVX512_BF16 (2026-12-06) the default shape is (S 19.7 s, T 21.0
+s: ideal 1.94x); on the 2026-12-03 machine (no AVX512_BF16, shared) sampling was ~80% of a synchronous iteration
+(ideal ~1.25x), which ``balanced`` evens out. The bench prints whether S and T are within 20%. ``--max-new-tokens
+128`` gives longer completions (more T than S on the first machine).
 """
 
 from __future__ import annotations

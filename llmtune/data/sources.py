@@ -82,7 +82,7 @@ class BuiltinSource:
 
 # SHA-256 of the generated task files as shipped (python -m llmtune.data.agent_tasks prints them)
 MULTIPLY_SHA256 = "0b55430a77d4d4034862127fc6de84f69e3b858faf5db473c8db3d90f67a3dd0"
-ROOMS_SHA256 = "c2a802bdb4d3ab14304c7942ad3c457c35a4a8322eb0c5a8872bfdce3b51d0fc"
+ROOMS_SHA256 = "5a2fee00a5f1770f067a67a181e9c09d645f7a083b63eb4b0503bff366044e2c"
 
 BUILTIN_SOURCES: dict[str, BuiltinSource] = {
     "gsm8k": BuiltinSource(

@@ -14,6 +14,7 @@ from transformers.utils import get_json_schema
 from llmtune.config.schema import DatasetConfig
 from llmtune.data import agent_tasks, build_prompt_data, build_sft_data, render_labels
 from llmtune.data.agent_tasks import (
+    FORKS,
     ROWS_PER_RANGE,
     calculator_conversation,
     multiply_rows,
@@ -77,9 +78,9 @@ def test_hand_checked_rows_and_the_reward_of_right_and_wrong_answers():
                         [reference] * 4) == [1.0, 1.0, 0.0, 0.0]
     hunt = rooms_rows()[ROWS_PER_RANGE + 1]
     assert hunt == {"question": "Find the treasure. Start in room Fidal.", "answer": "2215",
-                    "rooms": {"Fidal": "Go to room Ulbex, not room Vohu.", "Vohu": "Go to room Bexka.",
+                    "rooms": {"Fidal": "Skip room Vohu; the path goes on to room Ulbex.", "Vohu": "Go to room Bexka.",
                               "Bexka": "The treasure is 5547.",  # the decoy's branch: as long, a false treasure
-                              "Ulbex": "Room Wenlo is a trap. Go to room Zanbex.", "Wenlo": "The treasure is 9304.",
+                              "Ulbex": "Room Zanbex is next. Keep out of room Wenlo.", "Wenlo": "The treasure is 9304.",
                               "Zanbex": "The treasure is 2215."},
                     "path": ["Fidal", "Ulbex", "Zanbex"]}
     assert gsm8k_reward([""] * 3, ["#### 2215", "#### 5547", ""], [hunt["answer"]] * 3) == [1.0, 0.0, 0.0]
@@ -102,6 +103,13 @@ def test_rooms_rows_plain_hunts_then_forks_whose_every_route_takes_three_rooms()
         else:  # two forks on the route (a decoy's branch has none): three routes, each through three rooms
             assert len(routes) == 3 and {len(r) for r in routes} == {3}
             assert len(set(treasures)) == 3 and all(t.startswith("The treasure is ") for t in treasures)
+    forks = [note for r in rows[ROWS_PER_RANGE:] for note in r["rooms"].values()
+             if len(re.findall(r"[Rr]oom \w+", note)) == 2]
+    assert len(forks) == 2 * (N - ROWS_PER_RANGE)
+    # every fork phrasing occurs, and none is the warm start's "Go to room <next>" (copying it would skip reading)
+    assert {re.sub(r"([Rr]oom) \w+", r"\1 {}", note) for note in forks} == {
+        re.sub(r"\{\w+\}", "{}", fork) for fork in FORKS}
+    assert not any("Go to room" in note for note in forks)
 
 
 def walk(rooms: dict, room: str) -> list[list[str]]:
@@ -136,7 +144,8 @@ def test_rooms_conversation_takes_the_right_route_with_the_environment_s_own_ans
     entered = [m["tool_calls"][0]["function"]["arguments"]["room"] for m in messages if m.get("tool_calls")]
     assert entered == ["Fidal", "Ulbex", "Zanbex"]
     assert [m["content"] for m in messages if m["role"] == "tool"] == [
-        "Go to room Ulbex, not room Vohu.", "Room Wenlo is a trap. Go to room Zanbex.", "The treasure is 2215."]
+        "Skip room Vohu; the path goes on to room Ulbex.", "Room Zanbex is next. Keep out of room Wenlo.",
+        "The treasure is 2215."]
     assert messages[-1] == {"role": "assistant", "content": "#### 2215"}
     assert rooms_conversation(hunt)["tools"] == [get_json_schema(TreasureHunt.enter)]
     with pytest.raises(RowError, match="there is no room named 'Ulbex'"):
