@@ -150,8 +150,9 @@ class CoreTrainer(NonFiniteGuard, Trainer):
 
     def _save_checkpoint(self, model, trial):
         """transformers' checkpoint, written crash-safe (:mod:`llmtune.core.checkpoint`): every rank writes into
-        ``checkpoints/.tmp/checkpoint-N``, files are fsynced, rank 0 adds the counters, the stage's extra state and
-        the completeness marker, renames it to ``checkpoints/checkpoint-N`` and rotates (complete ones only).
+        ``checkpoints/.tmp/checkpoint-N``, rank 0 adds the counters and the stage's extra state, then (once every rank
+        has written) every rank fsyncs the files, and rank 0 adds the completeness marker, renames it to
+        ``checkpoints/checkpoint-N`` and rotates (complete ones only).
 
         Raises:
             CheckpointSaveError: a rank could not write its files (disk full, I/O error): the staged directory is
@@ -194,7 +195,10 @@ class CoreTrainer(NonFiniteGuard, Trainer):
                     verify_saved_adapter(staged, self.model)
             except OSError as exc:
                 failure = exc
-        if failure is None:
+        # fsync only once every rank has written: a rank walking the tree while another still writes into it
+        # (transformers' rotation, rank 0's extra state) can list a file that is gone when it opens it (ENOENT).
+        # all_ranks_agree is the barrier.
+        if all_ranks_agree(self, failure is None):
             try:
                 ck.fsync_tree(staged)
             except OSError as exc:

@@ -310,3 +310,41 @@ def test_resume_may_change_where_the_rollout_engine_runs_but_not_what_it_samples
             "mode": "server", "url": "http://127.0.0.1:8000", "importance_sampling_cap": 3.0}}},
             stage="grpo").model_dump(mode="json"))
     assert [key for key, _ in info.value.problems] == ["rollout.vllm.importance_sampling_cap"]
+
+
+def test_no_rank_fsyncs_the_staged_checkpoint_before_every_rank_has_written_it(tmp_path, monkeypatch):
+    """A rank that walks the staged tree while another still writes into it can list a file that is gone when it
+    opens it (ENOENT, seen in a 2-rank GRPO run under load): the fsync comes after a collective that follows the
+    writes. One process here: the collective, transformers' save and the fsync are recorded in order."""
+    from types import SimpleNamespace
+
+    from transformers import Trainer
+
+    from llmtune.core import trainer as core_trainer
+
+    events = []
+
+    def transformers_save(self, model, trial):
+        staged = tmp_path / ck.STAGING / f"checkpoint-{self.state.global_step}"
+        staged.mkdir(parents=True)
+        (staged / "rng_state_0.pth").write_bytes(b"x")
+        events.append("write")
+
+    def agree(trainer, flag):
+        events.append("agree")
+        return flag
+
+    monkeypatch.setattr(Trainer, "_save_checkpoint", transformers_save)
+    monkeypatch.setattr(Trainer, "_get_output_dir", lambda self, trial: str(tmp_path))
+    monkeypatch.setattr(core_trainer, "all_ranks_agree", agree)
+    monkeypatch.setattr(ck, "fsync_tree", lambda root: events.append("fsync"))
+    trainer = object.__new__(core_trainer.CoreTrainer)
+    trainer.state = SimpleNamespace(global_step=4, best_model_checkpoint=None)
+    trainer.args = SimpleNamespace(world_size=1, save_total_limit=None)
+    trainer.accelerator = SimpleNamespace(wait_for_everyone=lambda: events.append("barrier"))
+    trainer.is_world_process_zero = lambda: True
+    trainer.trained_tokens = trainer.seen_tokens = trainer.nonfinite_steps = 0
+    trainer.save_extra_state = lambda staged: events.append("extra")
+    trainer._save_checkpoint(None, None)
+    assert events == ["barrier", "write", "extra", "agree", "fsync", "agree", "barrier"]
+    assert ck.newest_complete(tmp_path, report=False) == tmp_path / "checkpoint-4"
