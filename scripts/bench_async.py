@@ -23,7 +23,7 @@ Shapes (``--shape``): ``default`` (16 completions x 48 tokens, one optimizer ste
 (the same rollouts trained on for ``--passes`` passes: more T per S). Which one is balanced depends on the CPU, since
 the bf16 engine's speed does: on an AMD EPYC core with AVX512_BF16 (2026-12-06) the default shape is (S 19.7 s, T 21.0
 s: ideal 1.94x); on the 2026-12-03 machine (no AVX512_BF16, shared) sampling was ~80% of a synchronous iteration
-(ideal ~1.25x), which ``balanced`` evens out. The bench prints whether S and T are within 20%. ``--max-new-tokens
+(ideal ~1.25x), which ``balanced`` should even out (not measured). The bench prints whether S and T are within 20%. ``--max-new-tokens
 128`` gives longer completions (more T than S on the first machine).
 """
 

@@ -196,7 +196,7 @@ class CoreTrainer(NonFiniteGuard, Trainer):
             except OSError as exc:
                 failure = exc
         # fsync only once every rank has written: a rank walking the tree while another still writes into it
-        # (transformers' rotation, rank 0's extra state) can list a file that is gone when it opens it (ENOENT).
+        # (rank 0's transformers files and extra state) can list a file that is gone when it opens it (ENOENT).
         # all_ranks_agree is the barrier.
         if all_ranks_agree(self, failure is None):
             try:

@@ -69,8 +69,8 @@ GO_TO, TREASURE = "Go to room {}.", "The treasure is {}."
 # Fork notes: none says "Go to room <next>", the warm start's phrase (a model copying the room after it would pass
 # without reading the warning); two name the decoy first, two the right room first. Before RL, the warm start of
 # recipes/quickstart_agent_rooms_pipeline.yaml went into the right room (teacher-forced, 50-56 forks each) for 0.87,
-# 0.11, 0.86 and 0.60 of them: it takes the room named last, and "Keep out of room X" / "room X is a dead end" are
-# what RL has to teach it to read.
+# 0.11, 0.86 and 0.60 of them: "Keep out of room X" (after a bare mention of the right room) and "room X is a dead
+# end" are what RL has to teach it to read.
 FORKS = ("Skip room {decoy}; the path goes on to room {next}.", "Room {next} is next. Keep out of room {decoy}.",
          "Avoid room {decoy}. Take the door to room {next}.", "The way on is room {next}; room {decoy} is a dead end.")
 
