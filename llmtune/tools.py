@@ -115,7 +115,7 @@ class TreasureHunt:
     checks it against the row's reference).
 
     ``reset`` takes the row's ``rooms`` column: ``{room name: note}`` (a note names the next room, possibly with a
-    decoy: ``"Go to room <name>."``, ``"Avoid room <decoy>. Take the door to room <name>."``; or, in the last room of a
+    decoy: ``"Go to room <name>."``, ``"Room <name> is safe. Room <decoy> is a trap."``; or, in the last room of a
     route, ``"The treasure is <number>."``: :mod:`llmtune.data.agent_tasks`). ``enter`` finds a room by its name with
     surrounding spaces and case ignored; any other name is an error the model reads (it can try again).
     """

@@ -4,18 +4,25 @@
 For each fork on the right route of ``builtin:rooms`` hunts (rows from ``--start``), the conversation up to the
 fork's note is rendered with ``chatml_tools`` and the model scores two continuations, ``enter(<right room>)`` and
 ``enter(<decoy>)`` (sum of the token log-probs of the whole rendered text; the prefix is the same); the fork counts
-as right when the right room scores higher. Prints the share right per phrasing (``llmtune.data.agent_tasks.FORKS``).
+as right when the right room scores higher. Prints, per phrasing (``llmtune.data.agent_tasks.FORKS``), the share
+right and the mean probability of sampling the right room rather than the decoy at ``--temperature``
+(``sigmoid((logp_right - logp_decoy) / T)``): RL can sharpen a fork whose probability is well above 0 (a group's
+samples then differ), not one the model never samples. ``--phrasing`` scores other phrasings on the same forks (the
+fork's note is rewritten; the notes before it are kept).
 
     python scripts/rooms_forks.py runs/quickstart_agent_rooms_pipeline/sft/adapter --hunts 150
 
-About 9 min for 150 hunts (300 forks) on 2 CPU cores. Used for issue 39 (docs/agents.md, the rooms example).
+About 1.3 s per fork and phrasing on 2 CPU cores (150 hunts, 300 forks: ~6 min; each ``--phrasing`` adds as
+much). Used for issue 39 (docs/agents.md, the rooms example).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -38,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("adapter", help="a LoRA adapter directory of the embedded model, or - for the base model")
     ap.add_argument("--hunts", type=int, default=150, help="hunts to score (default 150)")
     ap.add_argument("--start", type=int, default=None, help="first row (default: the first row with forks, 2000)")
+    ap.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default 0.8)")
+    ap.add_argument("--phrasing", action="append", default=[],
+                    help="another fork phrasing to score, with {next} and {decoy} (repeatable)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     import torch
@@ -59,33 +69,53 @@ def main(argv: list[str] | None = None) -> int:
     tools = [json.loads(s) for s in agent_tasks._schemas("rooms")]
     start = agent_tasks.ROWS_PER_RANGE if args.start is None else args.start
 
-    def logp(messages: list[dict]) -> float:
+    def ids_of(messages: list[dict]) -> list[int]:
         text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
-        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-        with torch.no_grad():
-            logps = model(ids).logits[0, :-1].float().log_softmax(-1)
-        return logps.gather(1, ids[0, 1:, None]).sum().item()
+        return tokenizer(text, add_special_tokens=False).input_ids
 
+    def margin(messages: list[dict], good: str, decoy: str) -> float:
+        """logp(enter good) - logp(enter decoy); the shared prefix runs once (its log-prob cancels)."""
+        a, b = (ids_of([*messages, agent_tasks._call("enter", {"room": r})]) for r in (good, decoy))
+        n = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        with torch.no_grad():
+            out = model(torch.tensor([a[:n]]), use_cache=True)
+            total = []
+            prefix = out.cache if hasattr(out, "cache") else out.past_key_values
+            for ids in (a, b):
+                rest = torch.tensor([ids[n:]])
+                logits = torch.cat([out.logits[:, -1:], model(rest, cache=copy.deepcopy(prefix)).logits[:, :-1]], 1)
+                total.append(logits[0].float().log_softmax(-1).gather(1, rest[0, :, None]).sum().item())
+        return total[0] - total[1]
+
+    phrasings = (*agent_tasks.FORKS, *args.phrasing)
     right = collections.Counter()
+    prob = collections.Counter()
     seen = collections.Counter()
     for row in agent_tasks.rooms_rows()[start:start + args.hunts]:
         messages = [{"role": "user", "content": row["question"]}]
         for room in row["path"][:-1]:
             note = row["rooms"][room]
-            messages = [*messages, agent_tasks._call("enter", {"room": room}),
-                        {"role": "tool", "name": "enter", "content": note}]
             fork = fork_of(note, agent_tasks.FORKS)
-            if fork is None:
-                continue
-            i, good, decoy = fork
-            seen[i] += 1
-            right[i] += logp([*messages, agent_tasks._call("enter", {"room": good})]) > logp(
-                [*messages, agent_tasks._call("enter", {"room": decoy})])
-    for i, fork in enumerate(agent_tasks.FORKS):
+            call = agent_tasks._call("enter", {"room": room})
+            if fork is not None:
+                own, good, decoy = fork
+                for i, phrasing in enumerate(phrasings):
+                    if i < len(agent_tasks.FORKS) and i != own:
+                        continue  # the shipped phrasings: each on its own forks only
+                    text = phrasing.format(next=good, decoy=decoy)
+                    d = margin([*messages, call, {"role": "tool", "name": "enter", "content": text}], good, decoy)
+                    seen[i] += 1
+                    right[i] += d > 0
+                    prob[i] += 1 / (1 + math.exp(-d / args.temperature))
+            messages = [*messages, call, {"role": "tool", "name": "enter", "content": note}]
+    print(f"share right, mean P(right room) at T={args.temperature}, forks, phrasing")
+    for i, phrasing in enumerate(phrasings):
         if seen[i]:
-            print(f"{right[i] / seen[i]:.2f} ({right[i]}/{seen[i]})  {fork}")
-    total = sum(seen.values())
-    print(f"all forks {sum(right.values()) / max(total, 1):.2f} ({sum(right.values())}/{total})")
+            print(f"{right[i] / seen[i]:.2f}  {prob[i] / seen[i]:.2f}  {seen[i]:4d}  {phrasing}")
+    shipped = [i for i in range(len(agent_tasks.FORKS)) if seen[i]]
+    total = sum(seen[i] for i in shipped)
+    print(f"shipped forks: right {sum(right[i] for i in shipped) / max(total, 1):.2f}, "
+          f"P(right) {sum(prob[i] for i in shipped) / max(total, 1):.2f} ({total} forks)")
     return 0
 
 

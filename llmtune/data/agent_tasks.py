@@ -66,13 +66,17 @@ THREE_FACTORS = ("A box holds {a} rows of {b} pencils. How many pencils are in {
 SYLLABLES = ("ka", "lo", "mi", "ru", "te", "vo", "zan", "pel", "dor", "fi", "gra", "hu", "jes", "nor", "qui", "sab",
              "tam", "ul", "wen", "yor", "bex", "cy", "dal", "esh")
 GO_TO, TREASURE = "Go to room {}.", "The treasure is {}."
-# Fork notes: none says "Go to room <next>", the warm start's phrase (a model copying the room after it would pass
-# without reading the warning); two name the decoy first, two the right room first. Before RL, the warm start of
-# recipes/quickstart_agent_rooms_pipeline.yaml went into the right room (teacher-forced, 50-56 forks each) for 0.87,
-# 0.11, 0.86 and 0.60 of them: "Keep out of room X" (after a bare mention of the right room) and "room X is a dead
-# end" are what RL has to teach it to read.
-FORKS = ("Skip room {decoy}; the path goes on to room {next}.", "Room {next} is next. Keep out of room {decoy}.",
-         "Avoid room {decoy}. Take the door to room {next}.", "The way on is room {next}; room {decoy} is a dead end.")
+# The warm start's forks (rows below ROWS_PER_RANGE) are open: either room holds the treasure, and the demonstration
+# enters one at random (its place in the note is random too). So the warm start learns that a note can name two rooms
+# and that it must enter one, with no reason to prefer either: it samples both, and RL (rows from ROWS_PER_RANGE,
+# FORKS) teaches it to read which one the note warns against.
+OPEN_FORK = "Room {} or room {}: both lead to the treasure."
+# Fork notes of the RL hunts: none says "Go to room <next>", the warm start's phrase (a model copying the room after it
+# would pass without reading the warning); two name the decoy first, two the right room first (a model that always
+# takes the first or the last room it reads gets half of them).
+FORKS = ("Skip room {decoy}; the path goes on to room {next}.", "Room {next} is safe. Room {decoy} is a trap.",
+         "Room {decoy} is a dead end; the way on is room {next}.",
+         "The treasure lies beyond room {next}, not room {decoy}.")
 
 
 def multiply_rows(n: int = 2 * ROWS_PER_RANGE, seed: int = MULTIPLY_SEED) -> list[dict]:
@@ -109,9 +113,11 @@ def rooms_rows(n: int = 2 * ROWS_PER_RANGE, seed: int = ROOMS_SEED) -> list[dict
 
     Args:
         n: rows; the first :data:`ROWS_PER_RANGE` are hunts through 1 or 2 rooms (alternating) whose notes say
-            ``"Go to room <next>."``; the rest go through 3 rooms whose first two notes are forks (:data:`FORKS`): they
-            name the next room and a decoy, whose branch is as long as the rest of the path (plain notes) and ends
-            with a false treasure, so that every route takes 3 rooms and only the right one finds the treasure.
+            ``"Go to room <next>."``, except that every other 2-room hunt starts with an open fork
+            (:data:`OPEN_FORK`: two rooms that both hold the treasure; ``path`` takes one at random); the rest go
+            through 3 rooms whose first two notes are forks (:data:`FORKS`): they name the next room and a decoy,
+            whose branch is as long as the rest of the path (plain notes) and ends with a false treasure, so that
+            every route takes 3 rooms and only the right one finds the treasure.
         seed: the generator's seed.
 
     Returns:
@@ -141,6 +147,12 @@ def rooms_rows(n: int = 2 * ROWS_PER_RANGE, seed: int = ROOMS_SEED) -> list[dict
         seen.add((path[0], treasure))
         rooms = {}
         for k, name in enumerate(path[:-1]):
+            if not forks and len(rows) % 4 == 3:  # every other 2-room hunt: an open fork, both rooms hold the treasure
+                other = room()
+                pair = [path[k + 1], other]
+                rng.shuffle(pair)
+                rooms[name], rooms[other] = OPEN_FORK.format(*pair), TREASURE.format(treasure)
+                continue
             if not forks:
                 rooms[name] = GO_TO.format(path[k + 1])
                 continue

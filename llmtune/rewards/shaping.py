@@ -43,6 +43,9 @@ import torch
 
 from llmtune.rewards.sources import Scored
 from llmtune.rl.types import TURNS, RolloutBatch, Trajectory
+from llmtune.utils import get_logger
+
+log = get_logger("rl")
 
 # the shaping steps after the task reward, in the order they are added (the names of RewardResult.terms)
 SHAPING_STEPS = ("missing_eos", "overlong", "tool_cost", "well_formed_calls")
@@ -131,6 +134,8 @@ class RewardResult:
         skip: (B,) long, :class:`Skip` (0 = the row trains).
         failures: per row, what failed when its infrastructure failed, else None.
         completions: the B completion texts the sources scored (a multi-turn rollout's final answer).
+        ended: (B,) bool, the rows that ended on a stop token (not cut by the budget, the turn cap, or a failure);
+            None when unknown.
     """
 
     per_source: dict[str, torch.Tensor]
@@ -143,6 +148,7 @@ class RewardResult:
     skip: torch.Tensor
     failures: list[str | None] = field(default_factory=list)
     completions: list[str] = field(default_factory=list)
+    ended: torch.Tensor | None = None
 
     @property
     def abstained(self) -> torch.Tensor:
@@ -214,7 +220,8 @@ class RewardResult:
                             [(self.turn_rewards + other.turn_rewards)[i] for i in index],
                             take(self.turn_return, other.turn_return), take(self.total, other.total),
                             take(self.skip, other.skip), [(self.failures + other.failures)[i] for i in index],
-                            [(self.completions + other.completions)[i] for i in index])
+                            [(self.completions + other.completions)[i] for i in index],
+                            None if self.ended is None or other.ended is None else take(self.ended, other.ended))
 
 
 def shape(batch: RolloutBatch, sources: torch.Tensor, per_source: dict[str, torch.Tensor], shaping: Shaping,
@@ -247,7 +254,7 @@ def shape(batch: RolloutBatch, sources: torch.Tensor, per_source: dict[str, torc
     total = outcome + turn_return if any(turn_rewards) else outcome
     skip = torch.zeros(len(trajectories), dtype=torch.long, device=device)
     result = RewardResult(per_source, sources, terms, outcome, turn_rewards, turn_return, total, skip,
-                          [t.outcome.infrastructure_error for t in trajectories], list(completions or []))
+                          [t.outcome.infrastructure_error for t in trajectories], list(completions or []), ended)
     result.exclude(failed, Skip.INFRASTRUCTURE)
     if stale is not None:
         result.exclude(stale, Skip.STALE)
@@ -304,6 +311,7 @@ class Rewards:
 
     def __init__(self, sources, shaping: Shaping, tokenizer):
         self.sources, self.shaping, self.tokenizer = sources, shaping, tokenizer
+        self._warned_overlong = False
 
     @property
     def names(self) -> list[str]:
@@ -321,26 +329,54 @@ class Rewards:
         total, per_source = self.sources.score(scored, device)
         return shape(batch, total, per_source, self.shaping, stale, scored.completions)
 
+    def metrics(self, result: RewardResult, gather=lambda x: x, step: int = 0) -> dict[str, float]:
+        """:func:`reward_metrics` of a scored batch; warns once per run when the soft overlong penalty hits more than
+        :data:`OVERLONG_ON_FINISHED_WARN` of the rollouts that finished on their own: the budget is then too tight
+        for this task's normal answers (a multi-turn completion counts its tool results too), and the penalty
+        teaches the policy to answer sooner (fewer tool calls) rather than to stop rambling."""
+        metrics = reward_metrics(result, gather)
+        share = metrics.get("rewards/overlong_on_finished", 0.0)
+        if share > OVERLONG_ON_FINISHED_WARN and not self._warned_overlong:
+            self._warned_overlong = True
+            start = self.shaping.max_new_tokens - (self.shaping.overlong_buffer_tokens or 0)
+            log.warning("the soft overlong penalty hit %.0f%% of the rollouts that finished on their own (step %d): "
+                        "they are longer than rollout.max_new_tokens - overlong_buffer_tokens = %d tokens (a "
+                        "multi-turn completion counts its tool results). The penalty then rewards shorter answers "
+                        "(fewer tool calls) whatever their task reward; raise rollout.max_new_tokens above this task's "
+                        "normal length plus the buffer, or lower overlong_buffer_tokens "
+                        "(rewards/overlong_on_finished in metrics.jsonl)", 100 * share, step, start)
+        return metrics
+
 
 # metric names of the shaping terms (rewards/<name>_mean; llmtune.rewards.sources.RESERVED_NAMES: no source takes them)
 TERM_METRICS = {"missing_eos": "missing_eos_penalty", "overlong": "overlong_penalty", "tool_cost": "tool_cost",
                 "well_formed_calls": "well_formed_calls"}
 
 
+# rewards/overlong_on_finished above this share (of the rollouts that finished on their own) warns once per run
+OVERLONG_ON_FINISHED_WARN = 0.25
+
+
 def reward_metrics(result: RewardResult, gather=lambda x: x) -> dict[str, float]:
     """The rewards of a rollout batch apart, over all ranks' rows (``gather`` concatenates over ranks; every rank
     calls it once): ``rewards/task_mean`` (the task reward alone, over the rows that have one: what the evaluation
     reports), ``rewards/<step>_mean`` of each shaping term that is on (over every row; ``missing_eos_penalty``,
-    ``overlong_penalty``, ``tool_cost``, ``well_formed_calls``) and ``rewards/turns_mean`` (the per-turn rewards'
-    return per rollout) when a rollout has turn rewards."""
+    ``overlong_penalty``, ``tool_cost``, ``well_formed_calls``), ``rewards/turns_mean`` (the per-turn rewards'
+    return per rollout) when a rollout has turn rewards, and, with the overlong penalty on,
+    ``rewards/overlong_on_finished``: the share of the rollouts that finished on their own (a stop token) that the
+    penalty still hit (longer than ``max_new_tokens - overlong_buffer_tokens``)."""
     has = torch.tensor([float(bool(t)) for t in result.turn_rewards], device=result.sources.device)
-    columns = [result.task, result.turn_return.to(result.sources.device), has,
+    ended = result.ended if result.ended is not None else torch.zeros_like(has, dtype=torch.bool)
+    columns = [result.task, result.turn_return.to(result.sources.device), has, ended.to(has.device),
                *(term.to(result.sources.device) for term in result.terms.values())]
-    per_row = gather(torch.stack([c.float() for c in columns], 1))  # (B, 3 + terms)
+    per_row = gather(torch.stack([c.float() for c in columns], 1))  # (B, 4 + terms)
     task = per_row[:, 0][~torch.isnan(per_row[:, 0])]
     metrics = {"rewards/task_mean": float(task.mean())} if len(task) else {}
     for i, name in enumerate(result.terms):
-        metrics[f"rewards/{TERM_METRICS[name]}_mean"] = float(per_row[:, 3 + i].mean())
+        metrics[f"rewards/{TERM_METRICS[name]}_mean"] = float(per_row[:, 4 + i].mean())
+        if name == "overlong" and result.ended is not None and bool((per_row[:, 3] > 0).any()):
+            finished = per_row[:, 3] > 0
+            metrics["rewards/overlong_on_finished"] = float((per_row[finished, 4 + i] < 0).float().mean())
     if bool((per_row[:, 2] > 0).any()):
         metrics["rewards/turns_mean"] = float(per_row[:, 1].mean())
     return metrics

@@ -27,7 +27,7 @@ import torch
 
 from llmtune.config import RecipeError
 from llmtune.core.guard import ROW_KEY
-from llmtune.rewards.shaping import RewardResult, Skip, reward_metrics
+from llmtune.rewards.shaping import RewardResult, Skip
 from llmtune.rl.iteration import Loop
 from llmtune.rl.model import PolicyModel
 from llmtune.rl.ops import kl_estimate, masked_mean
@@ -257,7 +257,7 @@ class GRPO:
                          rounds, kl) -> dict[str, float]:
         """Means over all ranks' completions of this iteration; rewards over the rows that have one (per source:
         the rows it scored); ``rewards/abstained`` = fraction of rows on which every source abstained; the task
-        reward and the shaping terms apart (:func:`llmtune.rewards.shaping.reward_metrics`)."""
+        reward and the shaping terms apart (:meth:`llmtune.rewards.shaping.Rewards.metrics`)."""
         names = list(rewards.per_source)
         overlong = rewards.terms.get("overlong", torch.zeros_like(rewards.total))
         per_row = torch.stack([rewards.total.float(), batch.completion_mask.sum(1).float(), (~batch.ended).float(),
@@ -276,7 +276,7 @@ class GRPO:
             column = per_row[:, 8 + i]
             column = column[~torch.isnan(column)]
             metrics[f"rewards/{name}_mean"], metrics[f"rewards/{name}_std"] = _mean(column), _std(column)
-        metrics.update(reward_metrics(rewards, loop.ranks.gather))
+        metrics.update(loop.rewards.metrics(rewards, loop.ranks.gather, loop.step()))
         if self.grpo.dynamic_sampling == "resample":
             metrics["all_equal_group_fraction_after_resampling"] = float(per_row[:, 7].mean())
             metrics["resample_rounds"] = float(rounds)

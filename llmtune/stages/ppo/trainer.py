@@ -26,7 +26,7 @@ from torch import nn
 
 from llmtune.core.guard import ROW_KEY
 from llmtune.models.adapters import activate_frozen_chain, adapter_scope
-from llmtune.rewards.shaping import RewardResult, require_rewards, reward_metrics
+from llmtune.rewards.shaping import RewardResult, require_rewards
 from llmtune.rl.iteration import Loop
 from llmtune.rl.model import PolicyModel, PolicyOutput
 from llmtune.rl.ops import masked_sum, pack_left, unpack_left
@@ -214,7 +214,7 @@ class PPO:
                                                    trained)
         if n_trained:  # the controller follows the KL of the rollouts that train, counted as such
             self.kl_ctl.update(metrics["kl"], n_trained)
-        loop.log_metrics({**metrics, **reward_metrics(rewards, loop.ranks.gather)})
+        loop.log_metrics({**metrics, **loop.rewards.metrics(rewards, loop.ranks.gather, loop.step())})
         if iteration % self.ppo.sample_every == 0:
             loop.write_samples(iteration, [
                 {"prompt": row["prompt"], "response": text, "score": score if ok else None,

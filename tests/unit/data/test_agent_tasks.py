@@ -15,6 +15,7 @@ from llmtune.config.schema import DatasetConfig
 from llmtune.data import agent_tasks, build_prompt_data, build_sft_data, render_labels
 from llmtune.data.agent_tasks import (
     FORKS,
+    OPEN_FORK,
     ROWS_PER_RANGE,
     calculator_conversation,
     multiply_rows,
@@ -77,13 +78,13 @@ def test_hand_checked_rows_and_the_reward_of_right_and_wrong_answers():
     assert gsm8k_reward([""] * 4, ["#### 164424", "#### 164,424", "#### 2418", "The answer is 164424"],
                         [reference] * 4) == [1.0, 1.0, 0.0, 0.0]
     hunt = rooms_rows()[ROWS_PER_RANGE + 1]
-    assert hunt == {"question": "Find the treasure. Start in room Fidal.", "answer": "2215",
-                    "rooms": {"Fidal": "Skip room Vohu; the path goes on to room Ulbex.", "Vohu": "Go to room Bexka.",
-                              "Bexka": "The treasure is 5547.",  # the decoy's branch: as long, a false treasure
-                              "Ulbex": "Room Zanbex is next. Keep out of room Wenlo.", "Wenlo": "The treasure is 9304.",
-                              "Zanbex": "The treasure is 2215."},
-                    "path": ["Fidal", "Ulbex", "Zanbex"]}
-    assert gsm8k_reward([""] * 3, ["#### 2215", "#### 5547", ""], [hunt["answer"]] * 3) == [1.0, 0.0, 0.0]
+    assert hunt == {"question": "Find the treasure. Start in room Pelqui.", "answer": "3039",
+                    "rooms": {"Pelqui": "Skip room Ficy; the path goes on to room Grami.", "Ficy": "Go to room Quihu.",
+                              "Quihu": "The treasure is 8301.",  # the decoy's branch: as long, a false treasure
+                              "Grami": "The treasure lies beyond room Tedor, not room Grayor.",
+                              "Grayor": "The treasure is 3734.", "Tedor": "The treasure is 3039."},
+                    "path": ["Pelqui", "Grami", "Tedor"]}
+    assert gsm8k_reward([""] * 3, ["#### 3039", "#### 8301", ""], [hunt["answer"]] * 3) == [1.0, 0.0, 0.0]
 
 
 def test_rooms_rows_plain_hunts_then_forks_whose_every_route_takes_three_rooms():
@@ -97,6 +98,11 @@ def test_rooms_rows_plain_hunts_then_forks_whose_every_route_takes_three_rooms()
         assert row["rooms"][row["path"][-1]] == f"The treasure is {row['answer']}." and 1000 <= int(row["answer"])
         routes = walk(row["rooms"], row["path"][0])
         treasures = [r[-1] for r in routes]
+        if i < ROWS_PER_RANGE and i % 4 == 3:  # an open fork: both rooms hold the treasure, the path enters one
+            first = row["rooms"][row["path"][0]]
+            assert first == OPEN_FORK.format(*re.findall(r"[Rr]oom (\w+)", first)) and row["path"][1] in first
+            assert treasures == [f"The treasure is {row['answer']}."] * 2 and len(row["path"]) == 2
+            continue
         assert treasures.count(f"The treasure is {row['answer']}.") == 1  # one route finds it
         if i < ROWS_PER_RANGE:
             assert routes == [[row["rooms"][r] for r in row["path"]]] and "not" not in str(row["rooms"])
@@ -110,6 +116,11 @@ def test_rooms_rows_plain_hunts_then_forks_whose_every_route_takes_three_rooms()
     assert {re.sub(r"([Rr]oom) \w+", r"\1 {}", note) for note in forks} == {
         re.sub(r"\{\w+\}", "{}", fork) for fork in FORKS}
     assert not any("Go to room" in note for note in forks)
+    # the warm start's open forks: every other 2-room hunt; the path's room named first in about half of them (a
+    # demonstration that always took the first room named would teach a position, not "either")
+    open_forks = [r for r in rows[:ROWS_PER_RANGE] if "or room" in r["rooms"][r["path"][0]]]
+    named_first = sum(r["rooms"][r["path"][0]].split()[1] == r["path"][1] for r in open_forks)
+    assert len(open_forks) == ROWS_PER_RANGE // 4 and 0.45 < named_first / len(open_forks) < 0.55
 
 
 def walk(rooms: dict, room: str) -> list[list[str]]:
@@ -142,16 +153,16 @@ def test_rooms_conversation_takes_the_right_route_with_the_environment_s_own_ans
     messages = rooms_conversation(hunt)["messages"]
     assert [m["role"] for m in messages] == ["user"] + ["assistant", "tool"] * 3 + ["assistant"]
     entered = [m["tool_calls"][0]["function"]["arguments"]["room"] for m in messages if m.get("tool_calls")]
-    assert entered == ["Fidal", "Ulbex", "Zanbex"]
+    assert entered == ["Pelqui", "Grami", "Tedor"]
     assert [m["content"] for m in messages if m["role"] == "tool"] == [
-        "Skip room Vohu; the path goes on to room Ulbex.", "Room Zanbex is next. Keep out of room Wenlo.",
-        "The treasure is 2215."]
-    assert messages[-1] == {"role": "assistant", "content": "#### 2215"}
+        "Skip room Ficy; the path goes on to room Grami.", "The treasure lies beyond room Tedor, not room Grayor.",
+        "The treasure is 3039."]
+    assert messages[-1] == {"role": "assistant", "content": "#### 3039"}
     assert rooms_conversation(hunt)["tools"] == [get_json_schema(TreasureHunt.enter)]
-    with pytest.raises(RowError, match="there is no room named 'Ulbex'"):
-        rooms_conversation({**hunt, "rooms": {"Fidal": "Go to room Ulbex, not room Vohu."}})
-    with pytest.raises(RowError, match="does not name room 'Zanbex'"):
-        rooms_conversation({**hunt, "path": ["Fidal", "Vohu", "Zanbex"]})
+    with pytest.raises(RowError, match="there is no room named 'Grami'"):
+        rooms_conversation({**hunt, "rooms": {"Pelqui": "Go to room Grami, not room Ficy."}})
+    with pytest.raises(RowError, match="does not name room 'Tedor'"):
+        rooms_conversation({**hunt, "path": ["Pelqui", "Ficy", "Tedor"]})
     with pytest.raises(RowError, match="not the treasure 1"):
         rooms_conversation({**hunt, "answer": "1"})
 

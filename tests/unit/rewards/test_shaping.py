@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from llmtune.config import load_recipe
-from llmtune.rewards.shaping import (SHAPING_STEPS, TERM_METRICS, Shaping, Skip, overlong_penalty, reward_metrics,
-                                     shape, shaping_from_recipe)
+from llmtune.rewards.shaping import (SHAPING_STEPS, TERM_METRICS, Rewards, Shaping, Skip, overlong_penalty,
+                                     reward_metrics, shape, shaping_from_recipe)
 from llmtune.rewards.sources import RESERVED_NAMES
 from llmtune.rl.rollouts import Ranks
 from llmtune.rl.types import ERROR, LENGTH, STOP, TURNS, Outcome, RolloutBatch, Trajectory
@@ -144,6 +144,7 @@ def test_ppo_advantages_credit_each_turn_with_its_own_reward_by_hand():
         return SimpleNamespace(logps=zeros, ref_logps=zeros, values=zeros, entropy=zeros)
 
     loop = SimpleNamespace(forward=forward, ranks=Ranks(), log_metrics=lambda m: None, step=lambda: 0,
+                           rewards=Rewards(None, shaping_from_recipe(recipe), None),
                            write_samples=lambda i, r: None, engine_correction=lambda *a: None)
     experience, _ = PPO(recipe, [], 0, 0, 1).experience(loop, 0, batch, rewards)
     # rewards by token: 0.5 at 1, -0.25 at 6, the score 2.0 at 9; tool tokens (2, 3, 7) are no actions: 0
@@ -165,6 +166,30 @@ def test_reward_metrics_show_the_task_reward_alone():
     assert m["rewards/turns_mean"] == pytest.approx(0.5 / 3)
     assert "rewards/overlong_penalty_mean" not in m  # a step that is off is not logged
     assert {f"{v}" for v in TERM_METRICS.values()} | {"task", "turns"} <= RESERVED_NAMES
+
+
+def test_the_overlong_penalty_on_rollouts_that_finished_is_measured_and_warned_once(caplog):
+    """A budget too tight for a task's normal answers: the penalty hits rollouts that ended on their own (a naive
+    metric over every row, or over the cut ones, reads 2/4 or 1/1 here, not 2/3)."""
+    shaping = Shaping(10, overlong_buffer_tokens=4)  # free up to 6 tokens
+    rows = [trajectory(5, STOP), trajectory(7, STOP), trajectory(9, STOP), trajectory(10, LENGTH)]
+    batch, r = scored(rows, [1.0, 1.0, 0.0, 0.0], shaping)
+    assert r.ended.tolist() == [True, True, True, False]
+    assert reward_metrics(r)["rewards/overlong_on_finished"] == pytest.approx(2 / 3)
+    rewards = Rewards(None, shaping, None)
+    with caplog.at_level("WARNING", logger="llmtune"):
+        rewards.metrics(r, step=3)
+        rewards.metrics(r, step=5)
+    warned = [m for m in caplog.messages if "overlong penalty hit 67%" in m]
+    assert len(warned) == 1 and "= 6 tokens" in warned[0] and "step 3" in warned[0]
+    # the metric survives GRPO's resampling merge (rows picked from both batches)
+    r.completions = list("abcd")
+    merged = r.merge(r, torch.tensor([3, 7, 0, 6]))
+    assert merged.ended.tolist() == [False, False, True, True]
+    # within the budget's free part: no warning, a 0 share
+    _, fine = scored([trajectory(5, STOP), trajectory(6, STOP)], [1.0, 0.0], shaping)
+    assert reward_metrics(fine)["rewards/overlong_on_finished"] == 0.0
+    assert "rewards/overlong_on_finished" not in reward_metrics(scored(rows, [1.0] * 4, Shaping(10))[1])
 
 
 def test_shaping_from_a_recipe_and_the_agent_defaults():

@@ -12,7 +12,7 @@ import torch
 
 from llmtune.config import load_recipe
 from llmtune.core.guard import ROW_KEY
-from llmtune.rewards.shaping import shape, shaping_from_recipe
+from llmtune.rewards.shaping import Rewards, shape, shaping_from_recipe
 from llmtune.rl.rollouts import Ranks
 from llmtune.rl.types import LENGTH, STOP, Outcome, RolloutBatch, Trajectory
 from llmtune.stages.ppo.trainer import PPO
@@ -57,6 +57,7 @@ def trainer(rows, **ppo):
                     completions=[f"answer {r['prompt']}" for r in batch.rows])
     logged, samples = {}, []
     loop = SimpleNamespace(forward=stand_in_forward, ranks=Ranks(), log_metrics=logged.update, step=lambda: 0,
+                           rewards=Rewards(None, shaping_from_recipe(recipe), None),
                            write_samples=lambda iteration, records: samples.extend(records),
                            engine_correction=lambda *a: None)
 
