@@ -66,10 +66,10 @@ THREE_FACTORS = ("A box holds {a} rows of {b} pencils. How many pencils are in {
 SYLLABLES = ("ka", "lo", "mi", "ru", "te", "vo", "zan", "pel", "dor", "fi", "gra", "hu", "jes", "nor", "qui", "sab",
              "tam", "ul", "wen", "yor", "bex", "cy", "dal", "esh")
 GO_TO, TREASURE = "Go to room {}.", "The treasure is {}."
-# The warm start's forks (rows below ROWS_PER_RANGE) are open: either room holds the treasure, and the demonstration
-# enters one at random (its place in the note is random too). So the warm start learns that a note can name two rooms
-# and that it must enter one, with no reason to prefer either: it samples both, and RL (rows from ROWS_PER_RANGE,
-# FORKS) teaches it to read which one the note warns against.
+# The warm start's forks (rows below ROWS_PER_RANGE) are open: either room leads on the same way, and the
+# demonstration enters the one named first or second at random. So the warm start learns that a note can name two
+# rooms and that it must enter one, with no reason to prefer either: it samples both, and RL (rows from
+# ROWS_PER_RANGE, FORKS) teaches it to read which one the note warns against.
 OPEN_FORK = "Room {} or room {}: both lead to the treasure."
 # Fork notes of the RL hunts: none says "Go to room <next>", the warm start's phrase (a model copying the room after it
 # would pass without reading the warning); two name the decoy first, two the right room first (a model that always
@@ -112,9 +112,9 @@ def rooms_rows(n: int = 2 * ROWS_PER_RANGE, seed: int = ROOMS_SEED) -> list[dict
     """The rows of ``agent-rooms.jsonl.gz``: ``{question, answer, rooms, path}``.
 
     Args:
-        n: rows; the first :data:`ROWS_PER_RANGE` are hunts through 1 or 2 rooms (alternating) whose notes say
-            ``"Go to room <next>."``, except that every other 2-room hunt starts with an open fork
-            (:data:`OPEN_FORK`: two rooms that both hold the treasure; ``path`` takes one at random); the rest go
+        n: rows; the first :data:`ROWS_PER_RANGE` are hunts through 1, 2 or 3 rooms (in turn) whose notes say
+            ``"Go to room <next>."`` or, half of them, are open forks (:data:`OPEN_FORK`: the route's next room and
+            another whose note is the same, named in random order; ``path`` takes the route's); the rest go
             through 3 rooms whose first two notes are forks (:data:`FORKS`): they name the next room and a decoy,
             whose branch is as long as the rest of the path (plain notes) and ends with a false treasure, so that
             every route takes 3 rooms and only the right one finds the treasure.
@@ -130,7 +130,7 @@ def rooms_rows(n: int = 2 * ROWS_PER_RANGE, seed: int = ROOMS_SEED) -> list[dict
     rows = []
     while len(rows) < n:
         forks = len(rows) >= ROWS_PER_RANGE
-        hops = 3 if forks else 1 + len(rows) % 2
+        hops = 3 if forks else 1 + len(rows) % 3
         names: list[str] = []
 
         def room() -> str:
@@ -146,12 +146,13 @@ def rooms_rows(n: int = 2 * ROWS_PER_RANGE, seed: int = ROOMS_SEED) -> list[dict
             continue
         seen.add((path[0], treasure))
         rooms = {}
+        twins = []  # (an open fork's other room, the route's room beside it): the other leads on the same way
         for k, name in enumerate(path[:-1]):
-            if not forks and len(rows) % 4 == 3:  # every other 2-room hunt: an open fork, both rooms hold the treasure
-                other = room()
-                pair = [path[k + 1], other]
+            if not forks and rng.random() < 0.5:  # an open fork: the route's next room and another, in random order
+                pair = [path[k + 1], room()]
+                twins.append((pair[1], pair[0]))
                 rng.shuffle(pair)
-                rooms[name], rooms[other] = OPEN_FORK.format(*pair), TREASURE.format(treasure)
+                rooms[name] = OPEN_FORK.format(*pair)
                 continue
             if not forks:
                 rooms[name] = GO_TO.format(path[k + 1])
@@ -167,6 +168,8 @@ def rooms_rows(n: int = 2 * ROWS_PER_RANGE, seed: int = ROOMS_SEED) -> list[dict
                 false = rng.randint(1000, 9999)
             rooms[decoy] = TREASURE.format(false)
         rooms[path[-1]] = TREASURE.format(treasure)
+        for other, twin in twins:
+            rooms[other] = rooms[twin]
         rows.append({"question": f"Find the treasure. Start in room {path[0]}.", "answer": str(treasure),
                      "rooms": rooms, "path": path})
     return rows

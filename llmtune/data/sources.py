@@ -82,7 +82,7 @@ class BuiltinSource:
 
 # SHA-256 of the generated task files as shipped (python -m llmtune.data.agent_tasks prints them)
 MULTIPLY_SHA256 = "0b55430a77d4d4034862127fc6de84f69e3b858faf5db473c8db3d90f67a3dd0"
-ROOMS_SHA256 = "0425b69391709d33e5e236a09d86e905e1a8ca15ea0a6cc3925ae0e891f1e81a"
+ROOMS_SHA256 = "59c9ae33a10aebf6753322b9eb5ada1225395f0931f534f612619b8c4bfe8d61"
 
 BUILTIN_SOURCES: dict[str, BuiltinSource] = {
     "gsm8k": BuiltinSource(

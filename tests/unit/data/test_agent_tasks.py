@@ -78,19 +78,19 @@ def test_hand_checked_rows_and_the_reward_of_right_and_wrong_answers():
     assert gsm8k_reward([""] * 4, ["#### 164424", "#### 164,424", "#### 2418", "The answer is 164424"],
                         [reference] * 4) == [1.0, 1.0, 0.0, 0.0]
     hunt = rooms_rows()[ROWS_PER_RANGE + 1]
-    assert hunt == {"question": "Find the treasure. Start in room Pelqui.", "answer": "3039",
-                    "rooms": {"Pelqui": "Skip room Ficy; the path goes on to room Grami.", "Ficy": "Go to room Quihu.",
-                              "Quihu": "The treasure is 8301.",  # the decoy's branch: as long, a false treasure
-                              "Grami": "The treasure lies beyond room Tedor, not room Grayor.",
-                              "Grayor": "The treasure is 3734.", "Tedor": "The treasure is 3039."},
-                    "path": ["Pelqui", "Grami", "Tedor"]}
-    assert gsm8k_reward([""] * 3, ["#### 3039", "#### 8301", ""], [hunt["answer"]] * 3) == [1.0, 0.0, 0.0]
+    assert hunt == {"question": "Find the treasure. Start in room Eshru.", "answer": "3313",
+                    "rooms": {"Eshru": "Skip room Zante; the path goes on to room Sabdal.", "Zante": "Go to room Katam.",
+                              "Katam": "The treasure is 6797.",  # the decoy's branch: as long, a false treasure
+                              "Sabdal": "Room Doryor is a dead end; the way on is room Rudor.",
+                              "Doryor": "The treasure is 6218.", "Rudor": "The treasure is 3313."},
+                    "path": ["Eshru", "Sabdal", "Rudor"]}
+    assert gsm8k_reward([""] * 3, ["#### 3313", "#### 6797", ""], [hunt["answer"]] * 3) == [1.0, 0.0, 0.0]
 
 
 def test_rooms_rows_plain_hunts_then_forks_whose_every_route_takes_three_rooms():
     rows = rooms_rows()
     assert len(rows) == N
-    assert [len(r["path"]) for r in rows[:4]] == [1, 2, 1, 2]
+    assert [len(r["path"]) for r in rows[:4]] == [1, 2, 3, 1]
     assert {len(r["path"]) for r in rows[ROWS_PER_RANGE:]} == {3}
     assert len({(r["question"], r["answer"]) for r in rows}) == N  # no hunt twice: the ranges share none
     for i, row in enumerate(rows):
@@ -98,17 +98,16 @@ def test_rooms_rows_plain_hunts_then_forks_whose_every_route_takes_three_rooms()
         assert row["rooms"][row["path"][-1]] == f"The treasure is {row['answer']}." and 1000 <= int(row["answer"])
         routes = walk(row["rooms"], row["path"][0])
         treasures = [r[-1] for r in routes]
-        if i < ROWS_PER_RANGE and i % 4 == 3:  # an open fork: both rooms hold the treasure, the path enters one
-            first = row["rooms"][row["path"][0]]
-            assert first == OPEN_FORK.format(*re.findall(r"[Rr]oom (\w+)", first)) and row["path"][1] in first
-            assert treasures == [f"The treasure is {row['answer']}."] * 2 and len(row["path"]) == 2
+        if i < ROWS_PER_RANGE:  # every route (an open fork takes either room) finds the treasure, as long as the path
+            assert [row["rooms"][r] for r in row["path"]] in routes
+            assert {len(r) for r in routes} == {len(row["path"])} and "not" not in str(row["rooms"])
+            assert set(treasures) == {f"The treasure is {row['answer']}."}
+            assert len(routes) == 2 ** sum(row["rooms"][r].startswith("Room ") for r in row["path"])
             continue
         assert treasures.count(f"The treasure is {row['answer']}.") == 1  # one route finds it
-        if i < ROWS_PER_RANGE:
-            assert routes == [[row["rooms"][r] for r in row["path"]]] and "not" not in str(row["rooms"])
-        else:  # two forks on the route (a decoy's branch has none): three routes, each through three rooms
-            assert len(routes) == 3 and {len(r) for r in routes} == {3}
-            assert len(set(treasures)) == 3 and all(t.startswith("The treasure is ") for t in treasures)
+        # two forks on the route (a decoy's branch has none): three routes, each through three rooms
+        assert len(routes) == 3 and {len(r) for r in routes} == {3}
+        assert len(set(treasures)) == 3 and all(t.startswith("The treasure is ") for t in treasures)
     forks = [note for r in rows[ROWS_PER_RANGE:] for note in r["rooms"].values()
              if len(re.findall(r"[Rr]oom \w+", note)) == 2]
     assert len(forks) == 2 * (N - ROWS_PER_RANGE)
@@ -116,11 +115,13 @@ def test_rooms_rows_plain_hunts_then_forks_whose_every_route_takes_three_rooms()
     assert {re.sub(r"([Rr]oom) \w+", r"\1 {}", note) for note in forks} == {
         re.sub(r"\{\w+\}", "{}", fork) for fork in FORKS}
     assert not any("Go to room" in note for note in forks)
-    # the warm start's open forks: every other 2-room hunt; the path's room named first in about half of them (a
-    # demonstration that always took the first room named would teach a position, not "either")
-    open_forks = [r for r in rows[:ROWS_PER_RANGE] if "or room" in r["rooms"][r["path"][0]]]
-    named_first = sum(r["rooms"][r["path"][0]].split()[1] == r["path"][1] for r in open_forks)
-    assert len(open_forks) == ROWS_PER_RANGE // 4 and 0.45 < named_first / len(open_forks) < 0.55
+    # the warm start's open forks: half of its notes before the last room, the route's room named first in about half
+    # of them (a demonstration that always took the first room named would teach a position, not "either")
+    notes = [(r["rooms"][a], b) for r in rows[:ROWS_PER_RANGE] for a, b in zip(r["path"], r["path"][1:])]
+    open_forks = [(note, b) for note, b in notes if note.startswith("Room ")]
+    assert all(note == OPEN_FORK.format(*re.findall(r"[Rr]oom (\w+)", note)) for note, _ in open_forks)
+    assert 0.45 < len(open_forks) / len(notes) < 0.55
+    assert 0.45 < sum(note.split()[1] == b for note, b in open_forks) / len(open_forks) < 0.55
 
 
 def walk(rooms: dict, room: str) -> list[list[str]]:
@@ -153,16 +154,16 @@ def test_rooms_conversation_takes_the_right_route_with_the_environment_s_own_ans
     messages = rooms_conversation(hunt)["messages"]
     assert [m["role"] for m in messages] == ["user"] + ["assistant", "tool"] * 3 + ["assistant"]
     entered = [m["tool_calls"][0]["function"]["arguments"]["room"] for m in messages if m.get("tool_calls")]
-    assert entered == ["Pelqui", "Grami", "Tedor"]
+    assert entered == ["Eshru", "Sabdal", "Rudor"]
     assert [m["content"] for m in messages if m["role"] == "tool"] == [
-        "Skip room Ficy; the path goes on to room Grami.", "The treasure lies beyond room Tedor, not room Grayor.",
-        "The treasure is 3039."]
-    assert messages[-1] == {"role": "assistant", "content": "#### 3039"}
+        "Skip room Zante; the path goes on to room Sabdal.", "Room Doryor is a dead end; the way on is room Rudor.",
+        "The treasure is 3313."]
+    assert messages[-1] == {"role": "assistant", "content": "#### 3313"}
     assert rooms_conversation(hunt)["tools"] == [get_json_schema(TreasureHunt.enter)]
-    with pytest.raises(RowError, match="there is no room named 'Grami'"):
-        rooms_conversation({**hunt, "rooms": {"Pelqui": "Go to room Grami, not room Ficy."}})
-    with pytest.raises(RowError, match="does not name room 'Tedor'"):
-        rooms_conversation({**hunt, "path": ["Pelqui", "Ficy", "Tedor"]})
+    with pytest.raises(RowError, match="there is no room named 'Sabdal'"):
+        rooms_conversation({**hunt, "rooms": {"Eshru": "Go to room Sabdal, not room Zante."}})
+    with pytest.raises(RowError, match="does not name room 'Rudor'"):
+        rooms_conversation({**hunt, "path": ["Eshru", "Zante", "Rudor"]})
     with pytest.raises(RowError, match="not the treasure 1"):
         rooms_conversation({**hunt, "answer": "1"})
 
@@ -197,6 +198,6 @@ def test_builtin_views_give_sft_conversations_and_rl_prompts_with_references_and
     row = rooms.train[0]
     assert set(raw_columns(row)["rooms"].values()) >= {f"The treasure is {row['reference']}."}
     tools = read_source(DatasetConfig(path="builtin:rooms-tools", max_samples=4), 0)
-    assert [sum(bool(m.get("tool_calls")) for m in r["messages"]) for r in tools.rows] == [1, 2, 1, 2]
+    assert [sum(bool(m.get("tool_calls")) for m in r["messages"]) for r in tools.rows] == [1, 2, 3, 1]
     forks = read_source(DatasetConfig(path="builtin:rooms-tools", skip_rows=ROWS_PER_RANGE), 0)
     assert len(forks.rows) == ROWS_PER_RANGE and not forks.bad  # every fork hunt has its right route
