@@ -333,7 +333,15 @@ class Rewards:
         """:func:`reward_metrics` of a scored batch; warns once per run when the soft overlong penalty hits more than
         :data:`OVERLONG_ON_FINISHED_WARN` of the rollouts that finished on their own: the budget is then too tight
         for this task's normal answers (a multi-turn completion counts its tool results too), and the penalty
-        teaches the policy to answer sooner (fewer tool calls) rather than to stop rambling."""
+        teaches the policy to answer sooner (fewer tool calls) rather than to stop rambling.
+
+        Args:
+            result: the batch's :class:`RewardResult` (B rows on this rank). gather: concatenates a (B, C) tensor
+                over ranks (every rank calls it once). step: optimizer steps so far (named in the warning).
+
+        Returns:
+            ``{metric name: float}``, the same on every rank (see :func:`reward_metrics`).
+        """
         metrics = reward_metrics(result, gather)
         share = metrics.get("rewards/overlong_on_finished", 0.0)
         if share > OVERLONG_ON_FINISHED_WARN and not self._warned_overlong:
